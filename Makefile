@@ -1,0 +1,44 @@
+# Two commands do everything on a fresh Debian/Ubuntu machine with Python 3.10+:
+#   make demo   - set up, then train a small model with BackwardGraphCallback (writes vdl_log/)
+#   make test   - set up, then run the whole test suite
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+APT    := $(shell if [ "$$(id -u)" = 0 ]; then echo "apt-get"; elif command -v sudo >/dev/null && sudo -n true 2>/dev/null; then echo "sudo apt-get"; fi)
+
+.PHONY: setup engine browser demo test bench clean
+
+$(BIN)/activate:
+	$(PYTHON) -m venv $(VENV) || { echo "python venv failed: install python3-venv (apt-get install -y python3-venv)"; exit 1; }
+	$(BIN)/pip install -q --upgrade pip
+
+$(VENV)/.installed: $(BIN)/activate pyproject.toml setup.cfg
+	$(BIN)/pip install -q -e '.[pure,test]'
+	touch $@
+
+# Graphviz's `dot` through apt where we may; otherwise the graphviz-pure extra
+# installed above is used automatically.
+engine:
+	@command -v dot >/dev/null 2>&1 || { \
+	  if [ -n "$(APT)" ]; then $(APT) update -qq && DEBIAN_FRONTEND=noninteractive $(APT) install -y -qq graphviz >/dev/null; \
+	  else echo "no root/sudo: using the pip engine graphviz-pure instead of the system dot"; fi; }
+
+# Debian's Chromium for the dashboard and report browser tests (skipped without it).
+browser:
+	@test -x /usr/bin/chromium || { \
+	  if [ -n "$(APT)" ]; then $(APT) update -qq && DEBIAN_FRONTEND=noninteractive $(APT) install -y -qq chromium >/dev/null; \
+	  else echo "no root/sudo: browser tests will be skipped (apt-get install chromium)"; fi; }
+
+setup: $(VENV)/.installed engine
+
+demo: setup
+	$(BIN)/python examples/train_lenet.py --log-dir vdl_log
+
+test: setup browser
+	$(BIN)/python -m pytest -q -ra tests
+
+bench: setup
+	$(BIN)/python benchmarks/run.py
+
+clean:
+	rm -rf $(VENV) vdl_log demo_out test-output

@@ -1,0 +1,121 @@
+"""The external layout engine, behind one function.
+
+Order of preference: the system Graphviz ``dot``; else the static binary of
+the pip package ``graphviz-pure`` (a Rust port with the same command line).
+Both run as a subprocess with a timeout, so a huge graph can never hang the
+caller: the process is killed and :class:`RenderTimeout` raised.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+
+__all__ = ["Engine", "EngineNotFound", "RenderTimeout", "find_engine", "run_engine", "INSTALL_HINT"]
+
+INSTALL_HINT = (
+    "install Graphviz's `dot` (Debian/Ubuntu: `sudo apt-get install -y graphviz`) "
+    "or the pip-only engine (`pip install 'paddleviz-hooks[pure]'`, i.e. `pip install graphviz-pure`)"
+)
+
+FORMATS = ("png", "svg", "plain", "json", "xdot", "dot")
+
+
+class EngineNotFound(RuntimeError):
+    """No layout engine is installed; DOT and JSON output still work."""
+
+
+class RenderTimeout(RuntimeError):
+    """The layout engine ran past its timeout and was killed."""
+
+
+@dataclass(frozen=True)
+class Engine:
+    """A usable layout program: its name and executable path."""
+
+    name: str
+    path: str
+
+
+def find_engine(prefer: str | None = None) -> Engine | None:
+    """The layout engine to use, or None.
+
+    Args:
+        prefer: ``"dot"`` or ``"graphviz-pure"`` to pick one when both exist;
+            the environment variable ``PADDLEVIZ_ENGINE`` sets the default.
+
+    Returns:
+        The :class:`Engine`, or None when neither is installed.
+    """
+    prefer = prefer or os.environ.get("PADDLEVIZ_ENGINE") or None
+    candidates = []
+    dot = shutil.which("dot")
+    if dot:
+        candidates.append(Engine("dot", dot))
+    pure = shutil.which("graphviz-pure") or _beside_python("graphviz-pure")
+    if pure:
+        candidates.append(Engine("graphviz-pure", pure))
+    if prefer is not None:
+        if prefer not in ("dot", "graphviz-pure"):
+            raise ValueError(f"engine must be 'dot' or 'graphviz-pure', got {prefer!r}")
+        chosen = [c for c in candidates if c.name == prefer]
+        return chosen[0] if chosen else None
+    return candidates[0] if candidates else None
+
+
+def _beside_python(name: str) -> str | None:
+    # A venv's scripts are not on PATH unless it is activated.
+    path = os.path.join(os.path.dirname(sys.executable), name)
+    return path if os.path.isfile(path) and os.access(path, os.X_OK) else None
+
+
+def require_engine(prefer: str | None = None) -> Engine:
+    """Like :func:`find_engine` but raises :class:`EngineNotFound` with the fix."""
+    engine = find_engine(prefer)
+    if engine is None:
+        which = f"the layout engine {prefer!r} is" if prefer else "no Graphviz layout engine is"
+        raise EngineNotFound(f"{which} installed, so PNG/SVG cannot be drawn: {INSTALL_HINT}. "
+                             "DOT and JSON output work without an engine.")
+    return engine
+
+
+def run_engine(
+    source: str,
+    fmt: str,
+    *,
+    args: tuple[str, ...] = (),
+    timeout: float | None = 120.0,
+    engine: Engine | None = None,
+) -> bytes:
+    """Lay out DOT ``source`` and return the output bytes.
+
+    Args:
+        source: DOT text.
+        fmt: output format, e.g. ``"png"``, ``"svg"``, ``"plain"``.
+        args: extra command-line arguments such as ``"-Gdpi=72"``.
+        timeout: seconds before the engine is killed; None waits forever.
+        engine: the engine to use; found with :func:`require_engine` if None.
+
+    Raises:
+        EngineNotFound: no engine installed.
+        RenderTimeout: the engine ran past ``timeout``.
+        RuntimeError: the engine failed (its message is included).
+    """
+    engine = engine or require_engine()
+    cmd = [engine.path, f"-T{fmt}", *args]
+    try:
+        proc = subprocess.run(cmd, input=source.encode("utf-8"), capture_output=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise RenderTimeout(
+            f"{engine.name} did not finish a {fmt} drawing within {timeout:g} s and was stopped; "
+            "draw fewer nodes (depth=..., max_nodes=...) or raise the timeout"
+        ) from None
+    except OSError as exc:
+        raise RuntimeError(f"could not run {engine.path}: {exc}") from None
+    if proc.returncode != 0 or not proc.stdout:
+        err = proc.stderr.decode("utf-8", "replace").strip()[-800:]
+        raise RuntimeError(f"{engine.name} failed (exit {proc.returncode}) drawing {fmt}: {err}")
+    return proc.stdout
