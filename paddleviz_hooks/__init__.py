@@ -14,12 +14,14 @@ from .capture import BackwardCapture, capture_backward
 from .compat import graph_of, make_graph
 from .render import render_png, render_svg
 from .render.engine import EngineNotFound, RenderTimeout
+from .callbacks import BackwardGraphCallback
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BackwardCapture",
     "BackwardGraph",
+    "BackwardGraphCallback",
     "Edge",
     "EngineNotFound",
     "GradMeta",

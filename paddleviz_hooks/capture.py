@@ -32,7 +32,7 @@ from paddle.base import core
 from .graph import BackwardGraph, Edge, GradMeta, Node, op_display_name
 from .hazards import hook_hazard
 
-__all__ = ["BackwardCapture", "capture_backward", "walk_graph", "parameter_names"]
+__all__ = ["BackwardCapture", "capture_backward", "walk_graph", "parameter_names", "structure_fingerprint"]
 
 _FLOAT_DTYPES = {"float16", "bfloat16", "float32", "float64"}
 
@@ -83,11 +83,7 @@ class _Dispatcher:
         with self._lock:
             caps = list(self._active)
         grad_was = paddle.is_grad_enabled()
-        sessions = []
-        for cap in caps:
-            s = cap._begin(list(roots), entry)
-            if s is not None:
-                sessions.append(s)
+        sessions = [(cap, cap._begin(list(roots), entry)) for cap in caps]
         ok = False
         try:
             result = original(*args)
@@ -98,8 +94,8 @@ class _Dispatcher:
             # Paddle's grad mode off for the rest of the process: restore it.
             if paddle.is_grad_enabled() != grad_was:
                 paddle.set_grad_enabled(grad_was)
-            for s in sessions:
-                s.cap._end(s, ok=ok, retain_graph=bool(retain_graph))
+            for cap, s in sessions:
+                cap._end(s, ok=ok, retain_graph=bool(retain_graph))
 
 
 _DISPATCHER = _Dispatcher()
@@ -263,26 +259,42 @@ def walk_graph(
     return w
 
 
+def structure_fingerprint(walk: _Walk) -> int:
+    """A hash of a walk's structure: op kinds, parameter names and edges."""
+    return hash((tuple((n.name, n.param) for n in walk.nodes), tuple((e.src, e.dst) for e in walk.edges)))
+
+
 # --------------------------------------------------------------------------
 # layer attribution through forward hooks
 # --------------------------------------------------------------------------
 class _LayerAttribution:
-    """Forward hooks on every sublayer that claim op nodes for layers."""
+    """Forward hooks on every sublayer that attribute op nodes to layers.
+
+    The hooks only record, per layer call, the grad nodes of its outputs and
+    of its inputs (cheap enough to run on every step); the walk that claims
+    nodes for layers runs lazily, when a backward is actually captured.
+    Inner layers finish first, so processing records in order lets the
+    innermost layer claim a node before its parents.
+    """
+
+    MAX_RECORDS = 20000  # forwards without a backward must not pile up
 
     def __init__(self, layer: paddle.nn.Layer) -> None:
         self.layer = layer
         self.types: dict[str, str] = {}
         self.owner: dict[int, tuple[str, int]] = {}
-        self._keep: list[Any] = []  # wrappers kept alive so addresses are not reused
+        # (path, call, output grad node wrappers, input node addresses); the
+        # wrappers keep those nodes alive so their addresses are not reused.
+        self._records: list[tuple[str, int, list[Any], set[int]]] = []
         self._stack: list[set[int]] = []
         self._calls: dict[str, int] = {}
         self._handles: list[Any] = []
 
     def install(self) -> None:
         for path, sub in self.layer.named_sublayers(include_self=True):
-            path = _strip_wrapper_prefix(path) if path != "_layers" else ""
             if type(sub).__name__ == "DataParallel":
                 continue
+            path = _strip_wrapper_prefix(path) if path != "_layers" else ""
             self.types[path] = type(sub).__name__
             # with_kwargs: tensors passed by keyword are seen too
             self._handles.append(sub.register_forward_pre_hook(self._pre, with_kwargs=True))
@@ -298,11 +310,13 @@ class _LayerAttribution:
 
     def reset(self) -> None:
         self.owner.clear()
-        self._keep.clear()
+        self._records.clear()
         self._stack.clear()
         self._calls.clear()
 
     def lookup(self, ptr: int) -> tuple[str, int] | None:
+        if self._records:
+            self._resolve()
         return self.owner.get(ptr)
 
     def _pre(self, layer, args, kwargs):
@@ -321,18 +335,28 @@ class _LayerAttribution:
         def post(layer, args, kwargs, outputs):
             stops = self._stack.pop() if self._stack else set()
             try:
-                call = self._calls.get(path, 0)
-                self._calls[path] = call + 1
-                self._claim(outputs, stops, (path, call))
+                outs = [t.grad_fn for t in _tensors_in(outputs)]
+                outs = [g for g in outs if g is not None]
+                if outs:
+                    call = self._calls.get(path, 0)
+                    self._calls[path] = call + 1
+                    if len(self._records) >= self.MAX_RECORDS:
+                        del self._records[: self.MAX_RECORDS // 2]
+                    self._records.append((path, call, outs, stops))
             except Exception:
                 pass
             return None
 
         return post
 
-    def _claim(self, outputs: Any, stops: set[int], where: tuple[str, int]) -> None:
+    def _resolve(self) -> None:
+        for path, call, outs, stops in self._records:
+            self._claim(outs, stops, (path, call))
+        self._records.clear()
+
+    def _claim(self, todo: list[Any], stops: set[int], where: tuple[str, int]) -> None:
         seen: set[int] = set()
-        todo = [t.grad_fn for t in _tensors_in(outputs) if t.grad_fn is not None]
+        todo = list(todo)
         while todo:
             gn = todo.pop()
             ptr = gn.node_ptr()
@@ -343,7 +367,6 @@ class _LayerAttribution:
                 continue
             if ptr not in self.owner:  # inner layers ran first and keep their claim
                 self.owner[ptr] = where
-                self._keep.append(gn)
             todo.extend(n for n in gn.next_functions if n is not None)
 
 
@@ -378,6 +401,7 @@ class _Session:
         self.hook_seconds = 0.0
         self.prepare_seconds = time.perf_counter() - t0
         self.loss: float | None = None
+        self.trigger: str | None = None
 
 
 class BackwardCapture:
@@ -399,6 +423,8 @@ class BackwardCapture:
         on_graph: Callable[[BackwardGraph], None] | None = None,
         keep_graphs: bool = True,
         max_graphs: int | None = None,
+        when: Callable[[list[Any], Callable[[], Any]], str | None] | None = None,
+        after_backward: Callable[[bool], None] | None = None,
     ) -> None:
         if layer is not None and not isinstance(layer, paddle.nn.Layer):
             raise TypeError(
@@ -421,6 +447,10 @@ class BackwardCapture:
         self.on_graph = on_graph
         self.keep_graphs = keep_graphs
         self.max_graphs = max_graphs
+        # when(roots, walk) -> trigger label, or None to let this backward
+        # run unobserved; `walk()` gives the (cached) structure walk.
+        self.when = when
+        self.after_backward = after_backward
         self.graphs: list[BackwardGraph] = []
         self.errors: list[str] = []
         self.meta: dict[str, Any] = {}
@@ -478,8 +508,20 @@ class BackwardCapture:
             if not any(getattr(t, "grad_fn", None) is not None for t in roots):
                 return None
             layer_of = self._attribution.lookup if self._attribution is not None else None
-            walk = walk_graph(roots, self._param_names, layer_of)
-            s = _Session(self, walk, entry, t0)
+            cache: list[_Walk] = []
+
+            def walk() -> _Walk:
+                if not cache:
+                    cache.append(walk_graph(roots, self._param_names, layer_of))
+                return cache[0]
+
+            trigger = self.when(roots, walk) if self.when is not None else None
+            if self.when is not None and trigger is None:
+                if cache:
+                    cache[0].wrappers.clear()
+                return None
+            s = _Session(self, walk(), entry, t0)
+            s.trigger = trigger
             if len(roots) == 1 and roots[0].size == 1:
                 s.loss = float(roots[0])
             self._hook_all(s)
@@ -531,7 +573,12 @@ class BackwardCapture:
 
         return hook
 
-    def _end(self, s: _Session, ok: bool, retain_graph: bool) -> None:
+    def _end(self, s: _Session | None, ok: bool, retain_graph: bool) -> None:
+        if s is None:
+            if not retain_graph and self._attribution is not None:
+                self._attribution.reset()
+            self._after(ok)
+            return
         t0 = time.perf_counter()
         try:
             for h in s.handles:
@@ -559,6 +606,15 @@ class BackwardCapture:
                 self.on_graph(graph)
         except Exception as exc:
             self._warn_once("finish", f"backward graph capture failed and was skipped: {exc!r}")
+        self._after(ok)
+
+    def _after(self, ok: bool) -> None:
+        if self.after_backward is None:
+            return
+        try:
+            self.after_backward(ok)
+        except Exception as exc:
+            self._warn_once("after", f"post-backward check failed: {exc!r}")
 
     def _build(self, s: _Session) -> BackwardGraph:
         w = s.walk
@@ -583,6 +639,8 @@ class BackwardCapture:
         )
         if s.loss is not None:
             graph.meta["loss"] = s.loss
+        if s.trigger is not None:
+            graph.meta["trigger"] = s.trigger
         graph.assign_keys()
         return graph
 

@@ -20,7 +20,7 @@ from typing import Any, Iterable
 __all__ = ["GradMeta", "Node", "Edge", "BackwardGraph", "op_display_name"]
 
 FORMAT_VERSION = 1
-NODE_KINDS = ("root", "op", "param", "input")
+NODE_KINDS = ("root", "op", "param", "input", "layer")
 
 
 def op_display_name(grad_node_name: str) -> str:
@@ -121,6 +121,14 @@ class Node:
         hooked: whether gradients were recorded at this node.
         note: why a node was not hooked, when it was not.
         key: stable identity across steps (see ``BackwardGraph.assign_keys``).
+        count: for ``kind == "layer"`` (a collapsed box, see
+            ``paddleviz_hooks.render.collapse``): how many identical sibling
+            layers it stands for (``"x N"``); 1 otherwise.
+        params: for a box, the parameter leaves folded into it.
+        norm: for a box, the L2 norm of those parameters' gradients (None
+            when unknown).
+        nonfinite: for a box, NaN/Inf elements in gradients that stayed
+            inside it.
     """
 
     id: int
@@ -135,10 +143,21 @@ class Node:
     hooked: bool = False
     note: str | None = None
     key: str = ""
+    count: int = 1
+    params: int = 0
+    norm: float | None = None
+    nonfinite: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["shape"] = list(self.shape) if self.shape is not None else None
+        # Box-only fields are written only when set, so graphs without boxes
+        # stay readable by versions that do not know them.
+        for k, default in _NODE_BOX_DEFAULTS.items():
+            if d[k] == default:
+                del d[k]
+        if "norm" in d:
+            d["norm"] = _float_out(d["norm"])
         return d
 
     @classmethod
@@ -146,7 +165,12 @@ class Node:
         d = dict(d)
         if d.get("shape") is not None:
             d["shape"] = tuple(d["shape"])
+        if d.get("norm") is not None:
+            d["norm"] = _float_in(d["norm"])
         return cls(**d)
+
+
+_NODE_BOX_DEFAULTS = {"count": 1, "params": 0, "norm": None, "nonfinite": 0}
 
 
 @dataclass
@@ -256,13 +280,30 @@ class BackwardGraph:
         return order
 
     def nonfinite_sites(self) -> list[Node]:
-        """Nodes that produced a non-finite gradient, in gradient-flow order.
+        """Nodes that produced a non-finite gradient: the origin first, then
+        the others in gradient-flow order.
 
-        The first one is the origin: every later site may just have
-        inherited the NaN/Inf from it.
+        The origin is the node that most likely created the NaN/Inf: it
+        received only finite gradients and passed a non-finite one on to
+        another op. A node whose non-finite gradients all go to leaves (the
+        weight gradient of a ``Matmul`` fed NaN activations) only reflects
+        activations that went bad further up the forward pass, although it
+        comes earlier in gradient-flow order; it is the origin only when there
+        is no better candidate.
         """
-        bad = {e.src for e in self.edges if e.grad is not None and e.grad.nonfinite}
-        return [self.nodes[i] for i in self.topo_order() if i in bad]
+        bad_edges = [e for e in self.edges if e.grad is not None and e.grad.nonfinite]
+        if not bad_edges:
+            return []
+        bad = {e.src for e in bad_edges}
+        received_bad = {e.dst for e in bad_edges}
+        order = [i for i in self.topo_order() if i in bad]
+        fresh = [i for i in order if i not in received_bad]
+        to_op = [
+            i for i in fresh
+            if any(e.src == i and self.nodes[e.dst].kind not in ("param", "input") for e in bad_edges)
+        ]
+        origin = (to_op or fresh or order)[0]
+        return [self.nodes[origin]] + [self.nodes[i] for i in order if i != origin]
 
     def nonfinite_count(self) -> int:
         """Non-finite gradient elements summed over all observed edges."""
@@ -300,12 +341,18 @@ class BackwardGraph:
 
         Keys are built from what does not change between two runs of the same
         code path: the layer path and call index, the op name and the node's
-        position among nodes with the same layer call and op (breadth-first
-        order from the root), the parameter name for parameter leaves. Memory
-        addresses never enter a key.
+        position among nodes with the same layer call and op, the parameter
+        name for parameter leaves. Memory addresses never enter a key.
+
+        Positions count in depth-first pre-order from the roots, following
+        each node's inputs in slot order. Breadth-first order would depend on
+        the distance to the loss, so ops inserted on one branch (a block
+        that runs only on some steps) would renumber same-named ops on the
+        other branches; depth-first order only changes where branching
+        itself changes.
         """
         seen: dict[tuple, int] = defaultdict(int)
-        for n in self.nodes:
+        for n in self._dfs_order():
             if n.kind == "param" and n.param is not None:
                 n.key = "param:" + n.param
                 continue
@@ -319,12 +366,35 @@ class BackwardGraph:
             n.key = f"{base}#{seen[group]}"
             seen[group] += 1
 
+    def _dfs_order(self) -> list[Node]:
+        """Nodes in depth-first pre-order from the sources (roots), inputs in slot order."""
+        children: dict[int, list[Edge]] = defaultdict(list)
+        has_in: set[int] = set()
+        for e in self.edges:
+            children[e.src].append(e)
+            has_in.add(e.dst)
+        for outs in children.values():
+            outs.sort(key=lambda e: e.slot)
+        starts = [n.id for n in self.nodes if n.id not in has_in]
+        seen: set[int] = set()
+        order: list[Node] = []
+        for s in starts + [n.id for n in self.nodes]:  # a cycle-only rest is still visited
+            stack = [s]
+            while stack:
+                nid = stack.pop()
+                if nid in seen:
+                    continue
+                seen.add(nid)
+                order.append(self.nodes[nid])
+                stack.extend(e.dst for e in reversed(children.get(nid, ())) if e.dst not in seen)
+        return order
+
     # ------------------------------------------------------------ conversions
     def to_dict(self) -> dict[str, Any]:
         return {
             "format": "paddleviz-hooks/backward-graph",
             "version": FORMAT_VERSION,
-            "meta": self.meta,
+            "meta": {k: _float_out(v) if isinstance(v, float) else v for k, v in self.meta.items()},
             "layers": self.layers,
             "nodes": [n.to_dict() for n in self.nodes],
             "edges": [e.to_dict() for e in self.edges],
@@ -351,7 +421,10 @@ class BackwardGraph:
                 nodes=[Node.from_dict(n) for n in d["nodes"]],
                 edges=[Edge.from_dict(e) for e in d["edges"]],
                 layers=dict(d.get("layers", {})),
-                meta=dict(d.get("meta", {})),
+                meta={
+                    k: float(v) if v in ("nan", "inf", "-inf") else v
+                    for k, v in dict(d.get("meta", {})).items()
+                },
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"malformed backward graph JSON: {exc!r}") from None

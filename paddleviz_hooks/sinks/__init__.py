@@ -1,0 +1,1 @@
+"""Where captured artefacts go: files on disk and VisualDL."""
