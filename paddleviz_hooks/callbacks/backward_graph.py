@@ -422,7 +422,7 @@ class BackwardGraphCallback(paddle.callbacks.Callback):
 
     # ------------------------------------------------------- worker thread
     def _process(self, job: _Job) -> None:
-        from ..render import render_png, render_svg, to_dot
+        from ..render import EngineNotFound, RenderTimeout, render_png, render_svg, to_dot
 
         graph, step, trigger = job.graph, job.step, job.trigger
         files = self._files
@@ -440,11 +440,16 @@ class BackwardGraphCallback(paddle.callbacks.Callback):
             files.write(step, "json", graph.to_json())
         if "dot" in self.formats:
             files.write(step, "dot", to_dot(graph, title=title))
-        if "svg" in self.formats:
-            files.write(step, "svg", render_svg(graph, timeout=t, title=title))
-        png = render_png(graph, max_px=self.view_max_px, max_nodes=self.view_max_nodes, timeout=t, title=title)
-        diff_png = None
-        if diff is not None and getattr(diff, "structure_changed", False):
+        png = diff_png = None
+        try:
+            if "svg" in self.formats:
+                files.write(step, "svg", render_svg(graph, timeout=t, title=title))
+            png = render_png(graph, max_px=self.view_max_px, max_nodes=self.view_max_nodes, timeout=t,
+                             title=title)
+        except (EngineNotFound, RenderTimeout) as exc:
+            # JSON, DOT, text and scalars are still worth keeping
+            self._warn(type(exc).__name__, f"step {step} was not drawn: {exc}")
+        if png is not None and diff is not None and getattr(diff, "structure_changed", False):
             try:
                 from ..render.diff import render_diff_png
 
@@ -458,7 +463,7 @@ class BackwardGraphCallback(paddle.callbacks.Callback):
     def _log_visualdl(self, graph, diff, step, trigger, png, diff_png) -> None:
         files = self._files
         if not self.use_visualdl:
-            if "png" in self.formats:
+            if "png" in self.formats and png is not None:
                 files.write(step, "png", png)
             if diff_png is not None:
                 files.write(step, "png", diff_png, suffix="diff")
@@ -474,13 +479,14 @@ class BackwardGraphCallback(paddle.callbacks.Callback):
                                   "pip install visualdl")
                 return self._log_visualdl(graph, diff, step, trigger, png, diff_png)
         sink = self._sink
-        array = png_to_array(png)
-        if "png" in self.formats:
-            # the same encoder VisualDL uses, so the dashboard serves these exact bytes
-            files.write(step, "png", encode_like_visualdl(array))
-        sink.image("backward_graph", array, step)
-        if trigger != "scheduled":
-            sink.image(f"trigger_{trigger}", array, step)
+        if png is not None:
+            array = png_to_array(png)
+            if "png" in self.formats:
+                # the same encoder VisualDL uses, so the dashboard serves these exact bytes
+                files.write(step, "png", encode_like_visualdl(array))
+            sink.image("backward_graph", array, step)
+            if trigger != "scheduled":
+                sink.image(f"trigger_{trigger}", array, step)
         if diff_png is not None:
             diff_array = png_to_array(diff_png)
             files.write(step, "png", encode_like_visualdl(diff_array), suffix="diff")
