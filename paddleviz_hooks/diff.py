@@ -25,7 +25,7 @@ __all__ = ["GraphDiff", "diff_graphs", "node_norms", "describe_node", "DEFAULT_T
 DIFF_FORMAT = "paddleviz-hooks/graph-diff"
 DIFF_VERSION = 1
 DEFAULT_THRESHOLD = 10.0
-_LIST_LIMIT = 6  # names listed per summary line before "and N more"
+_LIST_LIMIT = 4  # names listed per summary line before "and N more"
 
 
 def _where(layer: str | None) -> str:
@@ -48,12 +48,14 @@ def describe_node(info: dict[str, Any]) -> str:
         return str(info.get("op") or "loss")
     if kind == "input":
         return "input leaf"
+    if kind == "layer":  # a collapsed layer box
+        return f"layer {info.get('layer') or '<top>'} ({info.get('name') or '?'})"
     call = f" (call {info['call']})" if info.get("call") else ""
     return f"{info.get('op') or '?'} {_where(info.get('layer'))}{call}"
 
 
 def _info(n: Node) -> dict[str, Any]:
-    return {"kind": n.kind, "op": n.op, "layer": n.layer, "call": n.call, "param": n.param}
+    return {"kind": n.kind, "name": n.name, "op": n.op, "layer": n.layer, "call": n.call, "param": n.param}
 
 
 def node_norms(graph: BackwardGraph) -> dict[str, float]:
@@ -84,8 +86,11 @@ def _ratio(old: float | None, new: float | None) -> float | None:
 
 
 def _fmt_ratio(r: float) -> str:
+    """``x12.3``; ``from 0`` / ``to 0`` where one of the norms is zero."""
     if math.isinf(r):
         return "from 0"
+    if r == 0:
+        return "to 0"
     if r >= 100:
         return f"x{r:.0f}"
     if r >= 0.01:
@@ -118,7 +123,7 @@ class GraphDiff:
         new_nonfinite / resolved_nonfinite: keys of NaN/Inf sites only in the
             newer / only in the older graph.
         nonfinite_origin: the origin NaN/Inf site of the newer graph
-            (``{"key", "kind", "op", "layer", "call", "param"}``), None when it has none.
+            (``{"key", "kind", "name", "op", "layer", "call", "param"}``), None when it has none.
         node_info: kind, op, layer and param of every key listed above, so
             the diff reads well without the graphs.
         threshold: ratios above ``threshold`` or below ``1/threshold`` count

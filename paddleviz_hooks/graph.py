@@ -443,10 +443,10 @@ class BackwardGraph:
         return cls.from_dict(d)
 
     def to_dot(self, **options: Any) -> str:
-        """DOT source of the graph; options as for :func:`paddleviz_hooks.render.to_dot`."""
-        from .render.dot import to_dot
+        """DOT source of the graph; drawing and collapse options as for :meth:`render`."""
+        from .render import prepare, to_dot
 
-        return to_dot(self, **options)
+        return to_dot(prepare(self, options), **options)
 
     def render(self, path: str, format: str | None = None, **options: Any) -> str:
         """Write the graph to ``path`` as png, svg, dot or json.

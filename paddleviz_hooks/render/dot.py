@@ -17,7 +17,7 @@ STYLE = {
     "op": {"shape": "box", "style": "rounded,filled", "fillcolor": "#dae8fc"},
     "param": {"shape": "box", "style": "filled", "fillcolor": "#c9ecc4"},
     "input": {"shape": "ellipse", "style": "filled", "fillcolor": "#e6e6e6"},
-    "layer": {"shape": "box3d", "style": "filled", "fillcolor": "#fbe5d6"},
+    "layer": {"shape": "box3d", "style": "filled", "fillcolor": "#fbe5d6", "margin": "0.14,0.07"},
     "nonfinite": {"fillcolor": "#ff6b6b", "color": "#b00000", "penwidth": "2.5"},
     "unhooked": {"style": "rounded,filled,dashed"},
 }
@@ -67,8 +67,25 @@ def node_lines(node: Node) -> list[str]:
     if node.kind == "input":
         return ["input"]
     if node.kind == "layer":
-        return [node.layer or node.name, node.op]
+        return layer_box_lines(node)
     return [node.op]
+
+
+def layer_box_lines(node: Node) -> list[str]:
+    """Label of a collapsed layer box: path, class (x N), op and parameter count, norm."""
+    path = "<top>" if node.layer == "" else (node.layer or "")
+    kind = node.name + (f" x{node.count}" if node.count > 1 else "")
+    lines = [path, kind] if path else [kind]
+    size = node.op or ""
+    if node.params:
+        size += (", " if size else "") + f"{node.params} param" + ("s" if node.params != 1 else "")
+    if size:
+        lines.append(size)
+    if node.norm is not None:
+        lines.append(f"|g| params {fmt_num(node.norm)}")
+    if node.nonfinite:
+        lines.append(f"NaN/Inf inside: {node.nonfinite}")
+    return lines
 
 
 def _attrs(d: Mapping[str, str]) -> str:
@@ -131,7 +148,7 @@ def dot_parts(
         lines = node_lines(n)
         if n.kind == "op" and not n.hooked:
             attrs.update(STYLE["unhooked"])
-        if n.id in bad_src:
+        if n.id in bad_src or (n.kind == "layer" and n.nonfinite):
             attrs.update(STYLE["nonfinite"])
             if n.id == origin:
                 lines = lines + ["NaN/Inf origin"]
@@ -145,6 +162,11 @@ def dot_parts(
 
     by_layer: dict[str | None, list[Node]] = defaultdict(list)
     for n in graph.nodes:
+        if clusters and n.kind == "layer":
+            # a box sits in the cluster of its parent layer, not in a frame of its own
+            parent = n.layer.rsplit(".", 1)[0] if n.layer and "." in n.layer else ("" if n.layer else None)
+            by_layer[parent].append(n)
+            continue
         by_layer[n.layer if (clusters and n.kind in ("op", "layer")) else None].append(n)
     body.extend(node_stmt(n) for n in by_layer.pop(None, []))
     if by_layer:

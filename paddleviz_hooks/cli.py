@@ -1,0 +1,289 @@
+"""The ``paddleviz-hooks`` command line: render, diff and report saved graphs.
+
+Everything works from the JSON files a capture wrote; no model or training
+run is needed.
+
+    paddleviz-hooks render GRAPH.json -o out.png [--depth N] [--max-nodes N] [--fold-repeats] [--by-type TYPE]
+    paddleviz-hooks diff OLD.json NEW.json [-o diff.png]
+    paddleviz-hooks report LOG_DIR -o report.html
+
+Errors are one line on stderr (``paddleviz-hooks: error: ...``); the exit
+status is 2 for bad usage, 1 for files that cannot be read or written, 0 on
+success. Set ``PADDLEVIZ_DEBUG=1`` to see a traceback for unexpected errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Sequence
+
+__all__ = ["main"]
+
+PROG = "paddleviz-hooks"
+
+
+class UsageError(Exception):
+    """Bad command-line usage (exit 2)."""
+
+
+class FileError(Exception):
+    """An input that cannot be read or an output that cannot be written (exit 1)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, no usage dump
+        raise UsageError(f"{message} (see '{self.prog} --help')")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}")
+    return v
+
+
+def _nonnegative_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}")
+    return v
+
+
+def _ratio_threshold(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number above 1, got {text!r}") from None
+    if not v > 1 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number above 1, got {text!r}")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser (exposed for documentation and tests)."""
+    p = _Parser(
+        prog=PROG,
+        description="Render, compare and report backward graphs saved by paddleviz-hooks (JSON files).",
+    )
+    from . import __version__
+
+    p.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+
+    r = sub.add_parser("render", help="draw one saved graph as png, svg or dot",
+                       description="Draw one saved backward graph (step_*.json) as PNG, SVG or DOT.")
+    r.add_argument("graph", metavar="GRAPH.json", help="a graph saved by paddleviz-hooks")
+    r.add_argument("-o", "--output", required=True, metavar="OUT",
+                   help="output file; .png, .svg, .dot or .json picks the format")
+    r.add_argument("--format", choices=("png", "svg", "dot", "json"), help="output format (default: from OUT's suffix)")
+    r.add_argument("--depth", type=_nonnegative_int, metavar="N",
+                   help="draw layers at depth N as single boxes (1: top-level layers, 0: the whole model)")
+    r.add_argument("--max-nodes", type=_positive_int, metavar="N",
+                   help="collapse layers, deepest first, until at most N nodes remain")
+    r.add_argument("--fold-repeats", action="store_true",
+                   help="fold runs of identical sibling layers into one box marked x N")
+    r.add_argument("--by-type", action="append", metavar="TYPE",
+                   help="collapse every layer of this class (e.g. TransformerEncoderLayer); repeatable")
+    _drawing_options(r)
+
+    d = sub.add_parser("diff", help="compare two saved graphs",
+                       description="Compare two saved graphs: print what changed and optionally draw it.")
+    d.add_argument("old", metavar="OLD.json", help="the earlier graph")
+    d.add_argument("new", metavar="NEW.json", help="the later graph")
+    d.add_argument("-o", "--output", metavar="OUT",
+                   help="draw the newer graph with the changes marked (.png, .svg, .dot) or save the diff (.json)")
+    d.add_argument("--format", choices=("png", "svg", "dot", "json"), help="output format (default: from OUT's suffix)")
+    d.add_argument("--threshold", type=_ratio_threshold, default=10.0, metavar="X",
+                   help="gradient-norm ratio counted as a large change (default 10)")
+    _drawing_options(d)
+
+    rep = sub.add_parser("report", help="one self-contained HTML page of every captured step",
+                         description="Write one self-contained HTML file (no network needed) showing "
+                                     "every step_*.json found under LOG_DIR.")
+    rep.add_argument("log_dir", metavar="LOG_DIR", help="the log directory (searched recursively)")
+    rep.add_argument("-o", "--output", required=True, metavar="REPORT.html", help="the HTML file to write")
+    rep.add_argument("--title", help="page title")
+    return p
+
+
+def _drawing_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--rankdir", choices=("TB", "LR", "BT", "RL"), help="layout direction (PNG: best of TB/LR)")
+    p.add_argument("--no-stats", action="store_true", help="leave gradient norms off the edges")
+    p.add_argument("--no-legend", action="store_true", help="leave the legend out")
+    p.add_argument("--title", help="caption drawn at the top")
+
+
+def _draw_opts(args: argparse.Namespace) -> dict:
+    opts: dict = {}
+    if args.rankdir:
+        opts["rankdir"] = args.rankdir
+    if args.no_stats:
+        opts["stats"] = False
+    if args.no_legend:
+        opts["legend"] = False
+    if args.title:
+        opts["title"] = args.title
+    return opts
+
+
+def _out_format(args: argparse.Namespace, allowed: tuple[str, ...]) -> str:
+    fmt = args.format or os.path.splitext(args.output)[1].lstrip(".").lower()
+    if fmt not in allowed:
+        raise UsageError(
+            f"cannot tell the output format from {args.output!r}: use a name ending in "
+            f"{', '.join('.' + a for a in allowed)} or --format"
+        )
+    return fmt
+
+
+def _check_output(path: str) -> None:
+    directory = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise FileError(f"cannot write {path}: it is a directory")
+    if not os.path.isdir(directory):
+        raise FileError(f"cannot write {path}: directory {directory} does not exist")
+    if not os.access(directory, os.W_OK):
+        raise FileError(f"cannot write {path}: directory {directory} is not writable")
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        raise FileError(f"cannot write {path}: the file is not writable")
+
+
+def load_graph(path: str):
+    """Read a saved graph; raises :class:`FileError` with a readable reason."""
+    from .graph import BackwardGraph
+
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        raise FileError(f"cannot read {path}: no such file") from None
+    except IsADirectoryError:
+        raise FileError(f"cannot read {path}: it is a directory") from None
+    except OSError as exc:
+        raise FileError(f"cannot read {path}: {exc.strerror or exc}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise FileError(f"{path} is not a paddleviz-hooks graph (not UTF-8 text, perhaps an image?)") from None
+    try:
+        graph = BackwardGraph.from_json(text)
+    except ValueError as exc:
+        raise FileError(f"{path} is not a paddleviz-hooks graph: {exc}") from None
+    if any(not n.key for n in graph.nodes):
+        graph.assign_keys()
+    return graph
+
+
+def _cmd_render(args: argparse.Namespace) -> int:
+    fmt = _out_format(args, ("png", "svg", "dot", "json"))
+    graph = load_graph(args.graph)
+    _check_output(args.output)
+    opts = _draw_opts(args)
+    if args.depth is not None:
+        opts["depth"] = args.depth
+    if args.max_nodes is not None:
+        opts["max_nodes"] = args.max_nodes
+    if args.fold_repeats:
+        opts["fold_repeats"] = True
+    if args.by_type:
+        opts["by_type"] = tuple(args.by_type)
+    graph.render(args.output, format=fmt, **opts)
+    print(f"wrote {args.output}")
+    return 0
+
+
+def _cmd_diff(args: argparse.Namespace) -> int:
+    from .diff import diff_graphs
+
+    fmt = _out_format(args, ("png", "svg", "dot", "json")) if args.output else None
+    older = load_graph(args.old)
+    newer = load_graph(args.new)
+    if args.output:
+        _check_output(args.output)
+    d = diff_graphs(older, newer, threshold=args.threshold)
+    print(d.summary())
+    if args.output:
+        from .render.diff import render_diff
+
+        render_diff(d, newer, older, args.output, format=fmt, **_draw_opts(args))
+        print(f"wrote {args.output}")
+    return 0
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from .report import ReportError, build_report
+
+    if not os.path.isdir(args.log_dir):
+        what = "no such directory" if not os.path.exists(args.log_dir) else "not a directory"
+        raise FileError(f"cannot read log directory {args.log_dir}: {what}")
+    _check_output(args.output)
+    try:
+        path = build_report(args.log_dir, args.output, title=args.title)
+    except ReportError as exc:
+        raise FileError(str(exc)) from None
+    print(f"wrote {path}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status (never raises for bad input).
+
+    Example:
+        >>> main(["diff", "step_000100.json", "step_000200.json", "-o", "diff.png"])
+        0
+    """
+    from .render.engine import EngineNotFound, RenderTimeout
+
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        if not args.command:
+            raise UsageError(f"a command is required: render, diff or report (see '{PROG} --help')")
+        handler = {"render": _cmd_render, "diff": _cmd_diff, "report": _cmd_report}[args.command]
+        return handler(args)
+    except SystemExit as exc:  # --help / --version
+        return exc.code if isinstance(exc.code, int) else 0
+    except UsageError as exc:
+        _error(str(exc))
+        return 2
+    except FileError as exc:
+        _error(str(exc))
+        return 1
+    except (EngineNotFound, RenderTimeout) as exc:
+        _error(str(exc))
+        return 1
+    except RuntimeError as exc:  # the layout engine failed
+        _error(str(exc))
+        return 1
+    except (ValueError, TypeError) as exc:  # option values the drawing code refused
+        _error(str(exc))
+        return 2
+    except OSError as exc:
+        name = f" {exc.filename}" if exc.filename else ""
+        _error(f"cannot write{name}: {exc.strerror or exc}")
+        return 1
+    except KeyboardInterrupt:
+        _error("interrupted")
+        return 130
+    except Exception as exc:  # never a traceback for users
+        if os.environ.get("PADDLEVIZ_DEBUG"):
+            raise
+        _error(f"unexpected {type(exc).__name__}: {exc} (set PADDLEVIZ_DEBUG=1 for a traceback)")
+        return 1
+
+
+def _error(message: str) -> None:
+    message = " ".join(str(message).split())  # one line
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,291 @@
+"""Drawing a :class:`~paddleviz_hooks.diff.GraphDiff`.
+
+The picture is the newer graph drawn by :func:`~paddleviz_hooks.render.dot.dot_parts`
+(same styling as a plain drawing) with the diff laid on top through its hooks:
+
+* added nodes and edges: green, bold (``node_style`` / ``edge_style``);
+* removed nodes and edges: dashed grey ghosts taken from the older graph
+  (``extra_body``);
+* a gradient whose norm changed more than ``diff.threshold`` times: the edge
+  is coloured (orange up, blue down) and labelled ``x12.3``;
+* a second legend explaining the marks.
+
+In SVG output the marked elements carry the classes ``pvh-added``,
+``pvh-removed``, ``pvh-ratio-up`` and ``pvh-ratio-down``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from ..diff import GraphDiff, _fmt_ratio, _ratio, diff_graphs
+from ..graph import BackwardGraph, _merge_metas
+from .dot import _attrs, edge_text, node_lines, to_dot
+from .quoting import dot_label, html_escape
+
+__all__ = ["diff_to_dot", "render_diff", "render_diff_png", "diff_styles", "DIFF_STYLE"]
+
+DIFF_STYLE = {
+    "added_node": {"color": "#1a7f37", "penwidth": "3", "class": "pvh-added"},
+    "added_edge": {"color": "#1a7f37", "fontcolor": "#1a7f37", "penwidth": "2.5", "class": "pvh-added"},
+    "removed_node": {
+        "shape": "box", "style": "dashed,rounded", "color": "#9a9a9a", "fontcolor": "#8a8a8a",
+        "class": "pvh-removed",
+    },
+    "removed_edge": {"style": "dashed", "color": "#b0b0b0", "arrowhead": "empty", "class": "pvh-removed"},
+    "ratio_up": {"color": "#d9480f", "fontcolor": "#d9480f", "penwidth": "2.5", "class": "pvh-ratio-up"},
+    "ratio_down": {"color": "#1c7ed6", "fontcolor": "#1c7ed6", "penwidth": "2.5", "class": "pvh-ratio-down"},
+}
+_COLLAPSE_KEYS = ("depth", "by_type", "fold_repeats", "max_nodes")
+_FORMATS = ("png", "svg", "dot", "json")
+
+
+def _check(diff: Any, newer: Any, older: Any) -> None:
+    if not isinstance(diff, GraphDiff):
+        raise TypeError(f"diff must be a GraphDiff, got {type(diff).__name__}")
+    for name, g in (("newer", newer), ("older", older)):
+        if not isinstance(g, BackwardGraph):
+            raise TypeError(f"{name} must be a BackwardGraph, got {type(g).__name__}")
+
+
+def _edge_metas(graph: BackwardGraph) -> dict[tuple[str, str], Any]:
+    groups: dict[tuple[str, str], list] = {}
+    for e in graph.edges:
+        if e.grad is not None:
+            groups.setdefault((graph.nodes[e.src].key, graph.nodes[e.dst].key), []).append(e.grad)
+    return {k: _merge_metas(v) for k, v in groups.items()}
+
+
+def diff_styles(
+    diff: GraphDiff, newer: BackwardGraph, older: BackwardGraph, *, stats: bool = True
+) -> tuple[dict[str, dict[str, str]], dict[tuple[str, str], dict[str, str]], list[str]]:
+    """The ``node_style``, ``edge_style`` and ``extra_body`` arguments of ``dot_parts``.
+
+    Args:
+        diff: the diff of ``older`` -> ``newer``.
+        newer: the graph that is drawn.
+        older: where removed nodes and edges come from.
+        stats: whether edge labels show gradient norms (as in ``dot_parts``).
+    """
+    _check(diff, newer, older)
+    node_style: dict[str, dict[str, str]] = {}
+    for key in diff.added_nodes:
+        node_style[key] = dict(DIFF_STYLE["added_node"])
+
+    edge_style: dict[tuple[str, str], dict[str, str]] = {}
+    for pair in diff.added_edges:
+        edge_style[pair] = dict(DIFF_STYLE["added_edge"])
+
+    old_metas, new_metas = _edge_metas(older), _edge_metas(newer)
+    added_edges = set(diff.added_edges)
+    for pair, new in new_metas.items():
+        old = old_metas.get(pair)
+        if pair in added_edges or old is None or new is None:
+            continue
+        r = _ratio(old.norm, new.norm)
+        if not diff.is_large(r):
+            continue
+        style = dict(DIFF_STYLE["ratio_up" if r > 1 else "ratio_down"])
+        # dot_parts takes a label from edge_style as the whole label: keep its text.
+        style["label"] = "\n".join(edge_text(new, stats) + [_fmt_ratio(r)])
+        style["tooltip"] = f"gradient norm {_fmt_ratio(r)} ({old.norm:.3g} -> {new.norm:.3g})"
+        edge_style[pair] = style
+
+    extra: list[str] = []
+    new_ids = {n.key: f"n{n.id}" for n in newer.nodes}
+    old_by_key = {n.key: n for n in older.nodes}
+    ghost_ids: dict[str, str] = {}
+    for key in diff.removed_nodes:
+        n = old_by_key.get(key)
+        if n is None:
+            continue
+        gid = f"ghost{n.id}"
+        ghost_ids[key] = gid
+        attrs = dict(DIFF_STYLE["removed_node"])
+        attrs["tooltip"] = f"removed | {n.name} | key: {n.key}"
+        extra.append(f"{gid} [label={dot_label(*node_lines(n), '(removed)')}, {_attrs(attrs)}]")
+    for src, dst in diff.removed_edges:
+        a = new_ids.get(src) or ghost_ids.get(src)
+        b = new_ids.get(dst) or ghost_ids.get(dst)
+        if a is None or b is None:
+            continue
+        attrs = dict(DIFF_STYLE["removed_edge"])
+        if src in new_ids and dst in new_ids:
+            attrs["constraint"] = "false"  # a rewired edge must not pull the layout about
+        extra.append(f"{a} -> {b} [{_attrs(attrs)}]")
+    extra.append(_legend(diff))
+    return node_style, edge_style, extra
+
+
+def _legend(diff: GraphDiff) -> str:
+    since = "" if diff.older_step is None else " since step " + html_escape(diff.older_step)
+    t = html_escape(f"{diff.threshold:g}")
+    inv = html_escape(f"{1 / diff.threshold:g}")
+    rows = [
+        ('<TD BORDER="3" COLOR="#1a7f37" WIDTH="14"></TD>', f"added{since}"),
+        ('<TD BORDER="1" STYLE="dashed" COLOR="#9a9a9a" WIDTH="14"></TD>', f"removed{since} (ghost)"),
+        ('<TD BGCOLOR="#d9480f" WIDTH="14"></TD>', f"grad norm up over {t}x"),
+        ('<TD BGCOLOR="#1c7ed6" WIDTH="14"></TD>', f"grad norm down below {inv}x"),
+    ]
+    cells = "".join(f'<TR>{c}<TD ALIGN="LEFT">{txt}</TD></TR>' for c, txt in rows)
+    table = (
+        '<<TABLE BORDER="0" CELLBORDER="0" CELLSPACING="2" CELLPADDING="2">'
+        f'<TR><TD COLSPAN="2"><B>changes</B></TD></TR>{cells}</TABLE>>'
+    )
+    return f'diff_legend [shape=box, style="rounded", color="#bbbbbb", fontsize="9", label={table}]'
+
+
+def _given(v: Any) -> bool:
+    return v is not None and v is not False and v not in ((), [], "")
+
+
+def _collapsed(
+    diff: GraphDiff, newer: BackwardGraph, older: BackwardGraph, options: dict[str, Any]
+) -> tuple[GraphDiff, BackwardGraph, BackwardGraph]:
+    """Apply collapse options (popped from ``options``) to both graphs alike.
+
+    The newer graph picks the depth (``max_nodes`` may make it shallower);
+    the older one is collapsed to that same depth, so layer boxes match and
+    a layer that appeared is one green box. The diff is recomputed on the
+    collapsed pair; steps and threshold are kept.
+    """
+    collapse = {k: options.pop(k) for k in _COLLAPSE_KEYS if k in options}
+    if not any(_given(v) for v in collapse.values()):
+        return diff, newer, older
+    from .collapse import collapse_graph
+
+    new_c = collapse_graph(newer, **collapse)
+    used = new_c.meta.get("collapse", {})
+    old_c = collapse_graph(
+        older,
+        depth=used.get("depth", collapse.get("depth")),
+        by_type=collapse.get("by_type") or (),
+        fold_repeats=bool(collapse.get("fold_repeats")),
+    )
+    d = diff_graphs(old_c, new_c, threshold=diff.threshold)
+    d.older_step, d.newer_step = diff.older_step, diff.newer_step
+    return d, new_c, old_c
+
+
+def _diff_options(diff: GraphDiff, newer: BackwardGraph, older: BackwardGraph, options: dict[str, Any]) -> dict[str, Any]:
+    for k in ("node_style", "edge_style", "extra_body"):
+        if k in options:
+            raise TypeError(f"{k} is set by the diff drawing and cannot be passed")
+    node_style, edge_style, extra = diff_styles(diff, newer, older, stats=options.get("stats", True))
+    if "title" not in options:
+        if diff.older_step is None or diff.newer_step is None:
+            options["title"] = "changes since the older capture"
+        else:
+            options["title"] = f"changes from step {diff.older_step} to step {diff.newer_step}"
+    options.update(node_style=node_style, edge_style=edge_style, extra_body=extra)
+    return options
+
+
+def diff_to_dot(diff: GraphDiff, newer: BackwardGraph, older: BackwardGraph, **options: Any) -> str:
+    """DOT source of the newer graph with the changes since ``older`` marked.
+
+    Args:
+        diff: ``diff_graphs(older, newer)``.
+        newer: the graph that is drawn.
+        older: the graph removed nodes and edges are taken from.
+        **options: drawing options as for :func:`paddleviz_hooks.render.to_dot`
+            (``stats``, ``clusters``, ``legend``, ``rankdir``, ``title``,
+            ``dpi``) and collapse options (``depth``, ``max_nodes``,
+            ``fold_repeats``, ``by_type``): both graphs are collapsed alike
+            and compared again, so a new layer shows as one green box.
+
+    Raises:
+        TypeError: wrong argument types.
+        ValueError: bad option values.
+
+    Example:
+        >>> src = diff_to_dot(new.diff(old), new, old)
+    """
+    _check(diff, newer, older)
+    options = dict(options)
+    diff, newer, older = _collapsed(diff, newer, older, options)
+    return to_dot(newer, **_diff_options(diff, newer, older, options))
+
+
+def render_diff(
+    diff: GraphDiff,
+    newer: BackwardGraph,
+    older: BackwardGraph,
+    path: str | os.PathLike | None = None,
+    *,
+    format: str | None = None,
+    **options: Any,
+) -> str | bytes:
+    """Draw a diff to a file, or return the drawing's bytes.
+
+    Args:
+        diff: ``diff_graphs(older, newer)``.
+        newer / older: the two graphs.
+        path: output file; its suffix picks the format when ``format`` is
+            None. Without a path the bytes are returned.
+        format: ``"png"``, ``"svg"``, ``"dot"`` or ``"json"`` (the diff
+            itself); ``"svg"`` when neither path nor format says.
+        **options: drawing and collapse options as for :func:`diff_to_dot`,
+            plus ``max_px`` (PNG) and ``timeout``.
+
+    Returns:
+        The path written, or the bytes when ``path`` is None.
+
+    Raises:
+        ValueError: unknown format or bad option values.
+        FileNotFoundError: the output directory does not exist.
+        EngineNotFound / RenderTimeout: as for :func:`render_png`.
+
+    Example:
+        >>> render_diff(d, new, old, "diff.png")
+        'diff.png'
+    """
+    from . import _atomic_write, render_png, render_svg
+
+    _check(diff, newer, older)
+    if path is not None and not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a str, os.PathLike or None, got {type(path).__name__}")
+    path = os.fspath(path) if path is not None else None
+    fmt = (format or (os.path.splitext(path)[1].lstrip(".") if path else "svg")).lower()
+    if fmt not in _FORMATS:
+        raise ValueError(f"format must be one of {', '.join(_FORMATS)}; got {fmt!r}" + (f" (from {path!r})" if path else ""))
+    if path is not None:
+        directory = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(directory):
+            raise FileNotFoundError(f"directory {directory!r} does not exist; create it first")
+    if fmt == "json":
+        data = diff.to_json(indent=1).encode("utf-8")
+    else:
+        opts = dict(options)
+        diff, newer, older = _collapsed(diff, newer, older, opts)
+        opts = _diff_options(diff, newer, older, opts)
+        if fmt == "dot":
+            opts.pop("timeout", None)
+            opts.pop("max_px", None)
+            data = to_dot(newer, **opts).encode("utf-8")
+        elif fmt == "svg":
+            opts.pop("max_px", None)
+            data = render_svg(newer, **opts)
+        else:
+            data = render_png(newer, **opts)
+    if path is None:
+        return data
+    _atomic_write(path, data)
+    return path
+
+
+def render_diff_png(
+    diff: GraphDiff, newer: BackwardGraph, older: BackwardGraph, **options: Any
+) -> bytes:
+    """PNG bytes of the diff drawing, sized for viewing like :func:`render_png`.
+
+    Args:
+        diff / newer / older: as for :func:`render_diff`.
+        **options: ``max_px``, ``timeout``, collapse options (``max_nodes``
+            ...) and drawing options.
+
+    Example:
+        >>> data = render_diff_png(d, new, old, max_px=1600, max_nodes=80)
+    """
+    return render_diff(diff, newer, older, None, format="png", **options)

@@ -1,0 +1,277 @@
+"""The self-contained HTML report, built from real captures and opened in Chromium."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+
+import paddle
+import pytest
+
+from paddleviz_hooks import capture_backward
+from paddleviz_hooks.diff import diff_graphs
+from paddleviz_hooks.report import ReportError, build_report, find_step_files
+from paddleviz_hooks.render.engine import find_engine
+
+F = paddle.nn.functional
+CHROMIUM = "/usr/bin/chromium"
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EVIL = 'fc1</script><img src=x onerror="window.__pwned=1">'
+STEPS = 12
+CHANGED = 6  # the extra block runs at this step only
+NAN_AT = 9
+
+pytestmark = pytest.mark.skipif(find_engine() is None, reason="no Graphviz layout engine installed")
+
+
+class Block(paddle.nn.Layer):
+    def __init__(self):
+        super().__init__()
+        self.fc = paddle.nn.Linear(8, 8)
+
+    def forward(self, x, shift):
+        return paddle.sqrt(F.relu(self.fc(x)) + 1.0 - shift)
+
+
+class Net(paddle.nn.Layer):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = paddle.nn.Linear(4, 8)
+        self.block = Block()
+        self.extra = paddle.nn.Linear(8, 8)
+        self.head = paddle.nn.Linear(8, 2)
+
+    def forward(self, x, step):
+        h = F.relu(self.fc1(x))
+        h = self.block(h, 1000.0 if step == NAN_AT else 0.0)
+        if step == CHANGED:
+            h = self.extra(h)
+        return self.head(h)
+
+
+def _rename_layer(g, old: str, new: str):
+    for n in g.nodes:
+        if n.layer == old:
+            n.layer = new
+        if n.param and n.param.startswith(old + "."):
+            n.param = new + n.param[len(old):]
+    g.layers = {(new if k == old else k): v for k, v in g.layers.items()}
+    g.assign_keys()
+    return g
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    """LOG_DIR with a 12-step run and a small hostile run, and the report built from it."""
+    root = tmp_path_factory.mktemp("report")
+    log = root / "log"
+    main_dir = log / "backward_graphs"
+    other_dir = log / "other" / "backward_graphs"
+    main_dir.mkdir(parents=True)
+    other_dir.mkdir(parents=True)
+    paddle.seed(2)
+    model = Net()
+    with capture_backward(model) as cap:
+        for step in range(STEPS):
+            x = paddle.randn([3, 4])
+            model(x, step).mean().backward()
+            model.clear_gradients()
+    for i, g in enumerate(cap.graphs):
+        g.meta["step"] = i * 10
+        (main_dir / f"step_{i * 10:06d}.json").write_text(g.to_json())
+        if i % 4 == 0:  # some steps come with their SVG, the others are drawn by the report
+            g.render(str(main_dir / f"step_{i * 10:06d}.svg"))
+    # the callback also saves diffs next to the graphs: not steps, skipped silently
+    (main_dir / f"step_{CHANGED * 10:06d}_diff.json").write_text(
+        diff_graphs(cap.graphs[CHANGED - 1], cap.graphs[CHANGED]).to_json())
+    # the second run: names that try to break out of HTML, a foreign file and a hostile SVG
+    for i in range(2):
+        g = _rename_layer(type(cap.graphs[i]).from_json(cap.graphs[i].to_json()), "fc1", EVIL)
+        (other_dir / f"step_{i:06d}.json").write_text(g.to_json())
+    (other_dir / "step_000000.svg").write_text('<svg xmlns="http://www.w3.org/2000/svg" onload="window.__pwned=2"></svg>')
+    (other_dir / "step_000999.json").write_text(json.dumps({"hello": "world"}))
+    out = root / "report.html"
+    assert build_report(str(log), str(out)) == str(out)
+    return {"root": root, "log": log, "html": out, "graphs": cap.graphs}
+
+
+def _data(html: str) -> dict:
+    m = re.search(r'<script type="application/json" id="pvh-data">(.*?)</script>', html, re.S)
+    return json.loads(m.group(1))
+
+
+def test_report_file_is_self_contained(report):
+    html = report["html"].read_text()
+    assert html.startswith("<!DOCTYPE html>")
+    assert not re.search(r"""(src|href)\s*=\s*["']?\s*(https?:)?//""", html, re.I)  # nothing fetched
+    assert "<link" not in html and "@import" not in html
+    assert html.count("</script>") == 2  # the data block cannot end early
+    assert "<img src=x" not in html and "fc1&lt;/script&gt;&lt;img src=x" in html
+    data = _data(html)
+    assert [len(r["steps"]) for r in data["runs"]] == [STEPS, 2]
+    steps = data["runs"][0]["steps"]
+    assert [s["step"] for s in steps] == [i * 10 for i in range(STEPS)]
+    assert all(s["svg"] is not None for s in steps)  # drawn from JSON where no .svg was saved
+    assert [i for i, s in enumerate(steps) if s["changed"]] == [CHANGED, CHANGED + 1]
+    assert [i for i, s in enumerate(steps) if s["nonfinite"]] == [NAN_AT]
+    assert steps[CHANGED]["diff"] is not None and steps[NAN_AT]["diff"] is not None
+    assert "pvh-added" in data["svgs"][steps[CHANGED]["diff"]].replace("&#45;", "-")
+    assert "onload" not in data["svgs"][data["runs"][1]["steps"][0]["svg"]]  # hostile SVG replaced
+    assert "step_000999.json" in html and "Skipped files" in html
+    assert "_diff.json" not in html
+    assert oct(os.stat(report["html"]).st_mode & 0o777) == oct(0o666 & ~_umask())
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def test_find_step_files_groups_by_folder(report):
+    groups = find_step_files(str(report["log"]))
+    assert [(os.path.relpath(d, report["log"]), s) for d, s in groups] == [
+        ("backward_graphs", ""), ("backward_graphs", "diff"), (os.path.join("other", "backward_graphs"), "")]
+    assert [n for n, _ in groups[(str(report["log"] / "backward_graphs"), "")]] == [i * 10 for i in range(STEPS)]
+
+
+def test_report_errors(tmp_path):
+    with pytest.raises(ReportError, match="no step_"):
+        build_report(str(tmp_path), str(tmp_path / "r.html"))
+    (tmp_path / "step_000001.json").write_text("{}")
+    with pytest.raises(ReportError, match="no readable step_"):
+        build_report(str(tmp_path), str(tmp_path / "r.html"))
+    with pytest.raises(NotADirectoryError):
+        build_report(str(tmp_path / "nope"), str(tmp_path / "r.html"))
+
+
+@pytest.mark.browser
+@pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="needs Debian's Chromium at /usr/bin/chromium")
+def test_report_in_chromium(report, tmp_path):
+    from playwright.sync_api import sync_playwright
+
+    url = report["html"].as_uri()
+    requests, errors, dialogs = [], [], []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=[
+            "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+            "--disable-background-networking", "--disable-component-update", "--disable-sync"])
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 900})
+            page.on("request", lambda r: requests.append(r.url))
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
+            page.goto(url)
+            page.wait_for_selector("#stage svg")
+            slider = page.locator("#step-slider")
+            label = page.locator("#step-label")
+            stage = page.locator("#stage")
+
+            # every captured step is on the slider, not 10 of them
+            assert slider.get_attribute("max") == str(STEPS - 1)
+            assert label.inner_text().startswith("step 0 ")
+            first = stage.inner_html()
+            slider.focus()
+            page.keyboard.press("ArrowRight")
+            assert label.inner_text().startswith("step 10 ")
+            assert stage.inner_html() != first
+
+            def go(index: int) -> None:
+                slider.focus()
+                while int(slider.input_value()) < index:
+                    page.keyboard.press("ArrowRight")
+                while int(slider.input_value()) > index:
+                    page.keyboard.press("ArrowLeft")
+                assert label.inner_text().startswith(f"step {index * 10} ")
+
+            # the diff is highlighted where the structure changed, and only there
+            go(3)
+            assert stage.locator(".pvh-added").count() == 0
+            assert stage.locator(".pvh-removed").count() == 0
+            go(CHANGED)
+            assert stage.locator("g.node.pvh-added").count() == 4  # Matmul, Add, weight, bias
+            assert stage.locator("g.edge.pvh-added").count() == 5
+            assert page.locator("#mode").inner_text() == f"changes since step {(CHANGED - 1) * 10}"
+            panel = page.locator(f"#panel-0-{CHANGED}")
+            assert panel.is_visible() and panel.locator(".badge.added").count() == 4
+            page.locator("#highlight").uncheck()
+            assert stage.locator(".pvh-added").count() == 0
+            page.locator("#highlight").check()
+            assert stage.locator("g.node.pvh-added").count() == 4
+            go(CHANGED + 1)
+            assert stage.locator("g.node.pvh-removed").count() == 4
+
+            # NaN/Inf sites are listed, origin first
+            go(NAN_AT)
+            nan_panel = page.locator(f"#panel-0-{NAN_AT}")
+            sites = nan_panel.locator("ol.sites li")
+            assert sites.count() >= 5
+            assert "origin" in sites.first.inner_text() and "Sqrt in block" in sites.first.inner_text()
+            assert "step 90" in page.locator("#overview-0").inner_text()
+
+            # per-layer gradient norm chart with a marker on the current step
+            chart = page.locator("#chart-0")
+            assert chart.is_visible() and chart.locator("svg path").count() >= 3
+            assert float(chart.locator("#marker-0").get_attribute("x1")) == steps_x(NAN_AT)
+
+            # pan and zoom
+            def transform() -> str:
+                return page.eval_on_selector("#stage", "e => e.style.transform")
+
+            box = page.locator("#viewport").bounding_box()
+            cx, cy = box["x"] + box["width"] / 2, box["y"] + box["height"] / 2
+            before = transform()
+            page.mouse.move(cx, cy)
+            page.mouse.wheel(0, -400)
+            page.wait_for_function("t => document.getElementById('stage').style.transform !== t", arg=before)
+            zoomed = transform()
+            assert _scale(zoomed) > _scale(before)
+            page.mouse.down()
+            page.mouse.move(cx + 120, cy + 60, steps=4)
+            page.mouse.up()
+            assert transform() != zoomed and _scale(transform()) == _scale(zoomed)
+            page.locator("#fit").click()  # the whole drawing
+            fitted = _scale(transform())
+            assert fitted < _scale(zoomed)
+            page.keyboard.press("a")  # back to the automatic view, which follows the steps
+
+            go(CHANGED)
+            shot = tmp_path / "report.png"
+            page.screenshot(path=str(shot))
+            os.makedirs(os.path.join(REPO, "test-output"), exist_ok=True)
+            shutil.copy(shot, os.path.join(REPO, "test-output", "report.png"))
+
+            # the second run: hostile names shown as text, never run
+            page.select_option("#run-select", "1")
+            assert slider.get_attribute("max") == "1"
+            assert EVIL in page.locator("#panel-1-0").inner_text() or EVIL in page.locator("#stage").inner_text()
+            assert page.evaluate("window.__pwned") is None
+            assert page.locator("img").count() == 0
+            assert "step_000999.json" in page.locator("aside").inner_text()
+            network = list(requests)
+
+            # defence in depth: the page's CSP blocks inline handlers even if markup got in
+            console = []
+            page.on("console", lambda m: console.append(m.text))
+            page.evaluate("""document.getElementById('stage').insertAdjacentHTML(
+                'beforeend', '<img src="data:," onerror="window.__pwned=3" onload="window.__pwned=4">')""")
+            page.wait_for_timeout(200)
+            assert page.evaluate("window.__pwned") is None
+            assert any("Content Security Policy" in m for m in console), console
+        finally:
+            browser.close()
+    assert errors == [] and dialogs == []
+    assert network and network[0] == url
+    assert all(r == url or r.startswith(("data:", "blob:")) for r in network), network
+
+
+def steps_x(i: int) -> float:
+    from paddleviz_hooks.report import _chart_x
+
+    return _chart_x(i, STEPS)
+
+
+def _scale(transform: str) -> float:
+    return float(re.search(r"scale\(([0-9.e+-]+)\)", transform).group(1))
