@@ -505,7 +505,7 @@ class BackwardGraph:
         unhooked = [n for n in self.nodes if n.kind == "op" and not n.hooked]
         if unhooked:
             kinds = sorted({n.op for n in unhooked})
-            lines.append(f"no gradient data at {len(unhooked)} nodes ({', '.join(kinds)});")
+            lines.append(f"no gradient data at {len(unhooked)} node{'' if len(unhooked) == 1 else 's'} ({', '.join(kinds)});")
         return "\n".join(x for x in lines if x)
 
     def __repr__(self) -> str:

@@ -186,6 +186,7 @@ class BackwardGraphCallback(paddle.callbacks.Callback):
 
         self.global_step = 0
         self.captured_steps: list[int] = []
+        self.dropped_steps: list[int] = []  # captured, but the renderer was busy: nothing written
         self.triggers: dict[int, str] = {}
         self.run_dir: str | None = None
         self._active = False
@@ -203,6 +204,7 @@ class BackwardGraphCallback(paddle.callbacks.Callback):
         self._files: StepFiles | None = None
         self._prev_graph: BackwardGraph | None = None
         self._warned: set[str] = set()
+        self._capture_warned: set[str] = set()
         self._warn_lock = threading.Lock()
 
     # ------------------------------------------------------------- helpers
@@ -233,7 +235,7 @@ class BackwardGraphCallback(paddle.callbacks.Callback):
         return net if isinstance(net, paddle.nn.Layer) else None
 
     def _new_capture(self) -> BackwardCapture:
-        return BackwardCapture(
+        cap = BackwardCapture(
             self._network(),
             grad_stats=self.grad_stats,
             on_graph=self._on_graph,
@@ -241,6 +243,10 @@ class BackwardGraphCallback(paddle.callbacks.Callback):
             when=self._decide,
             after_backward=self._after_backward if self._watching else None,
         )
+        # a new capture is made per captured step: share its warn-once set so
+        # a recurring failure warns once per run, not once per captured step
+        cap._warned = self._capture_warned
+        return cap
 
     # ------------------------------------------------------------ lifecycle
     def on_train_begin(self, logs: dict | None = None) -> None:
@@ -418,7 +424,12 @@ class BackwardGraphCallback(paddle.callbacks.Callback):
             origin = f"; first non-finite gradient at {_where(sites[0])}" if sites else ""
             self._notice(f"captured step {step} (trigger: {trigger}){origin}")
         if self._files is not None and self._worker is not None:
-            self._worker.submit(_Job(graph, step, trigger), what=f"the capture of step {step}")
+            if not self._worker.submit(_Job(graph, step, trigger), what=f"the capture of step {step}"):
+                # nothing of it reaches disk or VisualDL: keep captured_steps (and the
+                # max_captures budget) true to what was written
+                self.captured_steps.pop()
+                self.triggers.pop(step, None)
+                self.dropped_steps.append(step)
 
     # ------------------------------------------------------- worker thread
     def _process(self, job: _Job) -> None:

@@ -1,0 +1,440 @@
+"""End to end: ``Model.fit`` with BackwardGraphCallback, then the real VisualDL server.
+
+A tiny LeNet-like model trains for 8 steps with ``BackwardGraphCallback`` and
+``paddle.callbacks.VisualDL`` writing into the same log directory; the real
+``visualdl`` server is started on that directory and checked through its HTTP
+API (both runs visible, every capture listed, served images byte-identical to
+the PNG files on disk, text and scalar records present) and, when Debian's
+Chromium is installed, through the dashboard itself in headless Chromium
+(``@pytest.mark.browser``; screenshots also land in ``test-output/``).
+
+Facts this relies on are in ``shared/notes/visualdl.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import paddle
+import pytest
+
+from paddleviz_hooks import BackwardGraphCallback
+
+REPO = Path(__file__).resolve().parents[1]
+TEST_OUTPUT = REPO / "test-output"
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+RUN = "backward_graph"  # our run's name in the dashboard (the callback's run_name)
+PAGE_TAG = re.compile(r"^backward_graph/p(\d{3})$")
+
+
+# --------------------------------------------------------------------------
+# a small LeNet-like model and a synthetic dataset
+# --------------------------------------------------------------------------
+class SmallLeNet(paddle.nn.Layer):
+    def __init__(self, num_classes: int = 10) -> None:
+        super().__init__()
+        self.features = paddle.nn.Sequential(
+            paddle.nn.Conv2D(1, 4, 3, padding=1),
+            paddle.nn.ReLU(),
+            paddle.nn.MaxPool2D(2, 2),
+            paddle.nn.Conv2D(4, 8, 3),
+            paddle.nn.ReLU(),
+            paddle.nn.MaxPool2D(2, 2),
+        )
+        self.fc = paddle.nn.Sequential(
+            paddle.nn.Linear(8 * 3 * 3, 32),
+            paddle.nn.ReLU(),
+            paddle.nn.Linear(32, num_classes),
+        )
+
+    def forward(self, x):
+        x = self.features(x)
+        x = paddle.flatten(x, 1)
+        return self.fc(x)
+
+
+class TinyDigits(paddle.io.Dataset):
+    """16x16 random images whose label shifts their brightness."""
+
+    def __init__(self, n: int, seed: int = 0) -> None:
+        rng = np.random.default_rng(seed)
+        self.labels = rng.integers(0, 10, size=n).astype("int64")
+        noise = rng.standard_normal((n, 1, 16, 16)) * 0.3
+        self.images = (noise + self.labels[:, None, None, None] / 10).astype("float32")
+
+    def __getitem__(self, i):
+        return self.images[i], self.labels[i : i + 1]
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+
+def train(log_dir: Path, *, every: int, epochs: int, with_paddle_visualdl: bool = True,
+          queue_size: int = 4) -> BackwardGraphCallback:
+    """64 samples, batch 16: 4 steps per epoch."""
+    paddle.seed(0)
+    model = paddle.Model(SmallLeNet())
+    model.prepare(
+        paddle.optimizer.Adam(learning_rate=1e-3, parameters=model.parameters()),
+        paddle.nn.CrossEntropyLoss(),
+        paddle.metric.Accuracy(),
+    )
+    cb = BackwardGraphCallback(str(log_dir), every=every, queue_size=queue_size, verbose=0)
+    callbacks = [cb]
+    if with_paddle_visualdl:
+        callbacks.append(paddle.callbacks.VisualDL(log_dir=str(log_dir)))
+    model.fit(TinyDigits(64), epochs=epochs, batch_size=16, callbacks=callbacks, verbose=0, shuffle=False)
+    return cb
+
+
+def step_file(run_dir: Path, step: int, ext: str) -> Path:
+    return run_dir / f"step_{step:06d}.{ext}"
+
+
+def png_size(data: bytes) -> tuple[int, int]:
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
+    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+
+
+# --------------------------------------------------------------------------
+# the VisualDL server and its HTTP API (urllib only)
+# --------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_get(url: str, timeout: float = 10.0) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def wait_until(fn, timeout: float, what: str, interval: float = 0.25):
+    """Poll ``fn`` until it returns something truthy; fail after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    last_exc = None
+    while time.monotonic() < deadline:
+        try:
+            value = fn()
+            if value:
+                return value
+        except (OSError, ValueError) as exc:  # connection refused, not JSON yet
+            last_exc = exc
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what} (last error: {last_exc!r})")
+
+
+class VisualDLServer:
+    """``visualdl --logdir DIR`` on a free port; always stopped on exit."""
+
+    def __init__(self, logdir: Path, log_file: Path) -> None:
+        self.logdir = logdir
+        self.log_file = log_file
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> "VisualDLServer":
+        exe = Path(sys.executable).with_name("visualdl")
+        cmd = [str(exe), "--logdir", str(self.logdir), "--host", "127.0.0.1", "--port", str(self.port),
+               "--disable-telemetry", "--cache-timeout", "1"]
+        self._log = open(self.log_file, "wb")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            def alive():
+                if self.proc.poll() is not None:
+                    raise AssertionError(f"visualdl exited with {self.proc.returncode}:\n{self.log()}")
+                return http_get(self.url + "/alive", timeout=2)[0] == 204
+
+            wait_until(alive, 60, "GET /alive == 204")
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def log(self) -> str:
+        try:
+            return self.log_file.read_text(errors="replace")[-3000:]
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)  # its own session: only what we started
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=10)
+        if getattr(self, "_log", None) is not None:
+            self._log.close()
+            self._log = None
+
+    def raw(self, path: str, **params) -> bytes:
+        url = f"{self.url}/app/api/{path}"
+        if params:
+            url += "?" + urllib.parse.urlencode(params)
+        status, body = http_get(url)
+        assert status == 200, f"GET {url} -> {status}: {body[:300]!r}"
+        return body
+
+    def api(self, path: str, **params):
+        reply = json.loads(self.raw(path, **params))
+        assert reply.get("status") == 0, f"{path} {params}: {reply}"
+        return reply["data"]
+
+    def tags(self, kind: str) -> dict[str, list[str]]:
+        """run -> tags of one kind (image, text, scalar)."""
+        data = self.api(f"{kind}/tags")
+        return dict(zip(data["runs"], data["tags"]))
+
+
+def our_pages(tags: list[str], pattern: re.Pattern) -> list[str]:
+    """Paged tags of one base name, in page order."""
+    pages = sorted((int(m.group(1)), t) for t in tags if (m := pattern.match(t)))
+    assert [n for n, _ in pages] == list(range(len(pages))), f"pages are not contiguous: {tags}"
+    return [t for _, t in pages]
+
+
+def served_steps(server: VisualDLServer, kind: str, tags: list[str]) -> list[int]:
+    steps = []
+    for tag in tags:
+        steps += [rec["step"] for rec in server.api(f"{kind}/list", run=RUN, tag=tag)]
+    return steps
+
+
+# --------------------------------------------------------------------------
+# fixtures
+# --------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """8 steps (64 samples, batch 16, 2 epochs), capture every 2nd step and step 1."""
+    log_dir = tmp_path_factory.mktemp("vdl_log")
+    t0 = time.perf_counter()
+    cb = train(log_dir, every=2, epochs=2)
+    print(f"fit with capture: {time.perf_counter() - t0:.1f} s, captured {cb.captured_steps}")
+    return log_dir, cb
+
+
+@pytest.fixture(scope="module")
+def server(trained, tmp_path_factory):
+    log_dir, _ = trained
+    with VisualDLServer(log_dir, tmp_path_factory.mktemp("server") / "visualdl.log") as srv:
+        # the server scans the log dir lazily: wait until both runs are listed
+        wait_until(lambda: len(srv.api("runs")) >= 2, 30, "both runs in /app/api/runs")
+        yield srv
+
+
+# --------------------------------------------------------------------------
+# the HTTP API
+# --------------------------------------------------------------------------
+def test_files_on_disk(trained):
+    log_dir, cb = trained
+    assert cb.captured_steps == [1, 2, 4, 6, 8], (cb.captured_steps, cb.dropped_steps)
+    run_dir = log_dir / RUN
+    assert sorted(p.name for p in run_dir.glob("step_*.png")) == [f"step_{s:06d}.png" for s in cb.captured_steps]
+    for step in cb.captured_steps:
+        for ext in ("png", "svg", "dot", "json"):
+            assert step_file(run_dir, step, ext).is_file(), f"missing {step_file(run_dir, step, ext)}"
+    # our records live in their own directory, paddle's VisualDL writes to log_dir
+    assert list(run_dir.glob("vdlrecords*")), "no VisualDL records in the run folder"
+    assert list(log_dir.glob("vdlrecords*")), "paddle.callbacks.VisualDL wrote nothing"
+
+
+def test_both_runs_listed(server, trained):
+    runs = server.api("runs")
+    assert RUN in runs, runs
+    others = [r for r in runs if r != RUN]
+    assert len(others) == 1, f"expected our run and paddle's VisualDL run, got {runs}"
+    scalars = server.tags("scalar")
+    assert {"train/loss", "train/acc"} <= set(scalars[others[0]]), scalars
+    assert "backward_graph/nodes" in scalars[RUN], scalars[RUN]
+    # our steps are numbered like paddle's train/* scalars
+    _, cb = trained
+    loss_steps = [s for _, s, _ in server.api("scalar/list", run=others[0], tag="train/loss")]
+    assert loss_steps == list(range(1, 9))
+    assert set(cb.captured_steps) <= set(loss_steps)
+
+
+def test_images_served_byte_identical(server, trained):
+    log_dir, cb = trained
+    image_tags = server.tags("image")
+    assert list(image_tags) == [RUN], f"only our run logs images: {image_tags}"
+    pages = our_pages(image_tags[RUN], PAGE_TAG)
+    assert pages == ["backward_graph/p000"], image_tags[RUN]
+    listed = server.api("image/list", run=RUN, tag=pages[0])
+    assert [rec["step"] for rec in listed] == cb.captured_steps
+    for index, rec in enumerate(listed):
+        served = server.raw("image/image", run=RUN, tag=pages[0], index=index)
+        on_disk = step_file(log_dir / RUN, rec["step"], "png").read_bytes()
+        assert served == on_disk, f"step {rec['step']}: served {len(served)} bytes differ from the file ({len(on_disk)})"
+
+
+def test_text_and_scalars(server, trained):
+    log_dir, cb = trained
+    text_tags = server.tags("text")
+    pages = our_pages(text_tags[RUN], re.compile(r"^summary/p(\d{3})$"))
+    assert pages == ["summary/p000"], text_tags
+    listed = server.api("text/list", run=RUN, tag=pages[0])
+    assert [rec["step"] for rec in listed] == cb.captured_steps
+    for index, rec in enumerate(listed):
+        text = server.raw("text/text", run=RUN, tag=pages[0], index=index).decode("utf-8")
+        graph = json.loads(step_file(log_dir / RUN, rec["step"], "json").read_text())
+        assert f"step {rec['step']}" in text, text
+        assert f"{len(graph['nodes'])} nodes" in text, text
+    nodes = server.api("scalar/list", run=RUN, tag="backward_graph/nodes")
+    assert [s for _, s, _ in nodes] == cb.captured_steps
+    for _, step, value in nodes:
+        graph = json.loads(step_file(log_dir / RUN, step, "json").read_text())
+        assert value == len(graph["nodes"])
+
+
+def test_paged_tags_keep_every_capture(tmp_path):
+    """VisualDL keeps 10 samples per tag: 12 captures must span p000 and p001, none lost."""
+    # rendering (~0.3 s a capture here) is slower than these training steps:
+    # a queue for all 12 keeps any capture from being dropped
+    cb = train(tmp_path, every=1, epochs=3, with_paddle_visualdl=False, queue_size=16)
+    assert cb.captured_steps == list(range(1, 13)), (cb.captured_steps, cb.dropped_steps)
+    with VisualDLServer(tmp_path, tmp_path / "visualdl.log") as srv:
+        image_tags = wait_until(lambda: srv.tags("image").get(RUN), 30, "our image tags")
+        pages = our_pages(image_tags, PAGE_TAG)
+        assert pages == ["backward_graph/p000", "backward_graph/p001"], image_tags
+        assert served_steps(srv, "image", pages) == cb.captured_steps
+        text_pages = our_pages(srv.tags("text")[RUN], re.compile(r"^summary/p(\d{3})$"))
+        assert served_steps(srv, "text", text_pages) == cb.captured_steps
+        last = srv.raw("image/image", run=RUN, tag=pages[1], index=1)
+        assert last == step_file(tmp_path / RUN, 12, "png").read_bytes()
+
+
+# --------------------------------------------------------------------------
+# the dashboard in headless Chromium
+# --------------------------------------------------------------------------
+# The full-screen viewer: its header holds `.step-slider` (a "Step" label, a
+# [role=slider] and the shown step number); the viewer's <img> is a blob: URL
+# in the nearest ancestor of that header holding an image.
+VIEWER_JS = """() => {
+  const header = document.querySelector('.step-slider');
+  if (!header) return null;
+  let box = header;
+  while (box && !box.querySelector("img[src^='blob:']")) box = box.parentElement;
+  if (!box) return null;
+  const img = box.querySelector("img[src^='blob:']");
+  const nums = Array.from(header.querySelectorAll(':scope > span'))
+                    .map(s => s.textContent.trim()).filter(t => /^\\d+$/.test(t));
+  const r = img.getBoundingClientRect();
+  return {src: img.src, complete: img.complete, w: img.naturalWidth, h: img.naturalHeight,
+          shown_w: r.width, shown_h: r.height, step: nums.length ? parseInt(nums[nums.length - 1]) : null};
+}"""
+BLOB_BYTES_JS = """async (src) => {
+  const b = new Uint8Array(await (await fetch(src)).arrayBuffer());
+  let s = ''; for (let i = 0; i < b.length; i += 0x8000) s += String.fromCharCode.apply(null, b.subarray(i, i + 0x8000));
+  return btoa(s);
+}"""
+
+
+@pytest.mark.browser
+@pytest.mark.skipif(not os.path.exists(CHROMIUM), reason=f"needs Debian's Chromium at {CHROMIUM}")
+def test_dashboard_viewer_in_chromium(server, trained, tmp_path):
+    import base64
+
+    sync_api = pytest.importorskip("playwright.sync_api")
+    log_dir, cb = trained
+    run_dir = log_dir / RUN
+    shots: list[Path] = []
+
+    def shoot(page, name: str) -> None:
+        path = tmp_path / name
+        page.screenshot(path=str(path))
+        shots.append(path)
+
+    def viewer_ready(page, not_src: str | None = None):
+        v = page.evaluate(VIEWER_JS)
+        if v and v["complete"] and v["w"] > 0 and v["step"] is not None and v["src"] != not_src:
+            return v
+        return None
+
+    def check_shown(page, v) -> None:
+        assert v["step"] in cb.captured_steps, f"viewer shows step {v['step']}, captured {cb.captured_steps}"
+        on_disk = step_file(run_dir, v["step"], "png").read_bytes()
+        assert (v["w"], v["h"]) == png_size(on_disk), f"step {v['step']}: {v} vs {png_size(on_disk)}"
+        shown = base64.b64decode(page.evaluate(BLOB_BYTES_JS, v["src"]))
+        assert shown == on_disk, f"the viewer's image is not step {v['step']}'s PNG"
+
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.set_default_timeout(30_000)
+            page.goto(server.url + "/app/sample/image", timeout=60_000)
+            # our card: its title is the tag, its image a blob: URL
+            card_img = page.locator("img[src^='blob:']").first
+            card_img.wait_for(state="visible", timeout=60_000)
+            page.wait_for_function(
+                "() => { const i = document.querySelector(\"img[src^='blob:']\"); return i && i.complete && i.naturalWidth > 0; }",
+                timeout=30_000,
+            )
+            assert page.get_by_text("backward_graph/p000", exact=True).count() >= 1
+            shoot(page, "dashboard_image_tab.png")
+
+            card_img.click()
+            page.locator(".step-slider [role=slider]").wait_for(state="visible")
+            first = wait_until(lambda: viewer_ready(page), 30, "the viewer's image")
+            assert first["step"] == cb.captured_steps[0]
+            check_shown(page, first)
+            shoot(page, f"viewer_step_{first['step']}.png")
+
+            # ArrowRight on the focused slider (the viewer also listens to
+            # ArrowRight on the document, so one press may move two samples)
+            page.locator(".step-slider [role=slider]").focus()
+            page.keyboard.press("ArrowRight")
+            moved = wait_until(lambda: viewer_ready(page, not_src=first["src"]), 30, "the next step's image")
+            assert moved["step"] != first["step"], (first, moved)
+            assert moved["step"] > first["step"]
+            check_shown(page, moved)
+            shoot(page, f"viewer_step_{moved['step']}.png")
+
+            # what a person does to read the edge labels: zoom in (each click
+            # adds 0.1x) towards one screen pixel per image pixel, at most 3x
+            clicks = min(20, max(1, round((moved["w"] / moved["shown_w"] - 1) / 0.1)))
+            for _ in range(clicks):
+                page.locator(".icon-plus-circle").last.click()
+                page.wait_for_timeout(60)
+            page.wait_for_timeout(800)
+            shoot(page, f"viewer_step_{moved['step']}_zoomed.png")
+        finally:
+            browser.close()
+
+    TEST_OUTPUT.mkdir(exist_ok=True)
+    for shot in shots:
+        assert shot.stat().st_size > 10_000, f"{shot} looks empty"
+        shutil.copy(shot, TEST_OUTPUT / shot.name)
