@@ -1,0 +1,533 @@
+#!/usr/bin/env python
+"""Benchmarks of paddleviz-hooks, measured in one run and printed as one table.
+
+    .venv/bin/python benchmarks/run.py            # full run (about 5-10 minutes on 2 cores)
+    .venv/bin/python benchmarks/run.py --quick    # smoke run (a few minutes)
+    .venv/bin/python benchmarks/run.py --json out.json
+
+Rows (medians over repeats, every ratio taken from numbers of this same run):
+
+* capture-to-PNG: time from a captured graph to PNG bytes, and the PNG's
+  pixel size, for a 6-layer ``TransformerEncoder`` (d_model 256) and resnet50
+  (batch 2, 224x224), at full detail (``depth=None``) and as the viewing PNG
+  (``render_png`` default: collapsed automatically when illegible).
+* training thread: forward+backward inside ``capture_backward`` divided by the
+  plain forward+backward, with and without ``grad_stats``.
+* peer reference: the same Transformer encoder in PyTorch drawn by
+  ``torchviz.make_dot`` and rendered to PNG (skipped when torch or torchviz is
+  not installed: ``.venv/bin/pip install torch==2.13.0 torchviz``; they are
+  not dependencies of paddleviz-hooks).
+* fit:encoder / fit:resnet50 (``Model.fit``, 200+ steps; resnet50 at 64x64):
+  uncaptured-step time with ``BackwardGraphCallback(every=50)`` and with each
+  trigger (``on_nonfinite``, ``on_grad_spike``, ``on_structure_change``)
+  divided by the step time without any callback.
+* callback (``Model.fit``): uncaptured-step time with
+  ``BackwardGraphCallback(every=50)`` divided by the time without it, and RSS
+  at step 100 vs the last step with ``every=10`` (skipped when the callback is
+  not available).
+
+Results go to ``benchmarks/results/latest.json`` (git-ignored) unless
+``--json`` says otherwise. Timings on shared machines are noisy: compare
+ratios from one run, not absolute times across runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from typing import Any, Callable
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+warnings.filterwarnings("ignore")
+
+import numpy as np  # noqa: E402
+import paddle  # noqa: E402
+
+from paddleviz_hooks import capture_backward  # noqa: E402
+from paddleviz_hooks.render import png_size, render_png, render_svg  # noqa: E402
+
+DEFAULT_JSON = os.path.join(ROOT, "benchmarks", "results", "latest.json")
+
+# Transformer encoder of the benchmark: 6 layers, d_model 256, 8 heads, FFN 1024.
+TR_LAYERS, TR_D, TR_HEADS, TR_FF = 6, 256, 8, 1024
+TR_BATCH, TR_SEQ = 8, 64
+
+
+# --------------------------------------------------------------------------
+# result table
+# --------------------------------------------------------------------------
+class Table:
+    """Rows of (section, measurement, value text, ratio/note text) plus raw numbers."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict[str, Any]] = []
+
+    def add(self, section: str, what: str, value: str = "", note: str = "", **raw: Any) -> None:
+        self.rows.append({"section": section, "measurement": what, "value": value, "note": note, **raw})
+        print(f"  {section:<10} {what:<58} {value:>12}  {note}", flush=True)
+
+    def print(self) -> None:
+        w = [max(len(str(r[k])) for r in self.rows) for k in ("section", "measurement", "value")]
+        print()
+        head = f"{'section':<{w[0]}}  {'measurement':<{w[1]}}  {'median':>{w[2]}}  ratio / note"
+        print(head)
+        print("-" * max(len(head), 100))
+        last = None
+        for r in self.rows:
+            sec = r["section"] if r["section"] != last else ""
+            last = r["section"]
+            print(f"{sec:<{w[0]}}  {r['measurement']:<{w[1]}}  {r['value']:>{w[2]}}  {r['note']}")
+
+
+def med(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def fmt_s(v: float) -> str:
+    return f"{v * 1000:.0f} ms" if v < 1 else f"{v:.2f} s"
+
+
+def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    t = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t, out
+
+
+# --------------------------------------------------------------------------
+# models
+# --------------------------------------------------------------------------
+def paddle_transformer():
+    paddle.seed(0)
+    layer = paddle.nn.TransformerEncoderLayer(TR_D, TR_HEADS, TR_FF, dropout=0.0)
+    model = paddle.nn.TransformerEncoder(layer, TR_LAYERS)
+    x = paddle.randn([TR_BATCH, TR_SEQ, TR_D])
+    return model, (lambda: model(x).mean())
+
+
+def paddle_resnet50():
+    from paddle.vision.models import resnet50
+
+    paddle.seed(0)
+    model = resnet50()
+    x = paddle.randn([2, 3, 224, 224])
+    return model, (lambda: model(x).mean())
+
+
+# --------------------------------------------------------------------------
+# training-thread cost of a captured step
+# --------------------------------------------------------------------------
+def bench_steps(table: Table, name: str, model, loss_fn, repeats: int) -> Any:
+    """Plain vs captured forward+backward, interleaved so drift hits all three alike."""
+
+    def plain():
+        loss = loss_fn()
+        loss.backward()
+        model.clear_gradients()
+
+    def captured(stats: bool):
+        def run():
+            with capture_backward(model, grad_stats=stats) as cap:
+                loss = loss_fn()
+                loss.backward()
+            model.clear_gradients()
+            return cap.graph
+
+        return run
+
+    kinds = {"plain": plain, "shapes": captured(False), "stats": captured(True)}
+    for fn in kinds.values():  # warm-up
+        fn()
+    times: dict[str, list[float]] = {k: [] for k in kinds}
+    graph = None
+    for _ in range(repeats):
+        for k, fn in kinds.items():
+            gc.collect()
+            dt, out = timed(fn)
+            times[k].append(dt)
+            if k == "stats":
+                graph = out
+    base = med(times["plain"])
+    table.add(name, "plain forward+backward", fmt_s(base), f"{repeats} repeats", seconds=base)
+    for k, label in (("shapes", "captured, shapes only (grad_stats=False)"), ("stats", "captured, grad_stats=True")):
+        v = med(times[k])
+        table.add(name, label + " / plain", f"{v / base:.2f}x", f"{fmt_s(v)} per step",
+                  seconds=v, ratio=v / base)
+    return graph
+
+
+# --------------------------------------------------------------------------
+# capture-to-PNG
+# --------------------------------------------------------------------------
+def bench_render(table: Table, name: str, graph, repeats: int) -> dict[str, float]:
+    out: dict[str, float] = {}
+    n = len(graph.nodes)
+    cases = [
+        ("full", f"PNG, full detail ({n} nodes, depth=None)", {"depth": None}),
+        ("view", "PNG for viewing (render_png default)", {}),
+        ("view_d1", "PNG, depth=1, fold_repeats=True", {"depth": 1, "fold_repeats": True}),
+    ]
+    for key, label, kw in cases:
+        ts, info, data = [], {}, b""
+        for _ in range(repeats):
+            info = {}
+            dt, data = timed(lambda: render_png(graph, info=info, **kw))
+            ts.append(dt)
+        w, h = png_size(data)
+        v = med(ts)
+        out[key] = v
+        how = f"{w}x{h} px, {info.get('nodes')} nodes, {info.get('dpi'):.0f} dpi"
+        if info.get("collapsed_depth") is not None and key == "view":
+            how += f", auto-collapsed to depth {info['collapsed_depth']}"
+        if info.get("bands", 1) > 1:
+            how += f", {info['bands']} columns"
+        table.add(name, label, fmt_s(v), how, seconds=v, width=w, height=h, **{f"info_{k}": x for k, x in info.items()})
+    ts = [timed(lambda: render_svg(graph))[0] for _ in range(repeats)]
+    out["svg"] = med(ts)
+    table.add(name, f"SVG, full detail ({n} nodes)", fmt_s(out["svg"]), "", seconds=out["svg"])
+    table.add(name, "viewing PNG time / full-detail PNG time", f"{out['view'] / out['full']:.2f}x", "",
+              ratio=out["view"] / out["full"])
+    return out
+
+
+# --------------------------------------------------------------------------
+# peer reference: torchviz
+# --------------------------------------------------------------------------
+def bench_torchviz(table: Table, repeats: int, ours_view: float | None) -> None:
+    try:
+        import torch
+        from torchviz import make_dot
+    except ImportError as exc:
+        table.add("torchviz", "make_dot + PNG, PyTorch TransformerEncoder", "skipped",
+                  f"torch/torchviz not installed ({exc.name}): .venv/bin/pip install torch==2.13.0 torchviz")
+        return
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(TR_D, TR_HEADS, TR_FF, dropout=0.0, batch_first=True)
+    model = torch.nn.TransformerEncoder(layer, TR_LAYERS, enable_nested_tensor=False)
+    x = torch.randn(TR_BATCH, TR_SEQ, TR_D)
+    loss = model(x).mean()
+    params = dict(model.named_parameters())
+    build, total, data = [], [], b""
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dot = make_dot(loss, params=params)
+        t1 = time.perf_counter()
+        data = dot.pipe(format="png")
+        t2 = time.perf_counter()
+        build.append(t1 - t0)
+        total.append(t2 - t0)
+    nodes = sum(1 for line in dot.body if "->" not in line and "[" in line)
+    w, h = png_size(data)
+    v = med(total)
+    table.add("torchviz", f"make_dot + PNG, same encoder in PyTorch ({nodes} nodes)", fmt_s(v),
+              f"{w}x{h} px (aspect {max(w, h) / min(w, h):.1f}:1), make_dot alone {fmt_s(med(build))}",
+              seconds=v, width=w, height=h, build_seconds=med(build), torch=torch.__version__)
+    if ours_view is not None:
+        table.add("torchviz", "our viewing PNG time / torchviz time", f"{ours_view / v:.2f}x", "",
+                  ratio=ours_view / v)
+
+
+# --------------------------------------------------------------------------
+# Model.fit callback rows
+# --------------------------------------------------------------------------
+def _callback_class():
+    try:
+        from paddleviz_hooks import BackwardGraphCallback  # noqa: F401
+
+        return BackwardGraphCallback
+    except Exception:
+        return None
+
+
+class _Data(paddle.io.Dataset):
+    def __init__(self, n: int, dim: int, classes: int) -> None:
+        rng = np.random.default_rng(0)
+        self.x = rng.standard_normal((n, dim)).astype("float32")
+        self.y = rng.integers(0, classes, (n, 1)).astype("int64")
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+
+class _StepClock(paddle.callbacks.Callback):
+    """Wall time between successive batch starts: the training thread's full step."""
+
+    def __init__(self, rss_at: tuple[int, ...] = ()) -> None:
+        super().__init__()
+        self.starts: list[float] = []
+        self.rss_at = set(rss_at)
+        self.rss: dict[int, int] = {}
+
+    def on_train_batch_begin(self, step, logs=None):
+        self.starts.append(time.perf_counter())
+
+    def on_train_batch_end(self, step, logs=None):
+        n = len(self.starts)  # 1-based global step
+        if n in self.rss_at:
+            gc.collect()
+            self.rss[n] = _rss_bytes()
+
+    def step_times(self) -> dict[int, float]:
+        return {i + 1: b - a for i, (a, b) in enumerate(zip(self.starts, self.starts[1:]))}
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _fit(steps: int, batch: int, callbacks: list, dim: int = 256, hidden: int = 1024, classes: int = 10) -> None:
+    paddle.seed(0)
+    net = paddle.nn.Sequential(
+        paddle.nn.Linear(dim, hidden), paddle.nn.ReLU(),
+        paddle.nn.Linear(hidden, hidden), paddle.nn.ReLU(),
+        paddle.nn.Linear(hidden, classes),
+    )
+    model = paddle.Model(net)
+    model.prepare(paddle.optimizer.Adam(parameters=net.parameters()), paddle.nn.CrossEntropyLoss())
+    model.fit(_Data(steps * batch, dim, classes), epochs=1, batch_size=batch, shuffle=False,
+              verbose=0, callbacks=callbacks)
+
+
+class _SeqData(paddle.io.Dataset):
+    def __init__(self, n: int, shape: tuple[int, ...], classes: int = 10) -> None:
+        rng = np.random.default_rng(0)
+        self.x = rng.standard_normal((n, *shape)).astype("float32")
+        self.y = rng.integers(0, classes, size=(n, 1)).astype("int64")
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+
+class _EncoderClassifier(paddle.nn.Layer):
+    """The benchmark's 6-layer encoder with a mean-pool classification head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        layer = paddle.nn.TransformerEncoderLayer(TR_D, TR_HEADS, TR_FF, dropout=0.0)
+        self.encoder = paddle.nn.TransformerEncoder(layer, TR_LAYERS)
+        self.head = paddle.nn.Linear(TR_D, 10)
+
+    def forward(self, x):
+        return self.head(self.encoder(x).mean(axis=1))
+
+
+def _fit_model(name: str, steps: int, callbacks: list) -> None:
+    paddle.seed(0)
+    if name == "encoder":
+        net, shape, batch = _EncoderClassifier(), (TR_SEQ // 2, TR_D), 4
+    else:  # resnet50 at 64x64 keeps 200+ steps affordable on 2 cores; the graph is the same
+        from paddle.vision.models import resnet50
+
+        net, shape, batch = resnet50(num_classes=10), (3, 64, 64), 2
+    model = paddle.Model(net)
+    model.prepare(paddle.optimizer.SGD(learning_rate=1e-3, parameters=net.parameters()),
+                  paddle.nn.CrossEntropyLoss())
+    model.fit(_SeqData(steps * batch, shape), epochs=1, batch_size=batch, shuffle=False, verbose=0,
+              callbacks=callbacks)
+
+
+def model_fit_rows(table: Table, quick: bool) -> None:
+    """Uncaptured-step cost of the callback and of each trigger, on real models in Model.fit.
+
+    Runs alternate (none, every=50, each trigger) so drift hits every variant
+    alike; steps that were captured are left out of the medians.
+    """
+    cls = _callback_class()
+    steps = 60 if quick else 210
+    rounds = 1 if quick else 2
+    variants = [
+        ("BackwardGraphCallback(every=50)", {"every": 50}),
+        ("on_nonfinite=True", {"steps": [10**9], "capture_first": False, "on_nonfinite": True}),
+        ("on_grad_spike=10", {"steps": [10**9], "capture_first": False, "on_grad_spike": 10}),
+        ("on_structure_change=True", {"steps": [10**9], "capture_first": False, "on_structure_change": True}),
+    ]
+    with tempfile.TemporaryDirectory(prefix="pvh-bench-") as tmp:
+        for name in ("encoder", "resnet50"):
+            times: dict[str, list[float]] = {"none": []}
+            captured: dict[str, list[int]] = {}
+            _fit_model(name, 8, [])  # warm-up
+            for r in range(rounds):
+                clock = _StepClock()
+                _fit_model(name, steps, [clock])
+                times["none"] += [t for s, t in clock.step_times().items() if s > 5]
+                for label, kwargs in variants:
+                    clock = _StepClock()
+                    cb = cls(log_dir=os.path.join(tmp, f"{name}{r}{len(times)}"), verbose=0, **kwargs)
+                    _fit_model(name, steps, [clock, cb])
+                    got = set(cb.captured_steps) | set(getattr(cb, "dropped_steps", ()))
+                    captured[label] = sorted(got)
+                    # the step after a capture shares the machine with the background renderer
+                    skip = got | {s + 1 for s in got}
+                    times.setdefault(label, []).extend(
+                        t for s, t in clock.step_times().items() if s > 5 and s not in skip)
+            base = med(times["none"])
+            for label, _ in variants:
+                v = med(times[label])
+                table.add(f"fit:{name}", f"uncaptured step, {label} / none", f"{v / base:.3f}x",
+                          f"{v * 1000:.1f} vs {base * 1000:.1f} ms, {rounds} x {steps} steps, "
+                          f"captured {captured[label][:6]}", ratio=v / base, seconds=v, base_seconds=base)
+
+
+def bench_callback(table: Table, quick: bool) -> None:
+    """Run the callback rows in a fresh process, so RSS is not inflated by the models above."""
+    if _callback_class() is None:
+        _callback_skipped(table)
+        return
+    import subprocess
+
+    with tempfile.TemporaryDirectory(prefix="pvh-bench-") as tmp:
+        out = os.path.join(tmp, "rows.json")
+        cmd = [sys.executable, os.path.abspath(__file__), "--callback-child", out] + (["--quick"] if quick else [])
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0 or not os.path.exists(out):
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+            table.add("callback", "Model.fit rows", "failed", tail[0][:160])
+            return
+        with open(out) as f:
+            for row in json.load(f):
+                row = dict(row)
+                table.add(row.pop("section"), row.pop("measurement"), row.pop("value"), row.pop("note"), **row)
+
+
+def _callback_skipped(table: Table) -> None:
+    table.add("callback", "uncaptured step, BackwardGraphCallback(every=50) / none", "skipped",
+              "skipped: callback not available")
+    table.add("callback", "RSS late step vs step 100, every=10", "skipped", "skipped: callback not available")
+
+
+def callback_rows(table: Table, quick: bool) -> None:
+    """The rows that need ``paddle.Model.fit`` with ``BackwardGraphCallback``."""
+    cls = _callback_class()
+    if cls is None:
+        _callback_skipped(table)
+        return
+    steps = 150 if quick else 300
+    with tempfile.TemporaryDirectory(prefix="pvh-bench-") as tmp:
+        _fit(50, 32, [])  # warm-up: first-fit costs would land on the first measured run
+        # uncaptured-step overhead: alternate runs without and with the callback
+        rounds = 2 if quick else 3
+        base: list[float] = []
+        withcb: list[float] = []
+        captured: set[int] = set()
+        for r in range(rounds):
+            clock = _StepClock()
+            _fit(steps, 32, [clock])
+            base += [t for s, t in clock.step_times().items() if s > 5]
+            clock = _StepClock()
+            cb = cls(log_dir=os.path.join(tmp, f"over{r}"), every=50, verbose=0)
+            _fit(steps, 32, [clock, cb])
+            captured = set(getattr(cb, "captured_steps", ()))
+            withcb += [t for s, t in clock.step_times().items() if s > 5 and s not in captured]
+        b, c = med(base), med(withcb)
+        table.add("callback", "uncaptured step, BackwardGraphCallback(every=50) / none", f"{c / b:.3f}x",
+                  f"{c * 1000:.2f} vs {b * 1000:.2f} ms per step (3-layer MLP), {rounds} x {steps} steps each, "
+                  f"captured steps {sorted(captured)}",
+                  ratio=c / b, seconds=c, base_seconds=b)
+        # memory: RSS at step 100 vs the last step, without the callback (control) and
+        # capturing every 10 steps
+        last = 600 if quick else 2000
+        clock = _StepClock(rss_at=(100, last))
+        _fit(last, 16, [clock])
+        c100, clast = clock.rss.get(100), clock.rss.get(last)
+        if c100 and clast:
+            table.add("callback", f"RSS at step {last} / step 100, no callback (control)", f"{clast / c100:.3f}x",
+                      f"{c100 / 2**20:.0f} MB -> {clast / 2**20:.0f} MB ({(clast - c100) / 2**20:+.1f} MB)",
+                      ratio=clast / c100, rss_100=c100, rss_last=clast, last_step=last)
+        clock = _StepClock(rss_at=(100, last))
+        cb = cls(log_dir=os.path.join(tmp, "rss"), every=10, verbose=0)
+        t, _ = timed(lambda: _fit(last, 16, [clock, cb]))
+        r100, rlast = clock.rss.get(100), clock.rss.get(last)
+        if r100 and rlast:
+            n = len(getattr(cb, "captured_steps", ()))
+            dropped = len(getattr(cb, "dropped_steps", ()))
+            table.add("callback", f"RSS at step {last} / step 100, every=10", f"{rlast / r100:.3f}x",
+                      f"{r100 / 2**20:.0f} MB -> {rlast / 2**20:.0f} MB ({(rlast - r100) / 2**20:+.1f} MB), "
+                      f"{n} captures ({dropped} of them dropped: renderer busy), {t:.1f} s in all",
+                      ratio=rlast / r100, rss_100=r100, rss_last=rlast, last_step=last)
+        else:
+            table.add("callback", f"RSS at step {last} / step 100, every=10", "n/a", "RSS not recorded")
+
+
+# --------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="few repeats, shorter fit runs (a few minutes)")
+    ap.add_argument("--json", metavar="PATH", default=DEFAULT_JSON, help=f"results file (default {DEFAULT_JSON})")
+    ap.add_argument("--skip", action="append", default=[], choices=["transformer", "resnet50", "torchviz", "callback"],
+                    help="leave out a group of rows (repeatable)")
+    ap.add_argument("--callback-child", metavar="PATH", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+
+    quick = args.quick
+    if args.callback_child:  # the Model.fit rows, in their own process
+        table = Table()
+        callback_rows(table, quick)
+        model_fit_rows(table, quick)
+        with open(args.callback_child, "w") as f:
+            json.dump(table.rows, f)
+        return 0
+    reps = {"tr_steps": 3 if quick else 7, "r50_steps": 2 if quick else 4,
+            "render": 2 if quick else 5, "r50_render": 1 if quick else 3}
+    started = time.time()
+    print(f"paddleviz-hooks benchmarks ({'quick' if quick else 'full'}), paddle {paddle.__version__}, "
+          f"{os.cpu_count()} CPUs, {platform.python_version()}", flush=True)
+    table = Table()
+    ours_view = None
+    if "transformer" not in args.skip:
+        model, loss_fn = paddle_transformer()
+        g = bench_steps(table, "encoder", model, loss_fn, reps["tr_steps"])
+        table.add("encoder", "graph captured (grad_stats=True)", f"{len(g.nodes)} nodes",
+                  f"meta capture_ms {g.meta.get('capture_ms', 0):.0f} (walk + hooks + build)")
+        ours_view = bench_render(table, "encoder", g, reps["render"])["view"]
+        del model, g
+    if "resnet50" not in args.skip:
+        model, loss_fn = paddle_resnet50()
+        g = bench_steps(table, "resnet50", model, loss_fn, reps["r50_steps"])
+        table.add("resnet50", "graph captured (grad_stats=True)", f"{len(g.nodes)} nodes",
+                  f"meta capture_ms {g.meta.get('capture_ms', 0):.0f} (walk + hooks + build)")
+        bench_render(table, "resnet50", g, reps["r50_render"])
+        del model, g
+    if "torchviz" not in args.skip:
+        bench_torchviz(table, reps["render"], ours_view)
+    if "callback" not in args.skip:
+        bench_callback(table, quick)
+
+    table.print()
+    elapsed = time.time() - started
+    print(f"\n{elapsed:.0f} s in all; ratios are comparable within this run only.")
+    result = {
+        "quick": quick,
+        "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "seconds": round(elapsed, 1),
+        "env": {"paddle": paddle.__version__, "python": platform.python_version(), "cpus": os.cpu_count(),
+                "machine": platform.machine()},
+        "rows": table.rows,
+    }
+    path = os.path.abspath(args.json)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"results: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
