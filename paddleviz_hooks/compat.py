@@ -13,7 +13,7 @@ from typing import Any
 import graphviz
 import paddle
 
-from .capture import BackwardCapture, parameter_names, walk_graph
+from .capture import BackwardCapture, _grad_fn, parameter_names, walk_graph
 from .graph import BackwardGraph
 from .render.dot import dot_parts
 
@@ -27,13 +27,19 @@ def _as_tensors(tensors: Any) -> list[Any]:
     for t in items:
         if not isinstance(t, paddle.Tensor):
             raise TypeError(f"make_graph takes a paddle.Tensor or a tuple of them, got {type(t).__name__}")
-    if all(t.grad_fn is None for t in items):
+    if not any(_has_graph(t) for t in items):
         raise ValueError(
-            "the tensor has no backward graph (grad_fn is None): it was computed under "
+            "the tensor has no backward graph (stop_gradient=True or grad_fn is None): it was computed under "
             "paddle.no_grad(), detached, or from inputs that all have stop_gradient=True. "
             "Compute it from parameters or inputs with stop_gradient=False"
         )
     return items
+
+
+def _has_graph(t: Any) -> bool:
+    # A tensor with stop_gradient=True still has a grad_fn (an accumulation
+    # node) in Paddle 3.3, but no gradient can flow from it.
+    return _grad_fn(t) is not None and not t.stop_gradient
 
 
 def graph_of(tensors: Any, params: Any = None, *, grad_shapes: bool = True) -> BackwardGraph:
@@ -56,11 +62,11 @@ def graph_of(tensors: Any, params: Any = None, *, grad_shapes: bool = True) -> B
         if reached:
             cap = BackwardCapture(params=params if isinstance(params, (dict, paddle.nn.Layer)) else None)
             with cap:
-                paddle.grad([t for t in roots if t.grad_fn is not None], reached,
+                paddle.grad([t for t in roots if _has_graph(t)], reached,
                             retain_graph=True, allow_unused=True)
             if cap.graphs:
                 return cap.graphs[-1]
-    w = walk_graph(roots, names)
+    w = walk_graph([t for t in roots if _has_graph(t)], names)
     w.wrappers.clear()
     g = BackwardGraph(nodes=w.nodes, edges=w.edges, meta={"entry": "walk", "grad_stats": False})
     for e in g.edges:
@@ -115,9 +121,13 @@ def make_graph(tensors: Any, params: Any = None, dpi: Any = None, **options: Any
 
 
 def _point_graphviz_at_engine() -> None:
-    """Let ``Digraph.render`` use graphviz-pure when there is no system dot."""
+    """Let ``Digraph.render`` use the engine ``find_engine`` picks (graphviz-pure
+    when there is no system dot, or the one ``PADDLEVIZ_ENGINE`` names).
+
+    Set every time, so an earlier call that chose graphviz-pure does not stick.
+    """
     from .render.engine import find_engine
 
     engine = find_engine()
-    if engine is not None and engine.name == "graphviz-pure":
+    if engine is not None:
         graphviz.backend.dot_command.DOT_BINARY = engine.path

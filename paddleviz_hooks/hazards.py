@@ -1,51 +1,60 @@
 """Grad node kinds that must not (or cannot usefully) get a post-hook.
 
-One place, each entry with its reason, measured on Paddle 3.3.1 (see
-``shared/notes/paddle-autograd.md`` and ``tests/test_op_zoo.py``, whose
-sweep proves the list sufficient for the ops it covers). Nodes listed here
-are still drawn; they just carry no gradient data on their outgoing edges.
+One place, each entry with its reason, measured on Paddle 3.3.1 (CPU build;
+facts in ``shared/notes/paddle-autograd.md``). ``tests/test_op_zoo.py``
+proves the list sufficient: it sweeps 150 op cases reaching 131 grad node
+kinds, and every kind it reaches is either hooked (119 kinds, gradients
+bit-identical to an uncaptured run) or listed here; ``test_hazard_entries_are_necessary`` proves
+each measurable entry necessary by hooking it and watching backward fail.
+Nodes listed here are still drawn; they just carry no gradient data on their
+outgoing edges (``capture.py`` fills what it can from the receiving nodes).
+
+The mechanism behind :data:`MULTI_TENSOR_INPUT`: Paddle converts a post-hook's
+return value back with one tensor per forward input slot. A node whose
+forward op took a ``Tensor[]`` input that needs gradients (``concat([a, b])``)
+has a slot holding a list, and no return value converts: ``backward()``
+raises ``argument (position 1) must be list of Tensor, but got list``
+whatever the hook returns. A ``Tensor[]`` *output* is harmless (split,
+unbind, unstack, and the double-grad nodes of concat and stack are hooked
+safely), and so is a ``Tensor[]`` input that takes no gradient (the integer
+``indices`` of ``index_put``).
 """
 
 from __future__ import annotations
 
-__all__ = ["hook_hazard"]
+__all__ = ["hook_hazard", "MULTI_TENSOR_INPUT", "UNMEASURED", "NEVER_FIRES_PREFIXES"]
 
-# A post-hook on a node with a multi-tensor (Tensor[]) input slot makes
-# backward() raise "argument must be list of Tensor", whatever it returns.
+#: Measured: hooking these makes ``backward()`` raise (op cases in brackets).
 MULTI_TENSOR_INPUT = frozenset(
     {
-        "ConcatGradNode",
-        "StackGradNode",
-        "AddNGradNode",
+        "ConcatGradNode",  # concat, hstack/vstack, block_diag
+        "StackGradNode",  # stack, cartesian_prod
+        # add_n with 2+ inputs (one input would be safe, but the name is the
+        # same); paddle.Model's loss is add_n(losses), so its root is one.
         "AddNGradNodeFinal",
-        "EinsumGradNode",
-        "MultiDotGradNode",
-        "RnnGradNode",
-        "MeshgridGradNode",
-        "BroadcastTensorsGradNode",
-        "BlockDiagGradNode",
-        "MultiplexGradNode",
-        "CoalesceTensorGradNode",
-        "UnstackGradNode",
-        "SplitGradNode",
-        "SplitWithNumGradNode",
-        "UnbindGradNode",
-        "FusedRotaryPositionEmbeddingGradNode",
-        "WhereIndexGradNode",
-        "AddNDoubleGradNode",
-        "ConcatDoubleGradNode",
-        "StackDoubleGradNode",
-        "CudnnLstmGradNode",
-        "MergedAdamGradNode",
-        "CheckFiniteAndUnscaleGradNode",
-        "SendUVGradNode",
-        "CrossEntropyWithSoftmaxBwdWGradNode",
+        "EinsumGradNode",  # einsum (operands)
+        "MultiDotGradNode",  # linalg.multi_dot
+        "RnnGradNode",  # nn.LSTM / GRU / SimpleRNN (weight list, initial states)
+        "MeshgridGradNode",  # meshgrid, cartesian_prod
+        "BroadcastTensorsGradNode",  # broadcast_tensors
+        "MultiplexGradNode",  # multiplex
     }
 )
 
-# Registration succeeds but the hook never fires: harmless, but a node that
-# claims to be hooked would then report "no gradient" misleadingly.
-NEVER_FIRES_PREFIXES = ("GradNodePyLayer_", "Dy2StGradNode", "RunProgramGradNode")
+#: Not measurable on the CPU build (the op has only a GPU kernel), kept
+#: unhooked because the op has a ``Tensor[]`` input that takes gradients,
+#: the measured mechanism above.
+UNMEASURED = frozenset(
+    {
+        "CudnnLstmGradNode",  # cudnn_lstm: WeightList is Tensor[]
+    }
+)
+
+#: Registration succeeds but the hook never fires (measured: a custom
+#: ``PyLayer``, reentrant ``recompute`` which is a PyLayer, and
+#: ``paddle.jit.to_static``). Harmless, but the node would claim to be hooked
+#: and then report no gradient, so it is not hooked.
+NEVER_FIRES_PREFIXES = ("GradNodePyLayer_", "Dy2StGradNode")
 
 
 def hook_hazard(node_name: str) -> str | None:
@@ -67,6 +76,8 @@ def hook_hazard(node_name: str) -> str | None:
         return "leaf: Paddle refuses post-hooks on accumulation nodes"
     if node_name in MULTI_TENSOR_INPUT:
         return "multi-tensor input: a post-hook breaks backward"
+    if node_name in UNMEASURED:
+        return "multi-tensor input (GPU-only op, not measured): not hooked as a precaution"
     if node_name.startswith(NEVER_FIRES_PREFIXES):
         return "custom/compiled backward: post-hooks never fire"
     return None

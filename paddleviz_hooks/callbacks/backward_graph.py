@@ -142,14 +142,19 @@ class BackwardGraphCallback(paddle.callbacks.Callback):
                 raise TypeError(f"{name} must be True or False, got {flag!r}")
         if isinstance(formats, str):
             formats = (formats,)
+        if not isinstance(formats, Iterable):
+            raise ValueError(f"formats must be a non-empty subset of {_FORMATS}, got {formats!r}")
+        formats = tuple(formats)
         bad = [f for f in formats if f not in _FORMATS]
         if bad or not formats:
             raise ValueError(f"formats must be a non-empty subset of {_FORMATS}, got {tuple(formats)!r}")
         if on_grad_spike is not None and (
-            isinstance(on_grad_spike, bool) or not isinstance(on_grad_spike, (int, float)) or on_grad_spike <= 1
+            isinstance(on_grad_spike, bool) or not isinstance(on_grad_spike, (int, float))
+            or not 1 < on_grad_spike < math.inf  # also rejects NaN, which would never fire
         ):
             raise ValueError(f"on_grad_spike must be a factor > 1 (e.g. 10) or None, got {on_grad_spike!r}")
-        if not isinstance(render_timeout, (int, float)) or render_timeout <= 0:
+        if (isinstance(render_timeout, bool) or not isinstance(render_timeout, (int, float))
+                or not 0 < render_timeout < math.inf):
             raise ValueError(f"render_timeout must be a positive number of seconds, got {render_timeout!r}")
         if ranks != "all":
             rank_list = [ranks] if isinstance(ranks, int) else ranks
@@ -182,6 +187,8 @@ class BackwardGraphCallback(paddle.callbacks.Callback):
         self.cooldown = cooldown
         self.queue_size = queue_size
         self.render_timeout = float(render_timeout)
+        if not isinstance(verbose, int) or verbose not in (0, 1, 2):
+            raise ValueError(f"verbose must be 0 (silent) or 1 (print notices), got {verbose!r}")
         self.verbose = verbose
 
         self.global_step = 0
@@ -199,6 +206,7 @@ class BackwardGraphCallback(paddle.callbacks.Callback):
         self._last_fp: Any = None
         self._norms: deque[float] = deque(maxlen=100)
         self._captured_now = False
+        self._loss_nonfinite = False
         self._worker: BackgroundWorker | None = None
         self._sink = None
         self._files: StepFiles | None = None
@@ -206,6 +214,7 @@ class BackwardGraphCallback(paddle.callbacks.Callback):
         self._warned: set[str] = set()
         self._capture_warned: set[str] = set()
         self._warn_lock = threading.Lock()
+        self._guard: _StepGuard | None = None
 
     # ------------------------------------------------------------- helpers
     @property
@@ -275,6 +284,7 @@ class BackwardGraphCallback(paddle.callbacks.Callback):
             except Exception as exc:
                 self._watch = None
                 self._warn("watch", f"triggers are off: {exc!r}")
+        self._guard = _StepGuard.attach(getattr(self, "model", None), self)
         if self.verbose and self._files is not None:
             print(f"[paddleviz-hooks] backward graphs -> {os.path.abspath(run_dir)}")
 
@@ -283,6 +293,7 @@ class BackwardGraphCallback(paddle.callbacks.Callback):
         if not self._active:
             return
         self._captured_now = False
+        self._loss_nonfinite = False
         if self._scheduled(self.global_step) and self._budget_left():
             self._armed = "scheduled"
             if self._watch is None:
@@ -308,8 +319,12 @@ class BackwardGraphCallback(paddle.callbacks.Callback):
     def close(self) -> None:
         """Remove every hook, finish pending renders and close the VisualDL writer.
 
-        Called by ``on_train_end``; call it yourself after a ``fit`` that was
-        interrupted (or use the callback as a context manager).
+        Called by ``on_train_end``, and automatically when an exception
+        (Ctrl-C, an error in the model or loss) leaves a training step. After
+        an exception raised elsewhere (data loading, another callback,
+        evaluation) ``Model.fit`` calls no callback: call it yourself, or use
+        ``with BackwardGraphCallback(...) as cb: model.fit(..., callbacks=[cb])``.
+        Calling it twice is harmless.
         """
         self._close()
 
@@ -321,6 +336,9 @@ class BackwardGraphCallback(paddle.callbacks.Callback):
 
     def _close(self) -> None:
         self._armed = None
+        guard, self._guard = self._guard, None
+        if guard is not None:
+            guard.detach(self)
         for cap in (self._step_capture, self._watch):
             if cap is not None:
                 cap.__exit__(None, None, None)
@@ -336,12 +354,16 @@ class BackwardGraphCallback(paddle.callbacks.Callback):
                 self._warn("vdl-close", f"closing the VisualDL writer failed: {exc!r}")
 
     # ------------------------------------------------ backward-time decisions
+    def _can_fire(self, trigger: str, step: int) -> bool:
+        """Whether ``trigger`` may capture ``step`` (its cooldown and the budget)."""
+        last = self._last_fired.get(trigger)
+        if last is not None and step - last < self.cooldown:
+            return False
+        return self._budget_left()
+
     def _fire(self, trigger: str) -> str | None:
         """Trigger label if its cooldown and the capture budget allow it."""
-        last = self._last_fired.get(trigger)
-        if last is not None and self.global_step - last < self.cooldown:
-            return None
-        if not self._budget_left():
+        if not self._can_fire(trigger, self.global_step):
             return None
         self._last_fired[trigger] = self.global_step
         return trigger
@@ -351,6 +373,9 @@ class BackwardGraphCallback(paddle.callbacks.Callback):
         if self._captured_now:
             return None  # one capture per step (e.g. a second paddle.grad call)
         trigger = None
+        loss_bad = (self.on_nonfinite and len(roots) == 1 and roots[0].size == 1
+                    and not math.isfinite(float(roots[0])))
+        self._loss_nonfinite = loss_bad
         if self._armed:
             trigger = self._armed
         elif self._pending:
@@ -359,9 +384,12 @@ class BackwardGraphCallback(paddle.callbacks.Callback):
             trigger = self._fire(kind)
             if trigger is not None:
                 self._trigger_note = f"{kind} seen at step {seen_at}"
-        if trigger is None and self.on_nonfinite and len(roots) == 1 and roots[0].size == 1:
-            if not math.isfinite(float(roots[0])):
-                trigger = self._fire("nonfinite_loss")
+        if trigger is None and loss_bad:
+            trigger = self._fire("nonfinite_loss")
+        elif trigger is not None and loss_bad:
+            # this capture already shows the NaN/Inf loss: the next NaN step
+            # is not captured again until the cooldown has passed
+            self._last_fired["nonfinite_loss"] = self.global_step
         if self.on_structure_change:
             fp = structure_fingerprint(walk())
             if self._last_fp is None:
@@ -394,13 +422,17 @@ class BackwardGraphCallback(paddle.callbacks.Callback):
         norm = math.sqrt(max(float(paddle.add_n(sq)), 0.0)) if len(sq) > 1 else math.sqrt(max(float(sq[0]), 0.0))
         step = self.global_step
         if not math.isfinite(norm):
-            if self.on_nonfinite and not self._captured_now:
+            # a NaN/Inf loss is the nonfinite_loss trigger's (its gradients are
+            # NaN too); notices only for a capture that will really happen
+            if (self.on_nonfinite and not self._captured_now and not self._loss_nonfinite
+                    and self._can_fire("nonfinite_grad", step + 1)):
                 self._pending = ("nonfinite_grad", step)
                 self._notice(f"non-finite gradients at step {step} with a finite loss; capturing step {step + 1}")
             return
         if self.on_grad_spike is not None and len(self._norms) >= 5:
             median = statistics.median(self._norms)
-            if median > 0 and norm > self.on_grad_spike * median and not self._captured_now:
+            if (median > 0 and norm > self.on_grad_spike * median and not self._captured_now
+                    and self._can_fire("grad_spike", step + 1)):
                 self._pending = ("grad_spike", step)
                 self._notice(f"gradient norm {norm:.4g} at step {step} is {norm / median:.1f}x the running "
                              f"median {median:.4g}; capturing step {step + 1}")
@@ -520,6 +552,59 @@ class BackwardGraphCallback(paddle.callbacks.Callback):
             scalars[f"grad_norm/{layer}"] = norm
         sink.scalars(scalars, step)
         sink.flush()
+
+
+class _StepGuard:
+    """Closes callbacks when an exception leaves a training step.
+
+    ``Model.fit`` calls no callback when an exception (Ctrl-C, an error in the
+    model or loss) propagates out of it, so forward hooks and the backward
+    patch of an armed capture would stay until ``close()``. While a fit runs,
+    ``model.train_batch`` (looked up per batch by ``Model.fit``) is this
+    wrapper, an instance attribute shared by every callback of the fit; the
+    last callback to close puts the original back. Exceptions outside
+    ``train_batch`` (data loading, other callbacks, evaluation) still need
+    ``close()`` or ``with BackwardGraphCallback(...) as cb:``.
+    """
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.had_own = "train_batch" in model.__dict__
+        self.own = model.__dict__.get("train_batch")
+        self.inner = model.train_batch
+        self.callbacks: list[Any] = []
+
+    @classmethod
+    def attach(cls, model: Any, cb: Any) -> "_StepGuard | None":
+        if model is None or not callable(getattr(model, "train_batch", None)):
+            return None
+        guard = model.__dict__.get("train_batch")
+        if not isinstance(guard, cls):
+            guard = cls(model)
+            model.train_batch = guard
+        guard.callbacks.append(cb)
+        return guard
+
+    def detach(self, cb: Any) -> None:
+        if cb in self.callbacks:
+            self.callbacks.remove(cb)
+        if not self.callbacks and self.model.__dict__.get("train_batch") is self:
+            if self.had_own:
+                self.model.train_batch = self.own
+            else:
+                del self.model.train_batch
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return self.inner(*args, **kwargs)
+        except BaseException:
+            for cb in list(self.callbacks):
+                cb._active = False
+                try:
+                    cb._close()
+                except Exception:
+                    pass
+            raise
 
 
 def _where(node: Any) -> str:

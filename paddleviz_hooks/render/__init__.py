@@ -47,6 +47,8 @@ _FORMATS = ("png", "svg", "dot", "json")
 
 def prepare(graph: BackwardGraph, options: dict[str, Any]) -> BackwardGraph:
     """Apply the collapse options (popped from ``options``) to ``graph``."""
+    if not isinstance(graph, BackwardGraph):
+        raise TypeError(f"graph must be a BackwardGraph (e.g. cap.graph), got {type(graph).__name__}")
     collapse = {k: options.pop(k) for k in _COLLAPSE_KEYS if k in options}
     # `is` tests: depth=0 (box the whole model) is an option, though 0 == False
     if not any(v is not None and v is not False and not (isinstance(v, (tuple, list)) and not v)

@@ -5,7 +5,10 @@ either huge or illegible. :func:`collapse_graph` returns a smaller graph in
 which whole layers are single boxes (``Node(kind="layer")``):
 
 * ``depth``: every layer at that depth becomes one box holding all the op
-  nodes and parameter leaves beneath it. Depth counts the dotted components
+  nodes and parameter leaves beneath it, and so does every shallower layer
+  without sublayers (a top-level ``fc`` at ``depth=2``); only ops that belong
+  directly to a layer with sublayers (a residual ``Add``) stay. Depth counts
+  the dotted components
   of a layer path, except that pure containers (``LayerList``, ``LayerDict``,
   ``ParameterList``), which never run themselves, are not a level: the
   blocks ``layers.0``, ``layers.1`` ... of a ``TransformerEncoder`` are at
@@ -66,6 +69,9 @@ class _Layers:
     def __init__(self, graph: BackwardGraph) -> None:
         self.types = graph.layers
         self._depth: dict[str, int] = {}
+        self.parents: set[str] = set()  # layers that have sublayers
+        for path in graph.layers:
+            self.parents.update(_prefixes(path)[:-1])
 
     def is_container(self, path: str) -> bool:
         return self.types.get(path) in CONTAINER_TYPES
@@ -84,7 +90,12 @@ class _Layers:
         for p in _prefixes(path):  # shallowest first: the outermost box wins
             if self.is_container(p):
                 continue
-            if depth is not None and self.depth(p) == depth:
+            if depth is not None and (
+                self.depth(p) == depth
+                # a layer without sublayers above the cut is a box too: its
+                # ops are only shown at full detail (depth=None)
+                or (p and self.depth(p) < depth and p not in self.parents)
+            ):
                 return p
             if by_type and self.types.get(p) in by_type:
                 return p

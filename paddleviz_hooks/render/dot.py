@@ -120,6 +120,8 @@ def dot_parts(
     Returns:
         (graph attributes, body lines), the pieces of a ``graphviz.Digraph``.
     """
+    if not isinstance(graph, BackwardGraph):
+        raise TypeError(f"graph must be a BackwardGraph (e.g. cap.graph), got {type(graph).__name__}")
     if rankdir not in ("TB", "LR", "BT", "RL"):
         raise ValueError(f"rankdir must be one of TB, LR, BT, RL; got {rankdir!r}")
     node_style = node_style or {}
@@ -203,7 +205,8 @@ def _cluster_lines(graph: BackwardGraph, by_layer: dict[str | None, list[Node]],
         for i in range(len(parts), 0, -1):
             parent = ".".join(parts[: i - 1])
             child = ".".join(parts[:i])
-            children[parent].add(child)
+            if child != parent:  # a path with an empty first part ("..", ".x") is its own parent
+                children[parent].add(child)
             paths.add(parent)
     lines: list[str] = []
     counter = [0]
@@ -211,7 +214,8 @@ def _cluster_lines(graph: BackwardGraph, by_layer: dict[str | None, list[Node]],
     def emit(path: str, indent: str) -> None:
         counter[0] += 1
         kind = graph.layers.get(path, "")
-        name = path.rsplit(".", 1)[-1] if path else (kind or "model")
+        # `or path`: a layer named "..", "a." has an empty last part
+        name = (path.rsplit(".", 1)[-1] or path) if path else (kind or "model")
         label = f"{name} ({kind})" if kind and path else name
         lines.append(f"{indent}subgraph cluster_{counter[0]} {{")
         lines.append(f"{indent}  label={dot_quote(label)}; tooltip={dot_quote(path or '<top>')};")

@@ -104,6 +104,9 @@ def run_engine(
         RenderTimeout: the engine ran past ``timeout``.
         RuntimeError: the engine failed (its message is included).
     """
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                or not timeout > 0):
+        raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
     engine = engine or require_engine()
     cmd = [engine.path, f"-T{fmt}", *args]
     try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import math
 import re
+import zlib
 from collections import defaultdict
 from typing import Any
 
@@ -35,7 +36,9 @@ def encode_like_visualdl(array: Any) -> bytes:
     return imgarray2bytes(array)
 
 
-_TAG_UNSAFE = re.compile(r"[^A-Za-z0-9_.\-/]+")
+# \w is Unicode-aware: layer names in any script stay readable (VisualDL
+# stores and serves non-ASCII tags fine; only '%' breaks it)
+_TAG_UNSAFE = re.compile(r"[^\w.\-/]+")
 
 
 def clean_tag(text: str) -> str:
@@ -61,6 +64,8 @@ class VisualDLSink:
 
         self._writer = LogWriter(logdir=run_dir, display_name=display_name)
         self._counts: dict[str, int] = defaultdict(int)
+        self._scalar_tags: dict[str, str] = {}  # raw name -> tag, unique per raw name
+        self._tag_owner: dict[str, str] = {}  # tag -> the raw name that has it
         self.file_name = self._writer.file_name
 
     def paged_tag(self, base: str) -> str:
@@ -84,7 +89,19 @@ class VisualDLSink:
         for tag, value in values.items():
             if value is None or not math.isfinite(value):
                 continue  # the chart cannot draw NaN; counts are logged instead
-            self._writer.add_scalar(tag=clean_tag(tag), value=float(value), step=step)
+            self._writer.add_scalar(tag=self.scalar_tag(tag), value=float(value), step=step)
+
+    def scalar_tag(self, name: str) -> str:
+        """The tag for ``name``; two names that clean to the same text
+        (``"a b"`` and ``"a_b"``) get different tags, so no chart mixes two layers."""
+        tag = self._scalar_tags.get(name)
+        if tag is None:
+            tag = clean_tag(name)
+            if self._tag_owner.setdefault(tag, name) != name:
+                tag = f"{tag[:111]}_{zlib.crc32(name.encode('utf-8')):08x}"
+                self._tag_owner.setdefault(tag, name)
+            self._scalar_tags[name] = tag
+        return tag
 
     def flush(self) -> None:
         self._writer.flush()
