@@ -1,0 +1,44 @@
+"""Shared pytest set-up.
+
+* ``--runslow`` runs the tests marked ``@pytest.mark.slow`` (skipped otherwise).
+* Every test is checked for leaking Paddle state: a backward patch still
+  installed after the test is a capture that did not clean up, which fails
+  the test; grad mode left off (what a raising node hook does to Paddle) is
+  restored so one broken test cannot break every later one, with a warning.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+
+def pytest_addoption(parser):
+    parser.addoption("--runslow", action="store_true", default=False, help="also run tests marked slow")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--runslow"):
+        return
+    skip = pytest.mark.skip(reason="slow: run with --runslow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _paddle_state_guard():
+    yield
+    import paddle
+    from paddleviz_hooks.capture import _DISPATCHER, _dispatcher_installed
+
+    leaked = _dispatcher_installed()
+    if leaked:
+        for cap in list(_DISPATCHER._active):
+            _DISPATCHER.deactivate(cap)
+    if not paddle.is_grad_enabled():
+        paddle.set_grad_enabled(True)
+        warnings.warn("a test left Paddle's grad mode disabled; re-enabled", RuntimeWarning)
+    if leaked:
+        pytest.fail("the backward patch was still installed after the test: a capture leaked")
