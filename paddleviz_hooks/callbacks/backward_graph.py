@@ -64,8 +64,9 @@ class BackwardGraphCallback(paddle.callbacks.Callback):
         capture_first: also capture step 1.
         max_captures: stop after this many captures (None: no limit).
         grad_stats: record gradient norms/min/max/NaN counts (False: shapes only).
-        view_max_nodes: node budget of the viewing PNG; larger graphs are
-            collapsed by layer depth (the SVG keeps full detail).
+        view_max_nodes: node budget of the viewing PNG (larger graphs are
+            collapsed by layer depth); None (default) collapses only as far as
+            legibility within ``view_max_px`` needs. The SVG keeps full detail.
         view_max_px: longest side of the viewing PNG in pixels.
         formats: which files to keep per step, any of png, svg, dot, json.
         visualdl: log records to VisualDL.
@@ -103,7 +104,7 @@ class BackwardGraphCallback(paddle.callbacks.Callback):
         capture_first: bool = True,
         max_captures: int | None = None,
         grad_stats: bool = True,
-        view_max_nodes: int = 60,
+        view_max_nodes: int | None = None,
         view_max_px: int = 2000,
         formats: Sequence[str] = _FORMATS,
         visualdl: bool = True,
@@ -132,7 +133,7 @@ class BackwardGraphCallback(paddle.callbacks.Callback):
         elif every is None:
             every = 100
         _check_int("max_captures", max_captures, 1)
-        _check_int("view_max_nodes", view_max_nodes, 2, allow_none=False)
+        _check_int("view_max_nodes", view_max_nodes, 2)
         _check_int("view_max_px", view_max_px, 64, allow_none=False)
         _check_int("cooldown", cooldown, 0, allow_none=False)
         _check_int("queue_size", queue_size, 1, allow_none=False)
