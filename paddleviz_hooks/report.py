@@ -34,6 +34,7 @@ from xml.etree import ElementTree
 
 from .diff import DIFF_FORMAT, GraphDiff, describe_node, diff_graphs
 from .graph import BackwardGraph
+from .render.dot import fmt_num
 from .render.quoting import html_escape
 
 __all__ = ["build_report", "find_step_files", "ReportError"]
@@ -222,13 +223,7 @@ def _e(text: Any) -> str:
 
 
 def _fmt(v: float | None) -> str:
-    if v is None:
-        return "-"
-    if math.isnan(v):
-        return "NaN"
-    if math.isinf(v):
-        return "Inf" if v > 0 else "-Inf"
-    return f"{v:.4g}"
+    return fmt_num(v, digits=4)
 
 
 def _chart_depth(graphs: list[BackwardGraph]) -> int:
@@ -702,7 +697,7 @@ def build_report(log_dir: str | os.PathLike, out_path: str | os.PathLike, *, tit
     if title is None:
         title = f"paddleviz-hooks report: {os.path.basename(os.path.abspath(log_dir))}"
     page = _html(title, runs, skipped)
-    from .render import _atomic_write
+    from ._fileio import atomic_write
 
-    _atomic_write(out_path, page.encode("utf-8"))
+    atomic_write(out_path, page.encode("utf-8"))
     return out_path

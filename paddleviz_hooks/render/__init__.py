@@ -17,10 +17,10 @@ import math
 import os
 import re
 import struct
-import tempfile
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from .._fileio import atomic_write
 from ..graph import BackwardGraph
 from .dot import to_dot
 from .engine import EngineNotFound, RenderTimeout, find_engine, run_engine
@@ -394,34 +394,6 @@ def _with_note(options: dict[str, Any], collapsed: BackwardGraph, full: Backward
     return {**options, "title": f"{title} - {note}" if title else note}
 
 
-def _umask() -> int:
-    """The process umask, read without changing it (os.umask would race with threads)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0o022
-
-
-def _atomic_write(path: str, data: bytes) -> None:
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600 files; honour the umask
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-
-
 def render_to_file(graph: BackwardGraph, path: str | os.PathLike, format: str | None = None, **options: Any) -> str:
     """Write ``graph`` to ``path`` as png, svg, dot or json (see ``BackwardGraph.render``)."""
     if not isinstance(path, (str, os.PathLike)):
@@ -441,5 +413,5 @@ def render_to_file(graph: BackwardGraph, path: str | os.PathLike, format: str | 
         data = render_svg(graph, **options)
     else:
         data = render_png(graph, **options)
-    _atomic_write(path, data)
+    atomic_write(path, data)
     return path

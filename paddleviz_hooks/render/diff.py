@@ -241,7 +241,8 @@ def render_diff(
         >>> render_diff(d, new, old, "diff.png")
         'diff.png'
     """
-    from . import _atomic_write, render_png, render_svg
+    from .._fileio import atomic_write
+    from . import render_png, render_svg
 
     _check(diff, newer, older)
     if path is not None and not isinstance(path, (str, os.PathLike)):
@@ -271,7 +272,7 @@ def render_diff(
             data = render_png(newer, **opts)
     if path is None:
         return data
-    _atomic_write(path, data)
+    atomic_write(path, data)
     return path
 
 

@@ -34,15 +34,15 @@ def _shape(shape: tuple[int, ...] | None) -> str:
     return "[" + ", ".join(str(s) for s in shape) + "]"
 
 
-def fmt_num(v: float | None) -> str:
-    """Short number text: 3 significant digits, NaN/Inf spelled out."""
+def fmt_num(v: float | None, digits: int = 3) -> str:
+    """Short number text: ``digits`` significant digits, NaN/Inf spelled out."""
     if v is None:
         return "-"
     if math.isnan(v):
         return "NaN"
     if math.isinf(v):
         return "Inf" if v > 0 else "-Inf"
-    return f"{v:.3g}"
+    return f"{v:.{digits}g}"
 
 
 def edge_text(meta: GradMeta | None, stats: bool) -> list[str]:

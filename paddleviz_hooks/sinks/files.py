@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import tempfile
 
+from .._fileio import atomic_write
 from ..render.quoting import safe_filename
 
 __all__ = ["StepFiles", "step_stem"]
@@ -37,18 +38,4 @@ class StepFiles:
 
     def write(self, step: int, ext: str, data: bytes | str, suffix: str = "") -> str:
         """Write one artefact; returns its path. Partial files never remain."""
-        if isinstance(data, str):
-            data = data.encode("utf-8")
-        target = self.path(step, ext, suffix)
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=self.directory)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.replace(tmp, target)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
-        return target
+        return atomic_write(self.path(step, ext, suffix), data)
