@@ -188,3 +188,19 @@ def test_bad_arguments_fail_at_construction(kwargs):
         BackwardGraphCallback("logs", **kwargs)
     key, value = next(iter(kwargs.items()))
     assert repr(value) in str(info.value) or key in str(info.value)
+
+
+def test_static_mode_warns_once_and_records_nothing(tmp_path):
+    cb = BackwardGraphCallback(str(tmp_path), every=1, verbose=0)
+    paddle.enable_static()
+    try:
+        with pytest.warns(RuntimeWarning, match="dynamic-graph mode") as got:
+            cb.on_train_begin({})
+            cb.on_train_batch_begin(0, {})
+            cb.on_train_batch_end(0, {})
+            cb.on_train_end({})
+    finally:
+        paddle.disable_static()
+    assert len([w for w in got if "paddleviz_hooks" in str(w.message)]) == 1
+    assert cb.captured_steps == [] and not (tmp_path / "backward_graph").exists()
+    assert not _dispatcher_installed()

@@ -264,6 +264,11 @@ class BackwardGraphCallback(paddle.callbacks.Callback):
         self.global_step = 0
         rank = paddle.distributed.get_rank()
         self._active = self.ranks == "all" or rank in self.ranks
+        if self._active and not paddle.in_dynamic_mode():
+            self._active = False
+            self._warn("static", "BackwardGraphCallback needs dynamic-graph mode (the default); "
+                                 "with paddle.enable_static() there is no eager backward graph to "
+                                 "capture, so nothing is recorded")
         if not self._active:
             return
         run_dir = os.path.join(self.log_dir, self.run_name)
