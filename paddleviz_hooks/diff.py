@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from .graph import BackwardGraph, Node, _float_in, _float_out, _merge_metas
+from .graph import BackwardGraph, Node, _float_in, _float_out, _merge_metas, parse_json
 
 __all__ = ["GraphDiff", "diff_graphs", "node_norms", "describe_node", "DEFAULT_THRESHOLD"]
 
@@ -304,11 +304,7 @@ class GraphDiff:
         Raises:
             ValueError: the text is not JSON of a graph diff.
         """
-        try:
-            d = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"not JSON: {exc}") from None
-        return cls.from_dict(d)
+        return cls.from_dict(parse_json(text))
 
     def __repr__(self) -> str:
         return (

@@ -436,11 +436,7 @@ class BackwardGraph:
         Raises:
             ValueError: the text is not JSON of a backward graph.
         """
-        try:
-            d = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"not JSON: {exc}") from None
-        return cls.from_dict(d)
+        return cls.from_dict(parse_json(text))
 
     def to_dot(self, **options: Any) -> str:
         """DOT source of the graph; drawing and collapse options as for :meth:`render`."""
@@ -513,6 +509,14 @@ class BackwardGraph:
             f"BackwardGraph({len(self.nodes)} nodes, {len(self.edges)} edges, "
             f"step={self.meta.get('step')})"
         )
+
+
+def parse_json(text: str | bytes) -> Any:
+    """``json.loads`` whose error is a one-line ``ValueError``."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not JSON: {exc}") from None
 
 
 def _merge_metas(metas: Iterable[GradMeta]) -> GradMeta | None:

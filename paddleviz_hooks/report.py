@@ -33,7 +33,7 @@ from typing import Any
 from xml.etree import ElementTree
 
 from .diff import DIFF_FORMAT, GraphDiff, describe_node, diff_graphs
-from .graph import BackwardGraph
+from .graph import BackwardGraph, parse_json
 from .render.dot import fmt_num
 from .render.quoting import html_escape
 
@@ -99,10 +99,7 @@ def _read_graph(path: str) -> BackwardGraph:
         text = data.decode("utf-8")
     except UnicodeDecodeError:
         raise ValueError("not UTF-8 text") from None
-    try:
-        d = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"not JSON: {exc}") from None
+    d = parse_json(text)
     if isinstance(d, dict) and d.get("format") == DIFF_FORMAT:
         raise _NotAGraph(path)  # step_000100_diff.json: the report makes its own diffs
     g = BackwardGraph.from_dict(d)
