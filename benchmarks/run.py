@@ -440,6 +440,20 @@ def callback_rows(table: Table, quick: bool) -> None:
             captured = set(getattr(cb, "captured_steps", ()))
             withcb += [t for s, t in clock.step_times().items() if s > 5 and s not in captured]
         b, c = med(base), med(withcb)
+        # The callback's own work on an uncaptured step, timed in isolation:
+        # a whole-step ratio cannot resolve 1% on a shared 2-core machine.
+        cb = cls(log_dir=os.path.join(tmp, "calls"), steps=[10**9], capture_first=False, verbose=0)
+        cb.on_train_begin({})
+        n = 200_000
+        t0 = time.perf_counter()
+        for i in range(n):
+            cb.on_train_batch_begin(i, None)
+            cb.on_train_batch_end(i, None)
+        per_step = (time.perf_counter() - t0) / n
+        cb.on_train_end({})
+        table.add("callback", "callback work per uncaptured step / step time", f"{per_step / b:.5f}x",
+                  f"{per_step * 1e6:.2f} us per step (batch begin + end) vs a {b * 1000:.1f} ms step",
+                  ratio=per_step / b, seconds=per_step)
         table.add("callback", "uncaptured step, BackwardGraphCallback(every=50) / none", f"{c / b:.3f}x",
                   f"{c * 1000:.2f} vs {b * 1000:.2f} ms per step (3-layer MLP), {rounds} x {steps} steps each, "
                   f"captured steps {sorted(captured)}",
