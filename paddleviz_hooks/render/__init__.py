@@ -115,14 +115,22 @@ _EDGE_LINE = re.compile(r"^(\s*)(\w+) -> (\w+) \[(.*)\]$")
 _NODE_LINE = re.compile(r"^\s*(\w+) \[label=")
 
 
-def _cluster_members(source: str) -> list[set[str]]:
-    """Node names inside each ``subgraph cluster_*`` of DOT ``source``."""
+def _cluster_members(source: str, innermost: bool = False) -> list[set[str]]:
+    """Node names inside each ``subgraph cluster_*`` of DOT ``source``.
+
+    With ``innermost``, only clusters that hold no other cluster (one
+    layer's own ops, such as a Conv2D's conv, bias add and reshape).
+    """
     clusters: list[set[str]] = []
+    has_child: list[bool] = []
     stack: list[int] = []
     for line in source.split("\n"):
         s = line.strip()
         if s.startswith("subgraph cluster_"):
+            if stack:
+                has_child[stack[-1]] = True
             clusters.append(set())
+            has_child.append(False)
             stack.append(len(clusters) - 1)
         elif s == "}" and stack:
             stack.pop()
@@ -131,6 +139,8 @@ def _cluster_members(source: str) -> list[set[str]]:
             if m and stack:
                 for c in stack:
                     clusters[c].add(m.group(1))
+    if innermost:
+        return [c for c, child in zip(clusters, has_child) if not child]
     return clusters
 
 
@@ -140,8 +150,10 @@ def _wrapped(source: str, plain: str, rankdir: str, bands: int) -> str | None:
     Edges that cross from one band into the next stop constraining the
     ranks, so every band starts again at the top (left): a long chain is
     drawn like newspaper columns instead of one tall strip. Cuts go between
-    ranks and never through a layer cluster, except the clusters that span
-    (nearly) the whole drawing; None when no such cut exists.
+    ranks and never through an innermost layer cluster (one layer's own
+    ops); containers such as ``Sequential`` or the model may be split, since
+    otherwise a chain of containers (LeNet) can never wrap. None when no such
+    cut exists.
     """
     lines = plain.split("\n")
     head = lines[0].split()
@@ -156,7 +168,7 @@ def _wrapped(source: str, plain: str, rankdir: str, bands: int) -> str | None:
         return None
     lo, hi = min(pos.values()), max(pos.values())
     extents = []
-    for members in _cluster_members(source):
+    for members in _cluster_members(source, innermost=True):
         ps = [pos[n] for n in members if n in pos]
         if ps and max(ps) - min(ps) < 0.9 * (hi - lo):  # model-wide frames may be cut
             extents.append((min(ps), max(ps)))
