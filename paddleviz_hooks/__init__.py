@@ -7,7 +7,8 @@ Public API:
 * :func:`make_graph` / :func:`graph_of` - the graph of a tensor before backward
   (``make_graph`` is a drop-in for the ``paddleviz`` prototype).
 * :class:`BackwardGraph`, :class:`GraphDiff` - the plain data model and comparisons.
-* :func:`render_png`, :func:`render_svg`, :func:`render_diff` - drawing.
+* :func:`render_png`, :func:`render_svg`, :func:`render_diff` - drawing;
+  :func:`collapse_graph` - layers folded into boxes.
 * :func:`build_report` - the offline HTML report of a log directory.
 
 The names that need paddle are imported on first use, so loading saved
@@ -20,6 +21,7 @@ from typing import Any
 from .diff import GraphDiff, diff_graphs
 from .graph import BackwardGraph, Edge, GradMeta, Node
 from .render import render_png, render_svg
+from .render.collapse import collapse_graph
 from .render.diff import render_diff
 from .render.engine import EngineNotFound, RenderTimeout
 from .report import build_report
@@ -46,6 +48,7 @@ __all__ = [
     "RenderTimeout",
     "build_report",
     "capture_backward",
+    "collapse_graph",
     "diff_graphs",
     "graph_of",
     "make_graph",
