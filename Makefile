@@ -20,13 +20,15 @@ $(VENV)/.installed: $(BIN)/activate pyproject.toml setup.cfg
 # installed above is used automatically.
 engine:
 	@command -v dot >/dev/null 2>&1 || { \
-	  if [ -n "$(APT)" ]; then $(APT) update -qq && DEBIAN_FRONTEND=noninteractive $(APT) install -y -qq graphviz >/dev/null; \
+	  if [ -n "$(APT)" ]; then { $(APT) update -qq && DEBIAN_FRONTEND=noninteractive $(APT) install -y -qq graphviz >/dev/null; } \
+	    || echo "WARNING: apt-get could not install graphviz; using the pip engine graphviz-pure"; \
 	  else echo "no root/sudo: using the pip engine graphviz-pure instead of the system dot"; fi; }
 
 # Debian's Chromium for the dashboard and report browser tests (skipped without it).
 browser:
 	@test -x /usr/bin/chromium || { \
-	  if [ -n "$(APT)" ]; then $(APT) update -qq && DEBIAN_FRONTEND=noninteractive $(APT) install -y -qq chromium >/dev/null; \
+	  if [ -n "$(APT)" ]; then { $(APT) update -qq && DEBIAN_FRONTEND=noninteractive $(APT) install -y -qq chromium >/dev/null; } \
+	    || echo "WARNING: apt-get could not install chromium; the browser tests will be skipped"; \
 	  else echo "no root/sudo: browser tests will be skipped (apt-get install chromium)"; fi; }
 
 setup: $(VENV)/.installed engine
