@@ -482,6 +482,9 @@ class BackwardGraph:
             f"{len(self.nodes)} nodes ({ops} ops), {len(self.edges)} edges;",
             f"{len(params)} parameters reached;",
         ]
+        leaves = sum(1 for n in self.nodes if n.kind == "input")
+        if leaves and not params:
+            lines.append(f"{leaves} unnamed leaf tensors reached (capture_backward(model) names parameters);")
         gn = self.global_grad_norm()
         if gn is not None:
             lines.append(f"global grad norm {gn:.4g};")

@@ -701,3 +701,15 @@ def test_grad_create_graph_then_backward():
     # the last bias does not influence d(sum)/dx, so the penalty never reaches it
     assert ref["2.bias"] is None
     assert {n.param for n in second.nodes if n.kind == "param"} == {n for n, g in ref.items() if g is not None}
+
+
+def test_summary_says_how_to_name_unnamed_leaves():
+    net = paddle.nn.Sequential(paddle.nn.Linear(4, 8), paddle.nn.Linear(8, 1))
+    with capture_backward() as cap:  # no layer: parameters are anonymous leaves
+        net(paddle.randn([3, 4])).mean().backward()
+    text = cap.graph.summary()
+    assert "0 parameters reached" in text
+    assert "4 unnamed leaf tensors reached" in text and "capture_backward(model)" in text
+    with capture_backward(net) as cap:
+        net(paddle.randn([3, 4])).mean().backward()
+    assert "unnamed leaf" not in cap.graph.summary()
