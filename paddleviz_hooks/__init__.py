@@ -1,66 +1,61 @@
 """paddleviz-hooks: see PaddlePaddle's backward (autograd) graph while you train.
 
-Public API:
+Public API (every name is imported on first use, so ``import paddleviz_hooks``
+is cheap and loading saved graphs, drawing and the ``paddleviz-hooks``
+command work without importing paddle):
 
+* :class:`BackwardGraphRecorder` - step selection, triggers, files and
+  VisualDL records for any training loop.
+* :class:`BackwardGraphCallback` - the recorder driven by ``Model.fit``.
 * :func:`capture_backward` - context manager capturing every backward in a block.
-* :class:`BackwardGraphCallback` - a ``paddle.callbacks.Callback`` for ``Model.fit``.
 * :func:`make_graph` / :func:`graph_of` - the graph of a tensor before backward
   (``make_graph`` is a drop-in for the ``paddleviz`` prototype).
-* :class:`BackwardGraph`, :class:`GraphDiff` - the plain data model and comparisons.
-* :func:`render_png`, :func:`render_svg`, :func:`render_diff` - drawing;
-  :func:`collapse_graph` - layers folded into boxes.
-* :func:`build_report` - the offline HTML report of a log directory.
+* :class:`BackwardGraph`, :class:`GraphDiff` - the plain data model and
+  comparisons (:func:`diff_graphs`); :func:`collapse_graph` - layers folded
+  into boxes; :func:`summarize` - the text a person reads.
+* :func:`render_to_file`, :func:`render_png`, :func:`render_svg`, :func:`render_diff` -
+  drawing; :func:`build_report` - the offline HTML report of a log directory.
 
-The names that need paddle are imported on first use, so loading saved
-graphs, drawing and the ``paddleviz-hooks`` command work without importing it.
+How the modules fit together (data flows one way)::
+
+    capture/ -> graph.py -> collapse.py, diff.py -> text.py, render/ -> sinks/
+                                                   -> pipeline.py -> recorder.py -> callbacks/
 """
 
 from importlib import import_module
 from typing import Any
 
-from .diff import GraphDiff, diff_graphs
-from .graph import BackwardGraph, Edge, GradMeta, Node
-from .render import render_png, render_svg
-from .render.collapse import collapse_graph
-from .render.diff import render_diff
-from .render.engine import EngineNotFound, RenderTimeout
-from .report import build_report
+from ._version import __version__
 
-__version__ = "0.1.0"
-
-_NEEDS_PADDLE = {
+_WHERE = {
     "BackwardCapture": ".capture",
     "capture_backward": ".capture",
     "graph_of": ".compat",
     "make_graph": ".compat",
     "BackwardGraphCallback": ".callbacks",
+    "BackwardGraphRecorder": ".recorder",
+    "BackwardGraph": ".graph",
+    "Edge": ".graph",
+    "GradMeta": ".graph",
+    "Node": ".graph",
+    "GraphDiff": ".diff",
+    "diff_graphs": ".diff",
+    "collapse_graph": ".collapse",
+    "summarize": ".text",
+    "render_to_file": ".render",
+    "render_png": ".render",
+    "render_svg": ".render",
+    "render_diff": ".render",
+    "EngineNotFound": ".render",
+    "RenderTimeout": ".render",
+    "build_report": ".sinks.report",
 }
 
-__all__ = [
-    "BackwardCapture",
-    "BackwardGraph",
-    "BackwardGraphCallback",
-    "Edge",
-    "EngineNotFound",
-    "GradMeta",
-    "GraphDiff",
-    "Node",
-    "RenderTimeout",
-    "build_report",
-    "capture_backward",
-    "collapse_graph",
-    "diff_graphs",
-    "graph_of",
-    "make_graph",
-    "render_diff",
-    "render_png",
-    "render_svg",
-    "__version__",
-]
+__all__ = sorted(_WHERE) + ["__version__"]
 
 
 def __getattr__(name: str) -> Any:
-    module = _NEEDS_PADDLE.get(name)
+    module = _WHERE.get(name)
     if module is None:
         raise AttributeError(f"module 'paddleviz_hooks' has no attribute {name!r}")
     value = getattr(import_module(module, __name__), name)

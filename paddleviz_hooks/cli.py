@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog=PROG,
         description="Render, compare and report backward graphs saved by paddleviz-hooks (JSON files).",
     )
-    from . import __version__
+    from ._version import __version__
 
     p.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
@@ -194,13 +194,16 @@ def _cmd_render(args: argparse.Namespace) -> int:
         opts["fold_repeats"] = True
     if args.by_type:
         opts["by_type"] = tuple(args.by_type)
-    graph.render(args.output, format=fmt, **opts)
+    from .render import render_to_file
+
+    render_to_file(graph, args.output, format=fmt, **opts)
     print(f"wrote {args.output}")
     return 0
 
 
 def _cmd_diff(args: argparse.Namespace) -> int:
     from .diff import diff_graphs
+    from .text import diff_summary
 
     fmt = _out_format(args, ("png", "svg", "dot", "json")) if args.output else None
     older = load_graph(args.old)
@@ -208,7 +211,7 @@ def _cmd_diff(args: argparse.Namespace) -> int:
     if args.output:
         _check_output(args.output)
     d = diff_graphs(older, newer, threshold=args.threshold)
-    print(d.summary())
+    print(diff_summary(d))
     if args.output:
         from .render.diff import render_diff
 
@@ -218,7 +221,7 @@ def _cmd_diff(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from .report import ReportError, build_report
+    from .sinks.report import ReportError, build_report
 
     if not os.path.isdir(args.log_dir):
         what = "no such directory" if not os.path.exists(args.log_dir) else "not a directory"

@@ -13,9 +13,10 @@ from typing import Any
 import graphviz
 import paddle
 
-from .capture import BackwardCapture, _grad_fn, parameter_names, walk_graph
-from .graph import BackwardGraph
+from .capture import BackwardCapture, has_graph, parameter_names, walk_graph
+from .graph import BackwardGraph, GradMeta
 from .render.dot import dot_parts
+from .render.engine import find_engine
 
 __all__ = ["make_graph", "graph_of"]
 
@@ -27,19 +28,13 @@ def _as_tensors(tensors: Any) -> list[Any]:
     for t in items:
         if not isinstance(t, paddle.Tensor):
             raise TypeError(f"make_graph takes a paddle.Tensor or a tuple of them, got {type(t).__name__}")
-    if not any(_has_graph(t) for t in items):
+    if not any(has_graph(t) for t in items):
         raise ValueError(
             "the tensor has no backward graph (stop_gradient=True or grad_fn is None): it was computed under "
             "paddle.no_grad(), detached, or from inputs that all have stop_gradient=True. "
             "Compute it from parameters or inputs with stop_gradient=False"
         )
     return items
-
-
-def _has_graph(t: Any) -> bool:
-    # A tensor with stop_gradient=True still has a grad_fn (an accumulation
-    # node) in Paddle 3.3, but no gradient can flow from it.
-    return _grad_fn(t) is not None and not t.stop_gradient
 
 
 def graph_of(tensors: Any, params: Any = None, *, grad_shapes: bool = True) -> BackwardGraph:
@@ -62,18 +57,16 @@ def graph_of(tensors: Any, params: Any = None, *, grad_shapes: bool = True) -> B
         if reached:
             cap = BackwardCapture(params=params if isinstance(params, (dict, paddle.nn.Layer)) else None)
             with cap:
-                paddle.grad([t for t in roots if _has_graph(t)], reached,
+                paddle.grad([t for t in roots if has_graph(t)], reached,
                             retain_graph=True, allow_unused=True)
             if cap.graphs:
                 return cap.graphs[-1]
-    w = walk_graph([t for t in roots if _has_graph(t)], names)
-    w.wrappers.clear()
+    w = walk_graph([t for t in roots if has_graph(t)], names)
+    w.release()
     g = BackwardGraph(nodes=w.nodes, edges=w.edges, meta={"entry": "walk", "grad_stats": False})
     for e in g.edges:
         leaf = g.nodes[e.dst]
         if leaf.kind == "param" and e.grad is None:
-            from .graph import GradMeta
-
             e.grad = GradMeta(shape=leaf.shape, dtype=leaf.dtype)
     g.assign_keys()
     return g
@@ -81,8 +74,8 @@ def graph_of(tensors: Any, params: Any = None, *, grad_shapes: bool = True) -> B
 
 def _reached_params(roots: list[Any], names: dict[int, tuple[str, Any]]) -> list[Any]:
     w = walk_graph(roots, names)
-    ptrs = [gn.node_ptr() for gn, n in zip(w.wrappers, w.nodes) if n.kind == "param"]
-    w.wrappers.clear()
+    ptrs = [ptr for _, ptr in w.leaf_pointers()]
+    w.release()
     return [names[p][1] for p in ptrs if not names[p][1].stop_gradient]
 
 
@@ -126,8 +119,6 @@ def _point_graphviz_at_engine() -> None:
 
     Set every time, so an earlier call that chose graphviz-pure does not stick.
     """
-    from .render.engine import find_engine
-
     engine = find_engine()
     if engine is not None:
         graphviz.backend.dot_command.DOT_BINARY = engine.path

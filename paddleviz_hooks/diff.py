@@ -4,11 +4,8 @@ Nodes are matched by their stable ``key`` (see
 :meth:`~paddleviz_hooks.graph.BackwardGraph.assign_keys`), edges by the pair
 of their end keys. No paddle here: diffs work on saved JSON files too.
 
-Example:
-    >>> d = diff_graphs(cap.graphs[0], cap.graphs[1])
-    >>> d.structure_changed, d.added_nodes
-    (True, ['op:extra[0]/Add#0', 'op:extra[0]/Matmul#0', 'param:extra.bias', 'param:extra.weight'])
-    >>> print(d.summary())
+A diff holds numbers and keys; :func:`paddleviz_hooks.text.diff_summary`
+words it and :mod:`paddleviz_hooks.render.diff` draws it.
 """
 
 from __future__ import annotations
@@ -18,40 +15,13 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from .graph import BackwardGraph, Node, _float_in, _float_out, _merge_metas, parse_json
+from .graph import BackwardGraph, Node, float_from_json, float_to_json, merge_grad_metas, parse_json
 
-__all__ = ["GraphDiff", "diff_graphs", "node_norms", "describe_node", "DEFAULT_THRESHOLD"]
+__all__ = ["GraphDiff", "diff_graphs", "node_norms", "norm_ratio", "DEFAULT_THRESHOLD"]
 
 DIFF_FORMAT = "paddleviz-hooks/graph-diff"
 DIFF_VERSION = 1
 DEFAULT_THRESHOLD = 10.0
-_LIST_LIMIT = 4  # names listed per summary line before "and N more"
-
-
-def _where(layer: str | None) -> str:
-    if layer is None:
-        return "outside the model"
-    return "in " + (layer or "<top>")
-
-
-def describe_node(info: dict[str, Any]) -> str:
-    """Short readable text for a node record (``GraphDiff.node_info`` entry).
-
-    Example:
-        >>> describe_node({"kind": "op", "op": "Sqrt", "layer": "block"})
-        'Sqrt in block'
-    """
-    kind = info.get("kind")
-    if kind == "param":
-        return f"param {info.get('param')}"
-    if kind == "root":
-        return str(info.get("op") or "loss")
-    if kind == "input":
-        return "input leaf"
-    if kind == "layer":  # a collapsed layer box
-        return f"layer {info.get('layer') or '<top>'} ({info.get('name') or '?'})"
-    call = f" (call {info['call']})" if info.get("call") else ""
-    return f"{info.get('op') or '?'} {_where(info.get('layer'))}{call}"
 
 
 def _info(n: Node) -> dict[str, Any]:
@@ -70,39 +40,19 @@ def node_norms(graph: BackwardGraph) -> dict[str, float]:
             metas.setdefault(e.dst, []).append(e.grad)
     out: dict[str, float] = {}
     for nid, ms in metas.items():
-        m = _merge_metas(ms)
+        m = merge_grad_metas(ms)
         if m is not None and m.norm is not None:
             out[graph.nodes[nid].key] = m.norm
     return out
 
 
-def _ratio(old: float | None, new: float | None) -> float | None:
+def norm_ratio(old: float | None, new: float | None) -> float | None:
     """new/old for finite norms; 1 when both are 0, inf when only old is 0."""
     if old is None or new is None or not (math.isfinite(old) and math.isfinite(new)):
         return None
     if old == 0.0:
         return 1.0 if new == 0.0 else math.inf
     return new / old
-
-
-def _fmt_ratio(r: float) -> str:
-    """``x12.3``; ``from 0`` / ``to 0`` where one of the norms is zero."""
-    if math.isinf(r):
-        return "from 0"
-    if r == 0:
-        return "to 0"
-    if r >= 100:
-        return f"x{r:.0f}"
-    if r >= 0.01:
-        return f"x{r:.3g}"
-    return f"x{r:.1e}"
-
-
-def _names(items: list[str], limit: int = _LIST_LIMIT) -> str:
-    shown = ", ".join(items[:limit])
-    if len(items) > limit:
-        shown += f" and {len(items) - limit} more"
-    return shown
 
 
 @dataclass
@@ -183,62 +133,6 @@ class GraphDiff:
             or self.large_node_changes() or self.large_layer_changes()
         )
 
-    def describe(self, key: str) -> str:
-        """Readable text for a node key mentioned in this diff."""
-        info = self.node_info.get(key)
-        return describe_node(info) if info else key
-
-    # --------------------------------------------------------------- summary
-    def summary(self) -> str:
-        """Short lines, one fact each, that still read well joined by spaces.
-
-        Meant for VisualDL's text tab, which collapses newlines.
-        """
-        if self.older_step is None and self.newer_step is None:
-            lines = ["backward graph diff:"]
-        else:
-            a = "?" if self.older_step is None else self.older_step
-            b = "?" if self.newer_step is None else self.newer_step
-            lines = [f"step {b} vs step {a}:"]
-        if not self.structure_changed:
-            lines.append("same graph structure;")
-        else:
-            lines.append(
-                f"structure changed: {len(self.added_nodes)} nodes added, {len(self.removed_nodes)} removed, "
-                f"{len(self.added_edges)} edges added, {len(self.removed_edges)} removed;"
-            )
-            ops_added = [self.describe(k) for k in self.added_nodes if self.node_info.get(k, {}).get("kind") != "param"]
-            ops_removed = [self.describe(k) for k in self.removed_nodes if self.node_info.get(k, {}).get("kind") != "param"]
-            if ops_added:
-                lines.append(f"new ops: {_names(ops_added)};")
-            if ops_removed:
-                lines.append(f"ops gone: {_names(ops_removed)};")
-        if self.params_started:
-            lines.append(f"parameters now receiving gradient: {_names(self.params_started)};")
-        if self.params_stopped:
-            lines.append(f"parameters no longer receiving gradient: {_names(self.params_stopped)};")
-        if self.nonfinite_origin is not None:
-            o = self.nonfinite_origin
-            verb = "appeared at" if self.new_nonfinite else "still at"
-            count = len(self.new_nonfinite) if self.new_nonfinite else None
-            where = f"{count} new nodes" if count else "the same nodes"
-            lines.append(f"NaN/Inf gradients {verb} {where}, first at {describe_node(o)} (node {o['key']});")
-        if self.resolved_nonfinite:
-            lines.append(f"NaN/Inf gradients gone from {len(self.resolved_nonfinite)} nodes;")
-        if self.global_norm_ratio is not None:
-            lines.append(f"global grad norm {_fmt_ratio(self.global_norm_ratio)};")
-        big_layers = self.large_layer_changes()
-        for name, r in list(big_layers.items())[:3]:
-            lines.append(f"layer {name or '<top>'} grad norm {_fmt_ratio(r)};")
-        big_nodes = self.large_node_changes()
-        if big_nodes:
-            key, r = next(iter(big_nodes.items()))
-            lines.append(
-                f"grad norm changed over {self.threshold:g}x at {len(big_nodes)} nodes, "
-                f"most at {self.describe(key)} ({_fmt_ratio(r)});"
-            )
-        return "\n".join(lines)
-
     # ----------------------------------------------------------- conversions
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -252,9 +146,9 @@ class GraphDiff:
             "removed_edges": [list(e) for e in self.removed_edges],
             "params_started": list(self.params_started),
             "params_stopped": list(self.params_stopped),
-            "node_norm_ratios": {k: _float_out(v) for k, v in self.node_norm_ratios.items()},
-            "layer_norm_ratios": {k: _float_out(v) for k, v in self.layer_norm_ratios.items()},
-            "global_norm_ratio": _float_out(self.global_norm_ratio),
+            "node_norm_ratios": {k: float_to_json(v) for k, v in self.node_norm_ratios.items()},
+            "layer_norm_ratios": {k: float_to_json(v) for k, v in self.layer_norm_ratios.items()},
+            "global_norm_ratio": float_to_json(self.global_norm_ratio),
             "new_nonfinite": list(self.new_nonfinite),
             "resolved_nonfinite": list(self.resolved_nonfinite),
             "nonfinite_origin": self.nonfinite_origin,
@@ -285,9 +179,9 @@ class GraphDiff:
                 removed_edges=[(str(s), str(t)) for s, t in d["removed_edges"]],
                 params_started=list(d["params_started"]),
                 params_stopped=list(d["params_stopped"]),
-                node_norm_ratios={k: _float_in(v) for k, v in d["node_norm_ratios"].items()},
-                layer_norm_ratios={k: _float_in(v) for k, v in d["layer_norm_ratios"].items()},
-                global_norm_ratio=_float_in(d.get("global_norm_ratio")),
+                node_norm_ratios={k: float_from_json(v) for k, v in d["node_norm_ratios"].items()},
+                layer_norm_ratios={k: float_from_json(v) for k, v in d["layer_norm_ratios"].items()},
+                global_norm_ratio=float_from_json(d.get("global_norm_ratio")),
                 new_nonfinite=list(d["new_nonfinite"]),
                 resolved_nonfinite=list(d["resolved_nonfinite"]),
                 nonfinite_origin=d.get("nonfinite_origin"),
@@ -391,7 +285,7 @@ def diff_graphs(
     old_norms, new_norms = node_norms(older), node_norms(newer)
     ratios = {}
     for n in new_nodes:
-        r = _ratio(old_norms.get(n.key), new_norms.get(n.key))
+        r = norm_ratio(old_norms.get(n.key), new_norms.get(n.key))
         if r is not None:
             ratios[n.key] = r
 
@@ -399,7 +293,7 @@ def diff_graphs(
     old_layers, new_layers = older.layer_grad_norms(depth), newer.layer_grad_norms(depth)
     layer_ratios = {}
     for name in new_layers:
-        r = _ratio(old_layers.get(name), new_layers[name])
+        r = norm_ratio(old_layers.get(name), new_layers[name])
         if r is not None:
             layer_ratios[name] = r
 
@@ -428,7 +322,7 @@ def diff_graphs(
         params_stopped=[p for p in old_params if p not in new_params],
         node_norm_ratios=ratios,
         layer_norm_ratios=layer_ratios,
-        global_norm_ratio=_ratio(older.global_grad_norm(), newer.global_grad_norm()),
+        global_norm_ratio=norm_ratio(older.global_grad_norm(), newer.global_grad_norm()),
         new_nonfinite=[n.key for n in new_bad],
         resolved_nonfinite=[n.key for n in resolved],
         nonfinite_origin=origin,

@@ -17,7 +17,17 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable
 
-__all__ = ["GradMeta", "Node", "Edge", "BackwardGraph", "op_display_name"]
+__all__ = [
+    "BackwardGraph",
+    "Edge",
+    "GradMeta",
+    "Node",
+    "float_from_json",
+    "float_to_json",
+    "merge_grad_metas",
+    "op_display_name",
+    "parse_json",
+]
 
 FORMAT_VERSION = 1
 NODE_KINDS = ("root", "op", "param", "input", "layer")
@@ -83,7 +93,7 @@ class GradMeta:
         d = asdict(self)
         d["shape"] = list(self.shape) if self.shape is not None else None
         for k in ("norm", "min", "max"):
-            d[k] = _float_out(d[k])
+            d[k] = float_to_json(d[k])
         return d
 
     @classmethod
@@ -91,9 +101,9 @@ class GradMeta:
         return cls(
             shape=tuple(d["shape"]) if d.get("shape") is not None else None,
             dtype=d.get("dtype"),
-            norm=_float_in(d.get("norm")),
-            min=_float_in(d.get("min")),
-            max=_float_in(d.get("max")),
+            norm=float_from_json(d.get("norm")),
+            min=float_from_json(d.get("min")),
+            max=float_from_json(d.get("max")),
             nan=int(d.get("nan", 0)),
             inf=int(d.get("inf", 0)),
         )
@@ -122,8 +132,10 @@ class Node:
         note: why a node was not hooked, when it was not.
         key: stable identity across steps (see ``BackwardGraph.assign_keys``).
         count: for ``kind == "layer"`` (a collapsed box, see
-            ``paddleviz_hooks.render.collapse``): how many identical sibling
+            ``paddleviz_hooks.collapse``): how many identical sibling
             layers it stands for (``"x N"``); 1 otherwise.
+        ops: for a box, the op nodes folded into it.
+        unhooked: for a box, how many of those carry no gradient data.
         params: for a box, the parameter leaves folded into it.
         norm: for a box, the L2 norm of those parameters' gradients (None
             when unknown).
@@ -144,6 +156,8 @@ class Node:
     note: str | None = None
     key: str = ""
     count: int = 1
+    ops: int = 0
+    unhooked: int = 0
     params: int = 0
     norm: float | None = None
     nonfinite: int = 0
@@ -157,7 +171,7 @@ class Node:
             if d[k] == default:
                 del d[k]
         if "norm" in d:
-            d["norm"] = _float_out(d["norm"])
+            d["norm"] = float_to_json(d["norm"])
         return d
 
     @classmethod
@@ -166,11 +180,11 @@ class Node:
         if d.get("shape") is not None:
             d["shape"] = tuple(d["shape"])
         if d.get("norm") is not None:
-            d["norm"] = _float_in(d["norm"])
+            d["norm"] = float_from_json(d["norm"])
         return cls(**d)
 
 
-_NODE_BOX_DEFAULTS = {"count": 1, "params": 0, "norm": None, "nonfinite": 0}
+_NODE_BOX_DEFAULTS = {"count": 1, "ops": 0, "unhooked": 0, "params": 0, "norm": None, "nonfinite": 0}
 
 
 @dataclass
@@ -212,11 +226,21 @@ class BackwardGraph:
         meta: free-form capture facts: ``step``, ``entry`` (``"backward"`` or
             ``"grad"``), ``grad_stats``, ``capture_ms``, ``trigger``...
 
+    It is plain data: capturing (``paddleviz_hooks.capture``) builds it;
+    collapsing, diffing, wording and drawing are functions elsewhere that take
+    it (``paddleviz_hooks.collapse``, ``.diff``, ``.text``, ``.render``).
+
     Example:
-        >>> with paddleviz_hooks.capture_backward(model) as cap:
-        ...     loss = loss_fn(model(x), y); loss.backward()
-        >>> g = cap.graph
-        >>> print(g.summary()); g.render("step.svg", format="svg")
+        >>> g = BackwardGraph(
+        ...     nodes=[Node(0, "root", "loss", "loss"), Node(1, "op", "MatmulGradNode", "Matmul"),
+        ...            Node(2, "param", "GradNodeAccumulation", "Parameter", param="fc.weight")],
+        ...     edges=[Edge(0, 1), Edge(1, 2, grad=GradMeta((3, 2), "float32", norm=2.0))])
+        >>> g.assign_keys(); [n.key for n in g.nodes]
+        ['root#0', 'op:?[0]/Matmul#0', 'param:fc.weight']
+        >>> g.global_grad_norm()
+        2.0
+        >>> BackwardGraph.from_json(g.to_json()) == g
+        True
     """
 
     nodes: list[Node] = field(default_factory=list)
@@ -258,7 +282,7 @@ class BackwardGraph:
         for n in self.nodes:
             if n.kind == "param" and n.param is not None:
                 metas = [e.grad for e in inn.get(n.id, []) if e.grad is not None]
-                found[n.param] = _merge_metas(metas)
+                found[n.param] = merge_grad_metas(metas)
         return found
 
     def topo_order(self) -> list[int]:
@@ -394,7 +418,7 @@ class BackwardGraph:
         return {
             "format": "paddleviz-hooks/backward-graph",
             "version": FORMAT_VERSION,
-            "meta": {k: _float_out(v) if isinstance(v, float) else v for k, v in self.meta.items()},
+            "meta": _meta_to_json(self.meta),
             "layers": self.layers,
             "nodes": [n.to_dict() for n in self.nodes],
             "edges": [e.to_dict() for e in self.edges],
@@ -421,10 +445,7 @@ class BackwardGraph:
                 nodes=[Node.from_dict(n) for n in d["nodes"]],
                 edges=[Edge.from_dict(e) for e in d["edges"]],
                 layers=dict(d.get("layers", {})),
-                meta={
-                    k: float(v) if v in ("nan", "inf", "-inf") else v
-                    for k, v in dict(d.get("meta", {})).items()
-                },
+                meta=_meta_from_json(dict(d.get("meta", {}))),
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"malformed backward graph JSON: {exc!r}") from None
@@ -437,75 +458,6 @@ class BackwardGraph:
             ValueError: the text is not JSON of a backward graph.
         """
         return cls.from_dict(parse_json(text))
-
-    def to_dot(self, **options: Any) -> str:
-        """DOT source of the graph; drawing and collapse options as for :meth:`render`."""
-        from .render import prepare, to_dot
-
-        return to_dot(prepare(self, options), **options)
-
-    def render(self, path: str, format: str | None = None, **options: Any) -> str:
-        """Write the graph to ``path`` as png, svg, dot or json.
-
-        Args:
-            path: output file; its suffix picks the format when ``format`` is None.
-            format: ``"png"``, ``"svg"``, ``"dot"`` or ``"json"``.
-            **options: drawing options (``depth``, ``max_nodes``, ``stats`` ...).
-
-        Returns:
-            The path written.
-
-        Raises:
-            ValueError: unknown format.
-            RuntimeError: png/svg asked for and no layout engine is installed.
-        """
-        from .render import render_to_file
-
-        return render_to_file(self, path, format=format, **options)
-
-    def diff(self, older: "BackwardGraph") -> "Any":
-        """Compare with an older capture; returns a :class:`GraphDiff`."""
-        from .diff import diff_graphs
-
-        return diff_graphs(older, self)
-
-    def summary(self, top: int = 5) -> str:
-        """A compact multi-line text summary (one fact per line).
-
-        Lines still read well when a viewer joins them with spaces (VisualDL's
-        text tab does), so each ends with a period-free, self-contained fact.
-        """
-        ops = sum(1 for n in self.nodes if n.kind == "op")
-        params = self.params()
-        lines = [
-            f"step {self.meta['step']}:" if "step" in self.meta else "backward graph:",
-            f"{len(self.nodes)} nodes ({ops} ops), {len(self.edges)} edges;",
-            f"{len(params)} parameters reached;",
-        ]
-        leaves = sum(1 for n in self.nodes if n.kind == "input")
-        if leaves and not params:
-            lines.append(f"{leaves} unnamed leaf tensors reached (capture_backward(model) names parameters);")
-        gn = self.global_grad_norm()
-        if gn is not None:
-            lines.append(f"global grad norm {gn:.4g};")
-        norms = self.layer_grad_norms()
-        if norms:
-            biggest = sorted(norms.items(), key=lambda kv: -_sort_val(kv[1]))[:top]
-            lines.append("largest grad norms: " + ", ".join(f"{k} {v:.3g}" for k, v in biggest) + ";")
-        sites = self.nonfinite_sites()
-        if sites:
-            first = sites[0]
-            where = f" in {first.layer or '<top>'}" if first.layer is not None else ""
-            lines.append(
-                f"NaN/Inf gradients at {len(sites)} nodes, first at {first.op}{where} (node {first.key});"
-            )
-        else:
-            lines.append("no NaN/Inf gradients;" if self.meta.get("grad_stats") else "")
-        unhooked = [n for n in self.nodes if n.kind == "op" and not n.hooked]
-        if unhooked:
-            kinds = sorted({n.op for n in unhooked})
-            lines.append(f"no gradient data at {len(unhooked)} node{'' if len(unhooked) == 1 else 's'} ({', '.join(kinds)});")
-        return "\n".join(x for x in lines if x)
 
     def __repr__(self) -> str:
         return (
@@ -522,8 +474,12 @@ def parse_json(text: str | bytes) -> Any:
         raise ValueError(f"not JSON: {exc}") from None
 
 
-def _merge_metas(metas: Iterable[GradMeta]) -> GradMeta | None:
-    """Combine the gradients a leaf received over several edges."""
+def merge_grad_metas(metas: Iterable[GradMeta]) -> GradMeta | None:
+    """Combine the gradients a node received over several edges.
+
+    The norm of a sum is not known from the norms of its parts: the
+    root-sum-square given here is exact only for orthogonal contributions.
+    """
     metas = list(metas)
     if not metas:
         return None
@@ -546,17 +502,42 @@ def _merge_metas(metas: Iterable[GradMeta]) -> GradMeta | None:
     )
 
 
-def _sort_val(v: float) -> float:
-    return v if math.isfinite(v) else math.inf
+def float_to_json(v: float | None) -> float | str | None:
+    """A float for strict JSON: NaN and +-Inf become ``"nan"``, ``"inf"``, ``"-inf"``.
 
-
-def _float_out(v: float | None) -> float | str | None:
+    Example:
+        >>> float_to_json(float("inf")), float_to_json(1.5)
+        ('inf', 1.5)
+    """
     if v is None or math.isfinite(v):
         return v
     return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
 
 
-def _float_in(v: Any) -> float | None:
+def float_from_json(v: Any) -> float | None:
+    """Inverse of :func:`float_to_json` for a field known to hold a float."""
     if v is None:
         return None
     return float(v)
+
+
+def _meta_to_json(v: Any) -> Any:
+    """Meta values for JSON: a non-finite float is tagged, so a string that
+    looks like one (``"inf"``) stays a string on the way back."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return {"$float": float_to_json(v)}
+    if isinstance(v, dict):
+        return {k: _meta_to_json(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_meta_to_json(x) for x in v]
+    return v
+
+
+def _meta_from_json(v: Any) -> Any:
+    if isinstance(v, dict):
+        if set(v) == {"$float"}:
+            return float(v["$float"])
+        return {k: _meta_from_json(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_meta_from_json(x) for x in v]
+    return v

@@ -41,6 +41,39 @@ def mlp(d_in: int = D_IN, hidden: int = HIDDEN, classes: int = CLASSES) -> nn.La
     return nn.Sequential(nn.Linear(d_in, hidden), nn.ReLU(), nn.Linear(hidden, classes))
 
 
+class PatchProbe(nn.Layer):
+    """An identity layer that records, *during each backward*, whether the
+    backward patch is installed: the state an unselected step really runs in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from paddle.autograd import PyLayer
+
+        from paddleviz_hooks.capture import dispatcher_installed
+
+        seen = self.seen = []
+
+        class _Probe(PyLayer):
+            @staticmethod
+            def forward(ctx, x):
+                return x * 1.0
+
+            @staticmethod
+            def backward(ctx, g):
+                seen.append(dispatcher_installed())
+                return g
+
+        self._op = _Probe
+
+    def forward(self, x):
+        return self._op.apply(x)
+
+
+def probed_mlp() -> nn.Layer:
+    """``mlp()`` with a :class:`PatchProbe` (``net[1]``) between its layers."""
+    return nn.Sequential(nn.Linear(D_IN, HIDDEN), PatchProbe(), nn.ReLU(), nn.Linear(HIDDEN, CLASSES))
+
+
 class Recorder(paddle.callbacks.Callback):
     """Keeps the loss of every training step (and calls ``on_step`` if given)."""
 

@@ -31,12 +31,13 @@ def pytest_collection_modifyitems(config, items):
 def _paddle_state_guard():
     yield
     import paddle
-    from paddleviz_hooks.capture import _DISPATCHER, _dispatcher_installed
+    from paddleviz_hooks.capture import dispatcher_installed
+    from paddleviz_hooks.capture.dispatch import DISPATCHER
 
-    leaked = _dispatcher_installed()
+    leaked = dispatcher_installed()
     if leaked:
-        for cap in list(_DISPATCHER._active):
-            _DISPATCHER.deactivate(cap)
+        for cap in list(DISPATCHER._active):
+            DISPATCHER.deactivate(cap)
     if not paddle.is_grad_enabled():
         paddle.set_grad_enabled(True)
         warnings.warn("a test left Paddle's grad mode disabled; re-enabled", RuntimeWarning)

@@ -11,8 +11,10 @@ import paddle
 import pytest
 
 from paddleviz_hooks import BackwardGraph, BackwardGraphCallback
-from paddleviz_hooks.capture import _dispatcher_installed
+from paddleviz_hooks.capture import dispatcher_installed
 from paddleviz_hooks.render import png_size
+
+from _fitkit import PatchProbe
 
 
 class TinyNet(paddle.nn.Layer):
@@ -39,15 +41,11 @@ class Data(paddle.io.Dataset):
 
 
 class Recorder(paddle.callbacks.Callback):
-    """Keeps every training loss and whether our patch was in place per step."""
+    """Keeps every training loss."""
 
     def __init__(self) -> None:
         super().__init__()
         self.losses: list[float] = []
-        self.patched: list[bool] = []
-
-    def on_train_batch_begin(self, step, logs=None):
-        self.patched.append(_dispatcher_installed())
 
     def on_train_batch_end(self, step, logs=None):
         self.losses.append(float(np.asarray(logs["loss"]).ravel()[0]))
@@ -64,6 +62,24 @@ def fit(callbacks, *, epochs=2, batch_size=8, n=40, loss=None, amp=None, accumul
               callbacks=[rec, *callbacks], accumulate_grad_batches=accumulate)
     params = {k: v.numpy().copy() for k, v in model.network.state_dict().items()}
     return rec, params, model
+
+
+class ProbedNet(TinyNet):
+    def __init__(self) -> None:
+        super().__init__()
+        self.probe = PatchProbe()
+
+    def forward(self, x):
+        return self.head(self.probe(self.body(x)))
+
+
+def test_unselected_steps_run_their_backward_without_the_patch(tmp_path):
+    """Observed inside each step's backward (not before or after the step)."""
+    net = ProbedNet()
+    cb = BackwardGraphCallback(str(tmp_path), every=4, verbose=0, formats=("json",), visualdl=False)
+    fit([cb], net=net)
+    assert cb.captured_steps == [1, 4, 8]
+    assert net.probe.seen == [s in (1, 4, 8) for s in range(1, 11)]
 
 
 def read_records(run_dir):
@@ -89,9 +105,7 @@ def test_every_selects_exact_steps_and_changes_nothing(tmp_path):
     assert rec.losses == base.losses
     for k in base_params:
         assert np.array_equal(params[k], base_params[k]), k
-    # Unselected steps run without any patch in place.
-    assert rec.patched == [False] * 10
-    assert not _dispatcher_installed()
+    assert not dispatcher_installed()
     run = tmp_path / "backward_graph"
     for step in (1, 4, 8):
         for ext in ("png", "svg", "dot", "json"):
@@ -203,4 +217,4 @@ def test_static_mode_warns_once_and_records_nothing(tmp_path):
         paddle.disable_static()
     assert len([w for w in got if "paddleviz_hooks" in str(w.message)]) == 1
     assert cb.captured_steps == [] and not (tmp_path / "backward_graph").exists()
-    assert not _dispatcher_installed()
+    assert not dispatcher_installed()

@@ -14,8 +14,10 @@ from paddle.base import core
 
 import paddleviz_hooks
 from paddleviz_hooks import BackwardGraph, capture_backward, make_graph
-from paddleviz_hooks.capture import _dispatcher_installed
+from paddleviz_hooks.capture import dispatcher_installed
 from paddleviz_hooks.render.dot import STYLE
+from paddleviz_hooks import render_to_file, summarize
+from paddleviz_hooks.render import to_dot
 
 SEED = 11
 
@@ -302,13 +304,13 @@ def test_nan_is_recorded_at_its_origin():
     assert np.isnan(g.meta["loss"])
     assert g.nonfinite_count() >= 1
     assert paddle.is_grad_enabled()
-    summary = g.summary()
+    summary = summarize(g)
     assert "NaN/Inf gradients" in summary and "first at Log" in summary
 
 
 def test_nan_is_rendered():
     g, _ = _nan_graph()
-    dot = g.to_dot()
+    dot = to_dot(g)
     assert STYLE["nonfinite"]["fillcolor"] in dot
     assert "NaN/Inf origin" in dot
     assert "NaN:1" in dot
@@ -316,10 +318,10 @@ def test_nan_is_rendered():
 
 def test_nan_graph_json_and_dot_files(tmp_path):
     g, _ = _nan_graph()
-    p = g.render(str(tmp_path / "nan.json"))
+    p = render_to_file(g, str(tmp_path / "nan.json"))
     back = BackwardGraph.from_json(open(p).read())
     assert back.nonfinite_sites()[0].op == "Log"
-    assert g.render(str(tmp_path / "nan.dot")).endswith("nan.dot")
+    assert render_to_file(g, str(tmp_path / "nan.dot")).endswith("nan.dot")
 
 
 # --------------------------------------------------------------------------
@@ -341,7 +343,7 @@ def small():
 
 
 def _assert_clean(model, orig_backward, orig_grad, grad_mode=True):
-    assert not _dispatcher_installed()
+    assert not dispatcher_installed()
     assert core.eager.run_backward is orig_backward
     assert core.eager.run_partial_grad is orig_grad
     assert paddle.is_grad_enabled() is grad_mode
@@ -353,7 +355,7 @@ def test_exit_restores_everything(small):
     m, x = small
     ob, og = core.eager.run_backward, core.eager.run_partial_grad
     with capture_backward(m) as cap:
-        assert _dispatcher_installed()
+        assert dispatcher_installed()
         assert core.eager.run_backward is not ob
         assert any(pre for pre, _ in _hook_state(m).values())
         m(x).sum().backward()
@@ -450,9 +452,9 @@ def test_nested_captures(small):
     with capture_backward(m) as outer:
         with capture_backward() as inner:
             m(x).sum().backward()
-        assert _dispatcher_installed()
+        assert dispatcher_installed()
         m(x).mean().backward()
-    assert not _dispatcher_installed()
+    assert not dispatcher_installed()
     assert len(inner.graphs) == 1 and len(outer.graphs) == 2
     assert inner.graph.count_ops() == outer.graphs[0].count_ops()
     # the outer capture named the parameters, the inner did not
@@ -466,7 +468,7 @@ def test_capture_is_not_reentrant(small):
     with cap:
         with pytest.raises(RuntimeError):
             cap.__enter__()
-    assert not _dispatcher_installed()
+    assert not dispatcher_installed()
 
 
 # --------------------------------------------------------------------------
@@ -655,7 +657,7 @@ def test_flagged_node_kinds():
             assert n.note
     assert {n.param for n in g.nodes if n.kind == "param"} == set(ref)
     # the graph is drawn with the unhooked nodes dashed
-    assert STYLE["unhooked"]["style"] in g.to_dot()
+    assert STYLE["unhooked"]["style"] in to_dot(g)
     # every edge into a parameter knows its shape, even behind unhooked nodes
     inn = g.in_edges()
     for n in g.nodes:
@@ -707,9 +709,9 @@ def test_summary_says_how_to_name_unnamed_leaves():
     net = paddle.nn.Sequential(paddle.nn.Linear(4, 8), paddle.nn.Linear(8, 1))
     with capture_backward() as cap:  # no layer: parameters are anonymous leaves
         net(paddle.randn([3, 4])).mean().backward()
-    text = cap.graph.summary()
+    text = summarize(cap.graph)
     assert "0 parameters reached" in text
     assert "4 unnamed leaf tensors reached" in text and "capture_backward(model)" in text
     with capture_backward(net) as cap:
         net(paddle.randn([3, 4])).mean().backward()
-    assert "unnamed leaf" not in cap.graph.summary()
+    assert "unnamed leaf" not in summarize(cap.graph)

@@ -102,7 +102,7 @@ def error_lines(r: subprocess.CompletedProcess) -> list[str]:
 
 
 needs_engine = pytest.mark.skipif(find_engine() is None, reason="no Graphviz layout engine installed")
-has_collapse = importlib.util.find_spec("paddleviz_hooks.render.collapse") is not None
+has_collapse = importlib.util.find_spec("paddleviz_hooks.collapse") is not None
 
 
 @needs_engine

@@ -17,8 +17,8 @@ from paddleviz_hooks import BackwardGraph, capture_backward
 from paddleviz_hooks.graph import Node
 from paddleviz_hooks.render import LEGIBLE_DPI, fit_png, png_size, render_png, to_dot
 from paddleviz_hooks.render import engine as engine_mod
-from paddleviz_hooks.render.collapse import collapse_graph, layer_depths
-from paddleviz_hooks.render.dot import node_lines
+from paddleviz_hooks.collapse import collapse_graph, layer_depths
+from paddleviz_hooks.text import node_lines
 
 needs_engine = pytest.mark.skipif(engine_mod.find_engine() is None, reason="no Graphviz engine installed")
 
@@ -123,7 +123,8 @@ def test_depth1_transformer_one_box_per_encoder_layer(tr_graph):
                or n.kind == "op" and n.layer == b.layer]
         params = [n for n in tr_graph.nodes if n.kind == "param" and n.param.startswith(b.layer + ".")]
         assert b.name == "TransformerEncoderLayer" and b.count == 1
-        assert b.op == f"{len(ops)} ops" and b.params == len(params) == 16
+        assert b.ops == len(ops) and b.params == len(params) == 16
+        assert f"{len(ops)} ops, 16 params" in node_lines(b)
         assert b.norm == pytest.approx(norms[b.layer], rel=1e-6)
         assert b.key == "layer:" + b.layer
     # edges between boxes keep their gradient shapes
@@ -168,8 +169,9 @@ def test_fold_repeats_gives_one_x3_box(tr_graph):
     b = boxes[0]
     assert (b.layer, b.name, b.count, b.params) == ("layers.0-2", "TransformerEncoderLayer", 3, 48)
     per = sum(1 for n in tr_graph.nodes if n.kind == "op" and (n.layer or "").startswith("layers.0"))
-    assert b.op == f"{per} ops each"
+    assert b.ops == 3 * per
     lines = node_lines(b)
+    assert f"{per} ops each, 48 params" in lines
     assert lines[:2] == ["layers.0-2", "TransformerEncoderLayer x3"]
     assert any(line.startswith("|g| params ") for line in lines)
     assert len(c.nodes) == 1 + _outside(tr_graph)
@@ -260,7 +262,7 @@ def test_box_label_is_escaped(tr_graph):
 # viewing PNG size policy
 # --------------------------------------------------------------------------
 def _spy_engine(monkeypatch) -> list[tuple[str, str, tuple]]:
-    import paddleviz_hooks.render as render
+    import paddleviz_hooks.render.draw as render
 
     calls = []
     real = render.run_engine

@@ -12,7 +12,7 @@ import paddle.nn as nn
 import pytest
 
 from paddleviz_hooks import BackwardGraph, BackwardGraphCallback, capture_backward
-from paddleviz_hooks.capture import _dispatcher_installed
+from paddleviz_hooks.capture import dispatcher_installed
 
 from _fitkit import (
     Synthetic,
@@ -71,7 +71,7 @@ def test_two_callbacks_on_one_fit(tmp_path):
     for s in shared:
         _same_gradients(ga[s], gb[s])
         assert ga[s].meta["loss"] == gb[s].meta["loss"] == res.losses[s - 1]
-    assert not _dispatcher_installed() and no_leftover_hooks(res.net)
+    assert not dispatcher_installed() and no_leftover_hooks(res.net)
 
 
 def test_callback_inside_users_capture_block(tmp_path):
@@ -90,7 +90,7 @@ def test_callback_inside_users_capture_block(tmp_path):
         with capture_backward(net) as cap:
             model.fit(Synthetic(STEPS * 4), epochs=1, batch_size=4, shuffle=False, verbose=0,
                       callbacks=[cb, rec])
-        assert not _dispatcher_installed()
+        assert not dispatcher_installed()
     assert ours(got) == []
     assert rec.losses == base.losses.tolist()
     assert all(p.numpy().tobytes() == base.params[n].tobytes() for n, p in net.named_parameters())
@@ -156,7 +156,7 @@ def test_manual_loop_with_callback_and_user_capture(tmp_path):
     # step 4 was captured by both: identical records
     g4 = _graphs(tmp_path / "vdl" / "manual", [4])[4]
     _same_gradients(g4, user_graphs[4])
-    assert not _dispatcher_installed() and no_leftover_hooks(net)
+    assert not dispatcher_installed() and no_leftover_hooks(net)
 
 
 def test_nested_user_captures_and_callback_triggers(tmp_path):
@@ -175,8 +175,8 @@ def test_nested_user_captures_and_callback_triggers(tmp_path):
         with capture_backward(grad_stats=False) as inner:
             model.fit(Synthetic(STEPS * 4), epochs=1, batch_size=4, shuffle=False, verbose=0,
                       callbacks=[cb, rec])
-        assert _dispatcher_installed()  # the outer block is still open
-    assert not _dispatcher_installed()
+        assert dispatcher_installed()  # the outer block is still open
+    assert not dispatcher_installed()
     assert rec.losses == base.losses.tolist()
     assert len(outer.graphs) == len(inner.graphs) == STEPS
     assert cb.captured_steps == [1, 6, 12]

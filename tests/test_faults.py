@@ -25,11 +25,13 @@ import paddle
 import paddle.nn as nn
 import pytest
 
-import paddleviz_hooks.capture as capture_mod
+import paddleviz_hooks.capture.stats as stats_mod
 from paddleviz_hooks import BackwardGraph, BackwardGraphCallback, EngineNotFound, capture_backward
-from paddleviz_hooks.capture import _dispatcher_installed
+from paddleviz_hooks.capture import dispatcher_installed
 from paddleviz_hooks.render.engine import find_engine
 
+from paddleviz_hooks import render_to_file
+from paddleviz_hooks.pipeline import CapturePipeline
 from _fitkit import (
     Recorder,
     assert_same_run,
@@ -76,7 +78,7 @@ def no_tmp_leftovers(root) -> None:
 def _clean_state():
     yield
     # every row must leave the process as it found it
-    assert not _dispatcher_installed()
+    assert not dispatcher_installed()
     assert paddle.is_grad_enabled()
     assert not any(t.name == "paddleviz-hooks-worker" for t in threading.enumerate())
 
@@ -127,7 +129,7 @@ def test_no_layout_engine(tmp_path, monkeypatch):
     # the user asking for a drawing gets the same clear error
     g = BackwardGraph.from_json((run_dir / "step_000004.json").read_text())
     with pytest.raises(EngineNotFound, match="apt-get install -y graphviz"):
-        g.render(str(tmp_path / "x.png"))
+        render_to_file(g, str(tmp_path / "x.png"))
     assert not (tmp_path / "x.png").exists()
     no_tmp_leftovers(tmp_path)
 
@@ -329,7 +331,7 @@ def test_exception_inside_gradient_hook(tmp_path, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("injected failure in a gradient hook")
 
-    monkeypatch.setattr(capture_mod, "_grad_meta", broken)
+    monkeypatch.setattr(stats_mod, "grad_meta", broken)
     cb = cb_for(tmp_path)
     with recorded_warnings() as got:
         res = run_fit(callbacks=[cb], steps=STEPS)
@@ -356,7 +358,7 @@ def test_exception_inside_gradient_hook_manual_backward(monkeypatch):
         return [p.grad.numpy().copy() for p in net.parameters()]
 
     want = grads()
-    monkeypatch.setattr(capture_mod, "_grad_meta", lambda *a, **k: 1 / 0)
+    monkeypatch.setattr(stats_mod, "grad_meta", lambda *a, **k: 1 / 0)
     net.clear_gradients()
     with recorded_warnings() as got:
         with capture_backward(net) as cap:
@@ -423,7 +425,7 @@ class _InterruptingLoss(nn.Layer):
 
 
 def _assert_clean(net):
-    assert not _dispatcher_installed()
+    assert not dispatcher_installed()
     assert no_leftover_hooks(net)
     assert paddle.is_grad_enabled()
 
@@ -459,7 +461,7 @@ def test_keyboard_interrupt_in_captured_step(tmp_path, monkeypatch, where, trigg
     else:
         # Ctrl-C arriving while our hook runs inside Paddle's backward: the
         # user must get a KeyboardInterrupt, not Paddle's OSError wrapper.
-        real = capture_mod._grad_meta
+        real = stats_mod.grad_meta
         calls = [0]
 
         def interrupting(*args, **kwargs):
@@ -468,7 +470,7 @@ def test_keyboard_interrupt_in_captured_step(tmp_path, monkeypatch, where, trigg
                 raise KeyboardInterrupt
             return real(*args, **kwargs)
 
-        monkeypatch.setattr(capture_mod, "_grad_meta", interrupting)
+        monkeypatch.setattr(stats_mod, "grad_meta", interrupting)
 
     with recorded_warnings() as got:
         res = run_fit(make_net, callbacks=[cb], steps=STEPS, loss=loss, catch=(KeyboardInterrupt,))
@@ -482,7 +484,7 @@ def test_keyboard_interrupt_in_captured_step(tmp_path, monkeypatch, where, trigg
         net[2]._forward_pre_hooks.clear()
     # cleaned up automatically, before close()
     _assert_clean(net)
-    assert cb._worker is None
+    assert cb.recorder.pipeline is None
     cb.close()  # still fine to call
     _assert_clean(net)
     assert cb.captured_steps == [1]
@@ -503,7 +505,7 @@ def test_keyboard_interrupt_outside_a_step_needs_close(tmp_path):
     with BackwardGraphCallback(str(tmp_path / "vdl"), every=EVERY, verbose=0, on_nonfinite=True) as cb:
         res = run_fit(callbacks=[cb], recorder=Recorder(on_step=interrupt), catch=(KeyboardInterrupt,))
         assert isinstance(res.error, KeyboardInterrupt)
-        assert _dispatcher_installed()  # the trigger watch is still on ...
+        assert dispatcher_installed()  # the trigger watch is still on ...
         assert not no_leftover_hooks(res.net)
     _assert_clean(res.net)  # ... until the with block (or close()) ends it
     assert "train_batch" not in res.model.__dict__
@@ -516,7 +518,7 @@ def test_keyboard_interrupt_inside_capture_backward_block():
     with pytest.raises(KeyboardInterrupt):
         with capture_backward(net):
             net(x).mean()
-            assert _dispatcher_installed()
+            assert dispatcher_installed()
             raise KeyboardInterrupt
     _assert_clean(net)
 
@@ -531,7 +533,7 @@ def test_keyboard_interrupt_inside_hook_of_capture_backward(monkeypatch):
     def interrupting(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(capture_mod, "_grad_meta", interrupting)
+    monkeypatch.setattr(stats_mod, "grad_meta", interrupting)
     net.clear_gradients()
     with pytest.raises(KeyboardInterrupt):
         with capture_backward(net) as cap:
@@ -546,24 +548,25 @@ def test_keyboard_interrupt_inside_hook_of_capture_backward(monkeypatch):
 # the background worker dying
 # --------------------------------------------------------------------------
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
-def test_background_worker_dies_and_restarts_once(tmp_path):
+def test_background_worker_dies_and_restarts_once(tmp_path, monkeypatch):
     cb = cb_for(tmp_path, steps=[2, 6, 10], capture_first=False)
-    real = cb._process
+    real = CapturePipeline._process
     dead = threading.Event()
 
-    def dying(job):
+    def dying(self, job):
         if job.step == 2:
             dead.set()
             raise SystemExit  # ends the worker thread
-        return real(job)
+        return real(self, job)
 
-    cb._process = dying
+    monkeypatch.setattr(CapturePipeline, "_process", dying)
 
     def between(step):
         if step == 4:  # let the thread finish dying before the next capture
             assert dead.wait(30)
-            cb._worker._thread.join(30)
-            assert not cb._worker.alive
+            worker = cb.recorder.pipeline.worker
+            worker._thread.join(30)
+            assert not worker.alive
 
     with recorded_warnings() as got:
         res = run_fit(callbacks=[cb], steps=STEPS, recorder=Recorder(on_step=between))
@@ -577,17 +580,17 @@ def test_background_worker_dies_and_restarts_once(tmp_path):
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
-def test_background_worker_dies_twice(tmp_path):
+def test_background_worker_dies_twice(tmp_path, monkeypatch):
     cb = cb_for(tmp_path, steps=[2, 6, 10], capture_first=False)
 
-    def always_dying(job):
+    def always_dying(self, job):
         raise SystemExit
 
-    cb._process = always_dying
+    monkeypatch.setattr(CapturePipeline, "_process", always_dying)
 
     def between(step):
         if step in (4, 8):
-            cb._worker._thread.join(30)
+            cb.recorder.pipeline.worker._thread.join(30)
 
     with recorded_warnings() as got:
         res = run_fit(callbacks=[cb], steps=STEPS, recorder=Recorder(on_step=between))
@@ -597,17 +600,17 @@ def test_background_worker_dies_twice(tmp_path):
     assert "restarted" in msgs[0] and "stopped twice" in msgs[1]
 
 
-def test_renderer_backlog_drops_with_one_warning(tmp_path):
+def test_renderer_backlog_drops_with_one_warning(tmp_path, monkeypatch):
     """Captures faster than the renderer: extra ones are dropped, training never waits."""
     cb = cb_for(tmp_path, every=1, queue_size=1)
-    real = cb._process
+    real = CapturePipeline._process
     release = threading.Event()
 
-    def slow(job):
+    def slow(self, job):
         release.wait(30)
-        return real(job)
+        return real(self, job)
 
-    cb._process = slow
+    monkeypatch.setattr(CapturePipeline, "_process", slow)
     with recorded_warnings() as got:
         res = run_fit(callbacks=[cb], steps=STEPS, recorder=Recorder(
             on_step=lambda s: release.set() if s == STEPS else None))

@@ -30,7 +30,7 @@ import pytest
 
 from paddleviz_hooks import capture_backward
 from paddleviz_hooks import hazards
-from paddleviz_hooks.capture import _dispatcher_installed
+from paddleviz_hooks.capture import dispatcher_installed
 
 SEED = 2024
 
@@ -1033,7 +1033,7 @@ def test_op_under_capture(c: Case):
     assert paddle.is_grad_enabled()
     got = run_case(c, capture=True)
     assert paddle.is_grad_enabled()
-    assert not _dispatcher_installed()
+    assert not dispatcher_installed()
     _same_grads(ref, got)
     cap = got.cap
     assert not cap.errors, cap.errors

@@ -12,8 +12,9 @@ import pytest
 
 from paddleviz_hooks import capture_backward
 from paddleviz_hooks.diff import diff_graphs
-from paddleviz_hooks.report import ReportError, build_report, find_step_files
+from paddleviz_hooks.sinks.report import ReportError, build_report, find_step_files
 from paddleviz_hooks.render.engine import find_engine
+from paddleviz_hooks import render_to_file
 
 F = paddle.nn.functional
 CHROMIUM = "/usr/bin/chromium"
@@ -82,7 +83,7 @@ def report(tmp_path_factory):
         g.meta["step"] = i * 10
         (main_dir / f"step_{i * 10:06d}.json").write_text(g.to_json())
         if i % 4 == 0:  # some steps come with their SVG, the others are drawn by the report
-            g.render(str(main_dir / f"step_{i * 10:06d}.svg"))
+            render_to_file(g, str(main_dir / f"step_{i * 10:06d}.svg"))
     # the callback also saves diffs next to the graphs: not steps, skipped silently
     (main_dir / f"step_{CHANGED * 10:06d}_diff.json").write_text(
         diff_graphs(cap.graphs[CHANGED - 1], cap.graphs[CHANGED]).to_json())
@@ -268,7 +269,7 @@ def test_report_in_chromium(report, tmp_path):
 
 
 def steps_x(i: int) -> float:
-    from paddleviz_hooks.report import _chart_x
+    from paddleviz_hooks.sinks.report import _chart_x
 
     return _chart_x(i, STEPS)
 

@@ -25,7 +25,7 @@ import paddle
 import pytest
 
 from paddleviz_hooks import BackwardGraphCallback
-from paddleviz_hooks.capture import _dispatcher_installed
+from paddleviz_hooks.capture import dispatcher_installed
 
 from _fitkit import Recorder, Synthetic, image_steps, mlp, no_leftover_hooks, run_fit, step_files, text_records, vdl_records
 
@@ -73,7 +73,7 @@ def _soak(tmp_path, steps: int):
     samples: dict[int, tuple[float, int]] = {}
 
     def idle():
-        w = cb._worker
+        w = cb.recorder.pipeline.worker if cb.recorder.pipeline else None
         deadline = time.monotonic() + 120
         while w is not None and w.done + w.failed < len(cb.captured_steps):
             assert time.monotonic() < deadline, "renderer stuck"
@@ -81,8 +81,8 @@ def _soak(tmp_path, steps: int):
 
     class Pace(paddle.callbacks.Callback):
         def on_train_batch_begin(self, step, logs=None):
-            w = cb._worker
-            while w is not None and w._queue.qsize() >= 2:
+            w = cb.recorder.pipeline.worker if cb.recorder.pipeline else None
+            while w is not None and w.pending >= 2:
                 time.sleep(0.002)
 
     def probe(step):
@@ -119,7 +119,7 @@ def _soak(tmp_path, steps: int):
     assert _fds() <= fds_before
     left = [t for t in threading.enumerate() if t.ident not in threads_before]
     assert left == [], left
-    assert not _dispatcher_installed() and no_leftover_hooks(res.net)
+    assert not dispatcher_installed() and no_leftover_hooks(res.net)
     print(f"\nsoak {steps} steps, {len(expected)} captures: {elapsed:.1f} s, RSS +{growth:.1f} MB "
           f"after warm-up (bound {_rss_bound(after_warmup):.1f}), fds {fds_warm}, samples {samples}")
 
@@ -130,7 +130,7 @@ def test_capture_every_step_keeps_memory_flat():
     Before the two fixes in capture.py it grew by about 0.85 MB per captured
     step (hook return values: 250 MB here) and by 7.6 MB with only the
     Tensor.grad_fn leak left; the bound is 3 MB."""
-    import paddleviz_hooks.capture as capture_mod
+    import paddleviz_hooks.capture.gradnode as gradnode_mod
     from paddleviz_hooks import capture_backward
 
     paddle.seed(0)
@@ -156,7 +156,7 @@ def test_capture_every_step_keeps_memory_flat():
     assert g.nonfinite_count() == 0 and all(m is not None for m in g.params().values())
     print(f"\nRSS growth over 300 captured steps: {growth:.2f} MB")
     assert growth < 3.0, growth
-    if capture_mod._grad_fn_leak:
+    if gradnode_mod._grad_fn_leak:
         print("\nPaddle's grad_fn reference leak was detected and compensated")
 
 
@@ -165,22 +165,23 @@ def test_gradients_seen_by_hooks_are_freed(monkeypatch):
     import gc
     import weakref
 
-    import paddleviz_hooks.capture as capture_mod
+    import paddleviz_hooks.capture.gradnode as gradnode_mod
+    import paddleviz_hooks.capture.stats as stats_mod
     from paddleviz_hooks import capture_backward
 
     seen = []
-    real = capture_mod._grad_meta
+    real = stats_mod.grad_meta
 
     def spy(t, stats):
         seen.append(weakref.ref(t))
         return real(t, stats)
 
-    monkeypatch.setattr(capture_mod, "_grad_meta", spy)
+    monkeypatch.setattr(stats_mod, "grad_meta", spy)
     net = mlp(D_IN, HIDDEN, 3)
     with capture_backward(net) as cap:
         loss = paddle.nn.functional.cross_entropy(net(paddle.randn([BATCH, D_IN])),
                                                   paddle.randint(0, 3, [BATCH, 1]))
-        gf = capture_mod._grad_fn(loss)
+        gf = gradnode_mod.grad_fn(loss)
         node = weakref.ref(gf)
         del gf
         loss.backward()

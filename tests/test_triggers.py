@@ -126,7 +126,7 @@ def test_nonfinite_captures_the_step_and_names_the_origin(tmp_path, capsys):
     # ... and in the printed notice
     out = capsys.readouterr().out
     assert f"captured step {K} (trigger: nonfinite_loss)" in out
-    assert "first non-finite gradient at Log in layer block.penalty" in out
+    assert "first non-finite gradient at Log in block.penalty" in out
     # NaN losses are not mistaken for "finite loss, non-finite gradients"
     assert "with a finite loss" not in out
 

@@ -19,10 +19,14 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ..diff import GraphDiff, _fmt_ratio, _ratio, diff_graphs
-from ..graph import BackwardGraph, _merge_metas
-from .dot import _attrs, edge_text, node_lines, to_dot
-from .quoting import dot_label, html_escape
+from .._fileio import atomic_write
+from ..collapse import collapse_graph
+from ..diff import GraphDiff, diff_graphs, norm_ratio
+from ..escape import dot_attrs, dot_html_table, dot_label
+from ..graph import BackwardGraph, merge_grad_metas
+from ..text import describe_node, edge_lines, fmt_num, fmt_ratio, node_lines
+from .dot import to_dot
+from .draw import render_png, render_svg
 
 __all__ = ["diff_to_dot", "render_diff", "render_diff_png", "diff_styles", "DIFF_STYLE"]
 
@@ -54,7 +58,7 @@ def _edge_metas(graph: BackwardGraph) -> dict[tuple[str, str], Any]:
     for e in graph.edges:
         if e.grad is not None:
             groups.setdefault((graph.nodes[e.src].key, graph.nodes[e.dst].key), []).append(e.grad)
-    return {k: _merge_metas(v) for k, v in groups.items()}
+    return {k: merge_grad_metas(v) for k, v in groups.items()}
 
 
 def diff_styles(
@@ -83,13 +87,13 @@ def diff_styles(
         old = old_metas.get(pair)
         if pair in added_edges or old is None or new is None:
             continue
-        r = _ratio(old.norm, new.norm)
+        r = norm_ratio(old.norm, new.norm)
         if not diff.is_large(r):
             continue
         style = dict(DIFF_STYLE["ratio_up" if r > 1 else "ratio_down"])
         # dot_parts takes a label from edge_style as the whole label: keep its text.
-        style["label"] = "\n".join(edge_text(new, stats) + [_fmt_ratio(r)])
-        style["tooltip"] = f"gradient norm {_fmt_ratio(r)} ({old.norm:.3g} -> {new.norm:.3g})"
+        style["label"] = "\n".join(edge_lines(new, stats) + [fmt_ratio(r)])
+        style["tooltip"] = f"gradient norm {fmt_ratio(r)} ({fmt_num(old.norm)} -> {fmt_num(new.norm)})"
         edge_style[pair] = style
 
     extra: list[str] = []
@@ -103,8 +107,8 @@ def diff_styles(
         gid = f"ghost{n.id}"
         ghost_ids[key] = gid
         attrs = dict(DIFF_STYLE["removed_node"])
-        attrs["tooltip"] = f"removed | {n.name} | key: {n.key}"
-        extra.append(f"{gid} [label={dot_label(*node_lines(n), '(removed)')}, {_attrs(attrs)}]")
+        attrs["tooltip"] = f"removed: {describe_node(n)} | {n.name} | key: {n.key}"
+        extra.append(f"{gid} [label={dot_label(*node_lines(n), '(removed)')}, {dot_attrs(attrs)}]")
     for src, dst in diff.removed_edges:
         a = new_ids.get(src) or ghost_ids.get(src)
         b = new_ids.get(dst) or ghost_ids.get(dst)
@@ -113,26 +117,20 @@ def diff_styles(
         attrs = dict(DIFF_STYLE["removed_edge"])
         if src in new_ids and dst in new_ids:
             attrs["constraint"] = "false"  # a rewired edge must not pull the layout about
-        extra.append(f"{a} -> {b} [{_attrs(attrs)}]")
+        extra.append(f"{a} -> {b} [{dot_attrs(attrs)}]")
     extra.append(_legend(diff))
     return node_style, edge_style, extra
 
 
 def _legend(diff: GraphDiff) -> str:
-    since = "" if diff.older_step is None else " since step " + html_escape(diff.older_step)
-    t = html_escape(f"{diff.threshold:g}")
-    inv = html_escape(f"{1 / diff.threshold:g}")
+    since = "" if diff.older_step is None else f" since step {diff.older_step}"
     rows = [
-        ('<TD BORDER="3" COLOR="#1a7f37" WIDTH="14"></TD>', f"added{since}"),
-        ('<TD BORDER="1" STYLE="dashed" COLOR="#9a9a9a" WIDTH="14"></TD>', f"removed{since} (ghost)"),
-        ('<TD BGCOLOR="#d9480f" WIDTH="14"></TD>', f"grad norm up over {t}x"),
-        ('<TD BGCOLOR="#1c7ed6" WIDTH="14"></TD>', f"grad norm down below {inv}x"),
+        ({"BORDER": "3", "COLOR": "#1a7f37"}, f"added{since}"),
+        ({"BORDER": "1", "STYLE": "dashed", "COLOR": "#9a9a9a"}, f"removed{since} (ghost)"),
+        ({"BGCOLOR": "#d9480f"}, f"grad norm up over {diff.threshold:g}x"),
+        ({"BGCOLOR": "#1c7ed6"}, f"grad norm down below {1 / diff.threshold:g}x"),
     ]
-    cells = "".join(f'<TR>{c}<TD ALIGN="LEFT">{txt}</TD></TR>' for c, txt in rows)
-    table = (
-        '<<TABLE BORDER="0" CELLBORDER="0" CELLSPACING="2" CELLPADDING="2">'
-        f'<TR><TD COLSPAN="2"><B>changes</B></TD></TR>{cells}</TABLE>>'
-    )
+    table = dot_html_table("changes", rows, spacing=2)
     return f'diff_legend [shape=box, style="rounded", color="#bbbbbb", fontsize="9", label={table}]'
 
 
@@ -153,8 +151,6 @@ def _collapsed(
     collapse = {k: options.pop(k) for k in _COLLAPSE_KEYS if k in options}
     if not any(_given(v) for v in collapse.values()):
         return diff, newer, older
-    from .collapse import collapse_graph
-
     new_c = collapse_graph(newer, **collapse)
     used = new_c.meta.get("collapse", {})
     old_c = collapse_graph(
@@ -200,7 +196,7 @@ def diff_to_dot(diff: GraphDiff, newer: BackwardGraph, older: BackwardGraph, **o
         ValueError: bad option values.
 
     Example:
-        >>> src = diff_to_dot(new.diff(old), new, old)
+        >>> src = diff_to_dot(diff_graphs(old, new), new, old)
     """
     _check(diff, newer, older)
     options = dict(options)
@@ -241,9 +237,6 @@ def render_diff(
         >>> render_diff(d, new, old, "diff.png")
         'diff.png'
     """
-    from .._fileio import atomic_write
-    from . import render_png, render_svg
-
     _check(diff, newer, older)
     if path is not None and not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"path must be a str, os.PathLike or None, got {type(path).__name__}")

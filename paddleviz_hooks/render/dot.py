@@ -1,13 +1,14 @@
-"""BackwardGraph -> DOT source. Styling lives here; escaping in ``quoting.py``."""
+"""BackwardGraph -> DOT source. Styling lives here; words in ``paddleviz_hooks.text``,
+escaping in ``paddleviz_hooks.escape``."""
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from typing import Any, Mapping
 
-from ..graph import BackwardGraph, Edge, GradMeta, Node
-from .quoting import dot_label, dot_quote
+from ..escape import dot_attrs, dot_html_table, dot_label, dot_quote
+from ..graph import BackwardGraph, Node
+from ..text import edge_lines, layer_name, node_lines, node_tooltip
 
 __all__ = ["to_dot", "dot_parts", "STYLE"]
 
@@ -21,76 +22,6 @@ STYLE = {
     "nonfinite": {"fillcolor": "#ff6b6b", "color": "#b00000", "penwidth": "2.5"},
     "unhooked": {"style": "rounded,filled,dashed"},
 }
-
-_DTYPE_SHORT = {
-    "float32": "f32", "float64": "f64", "float16": "f16", "bfloat16": "bf16",
-    "int64": "i64", "int32": "i32", "complex64": "c64", "complex128": "c128",
-}
-
-
-def _shape(shape: tuple[int, ...] | None) -> str:
-    if shape is None:
-        return "?"
-    return "[" + ", ".join(str(s) for s in shape) + "]"
-
-
-def fmt_num(v: float | None, digits: int = 3) -> str:
-    """Short number text: ``digits`` significant digits, NaN/Inf spelled out."""
-    if v is None:
-        return "-"
-    if math.isnan(v):
-        return "NaN"
-    if math.isinf(v):
-        return "Inf" if v > 0 else "-Inf"
-    return f"{v:.{digits}g}"
-
-
-def edge_text(meta: GradMeta | None, stats: bool) -> list[str]:
-    """Label lines for one gradient: shape and dtype, then norm (and NaN/Inf)."""
-    if meta is None:
-        return []
-    lines = [f"{_shape(meta.shape)} {_DTYPE_SHORT.get(meta.dtype or '', meta.dtype or '')}".strip()]
-    if stats and meta.norm is not None:
-        extra = f"|g| {fmt_num(meta.norm)}"
-        if meta.nonfinite:
-            extra += f" NaN:{meta.nan} Inf:{meta.inf}"
-        lines.append(extra)
-    return lines
-
-
-def node_lines(node: Node) -> list[str]:
-    """The visible label of a node."""
-    if node.kind == "param":
-        return [node.param or "parameter", _shape(node.shape)]
-    if node.kind == "root":
-        return [node.name, _shape(node.shape)]
-    if node.kind == "input":
-        return ["input"]
-    if node.kind == "layer":
-        return layer_box_lines(node)
-    return [node.op]
-
-
-def layer_box_lines(node: Node) -> list[str]:
-    """Label of a collapsed layer box: path, class (x N), op and parameter count, norm."""
-    path = "<top>" if node.layer == "" else (node.layer or "")
-    kind = node.name + (f" x{node.count}" if node.count > 1 else "")
-    lines = [path, kind] if path else [kind]
-    size = node.op or ""
-    if node.params:
-        size += (", " if size else "") + f"{node.params} param" + ("s" if node.params != 1 else "")
-    if size:
-        lines.append(size)
-    if node.norm is not None:
-        lines.append(f"|g| params {fmt_num(node.norm)}")
-    if node.nonfinite:
-        lines.append(f"NaN/Inf inside: {node.nonfinite}")
-    return lines
-
-
-def _attrs(d: Mapping[str, str]) -> str:
-    return ", ".join(f"{k}={dot_quote(v)}" for k, v in d.items())
-
 
 def dot_parts(
     graph: BackwardGraph,
@@ -138,8 +69,8 @@ def dot_parts(
     if title:
         graph_attr.update({"label": title, "labelloc": "t", "fontsize": "16"})
     body = [
-        f"node [{_attrs({'fontname': 'Helvetica', 'fontsize': '11', 'margin': '0.08,0.03', 'height': '0.3'})}]",
-        f"edge [{_attrs({'fontname': 'Helvetica', 'fontsize': '9', 'color': '#555555', 'arrowsize': '0.6'})}]",
+        f"node [{dot_attrs({'fontname': 'Helvetica', 'fontsize': '11', 'margin': '0.08,0.03', 'height': '0.3'})}]",
+        f"edge [{dot_attrs({'fontname': 'Helvetica', 'fontsize': '9', 'color': '#555555', 'arrowsize': '0.6'})}]",
     ]
     bad_src = {e.src for e in graph.edges if e.grad is not None and e.grad.nonfinite}
     sites = graph.nonfinite_sites() if bad_src else []
@@ -154,13 +85,9 @@ def dot_parts(
             attrs.update(STYLE["nonfinite"])
             if n.id == origin:
                 lines = lines + ["NaN/Inf origin"]
-        where = f"{n.layer or '<top>'}" + (f" (call {n.call})" if n.call else "") if n.layer is not None else "outside any layer"
-        tip = [n.name, f"layer: {where}", f"key: {n.key}"]
-        if n.note:
-            tip.append(n.note)
-        attrs["tooltip"] = " | ".join(tip)
+        attrs["tooltip"] = node_tooltip(n)
         attrs.update(node_style.get(n.key, {}))
-        return f"n{n.id} [label={dot_label(*lines)}, {_attrs(attrs)}]"
+        return f"n{n.id} [label={dot_label(*lines)}, {dot_attrs(attrs)}]"
 
     by_layer: dict[str | None, list[Node]] = defaultdict(list)
     for n in graph.nodes:
@@ -177,14 +104,14 @@ def dot_parts(
     keys = {n.id: n.key for n in graph.nodes}
     for e in graph.edges:
         attrs: dict[str, str] = {}
-        text = edge_text(e.grad, stats)
+        text = edge_lines(e.grad, stats)
         if text:
             attrs["label"] = "\n".join(text)
         if e.grad is not None and e.grad.nonfinite:
             attrs.update({"color": "#d00000", "fontcolor": "#d00000", "penwidth": "2"})
         attrs.update(edge_style.get((keys[e.src], keys[e.dst]), {}))
         label = attrs.pop("label", None)
-        rest = _attrs(attrs)
+        rest = dot_attrs(attrs)
         lbl = f"label={dot_label(*label.split(chr(10)))}" if label else ""
         sep = ", " if lbl and rest else ""
         body.append(f"n{e.src} -> n{e.dst} [{lbl}{sep}{rest}]")
@@ -218,7 +145,7 @@ def _cluster_lines(graph: BackwardGraph, by_layer: dict[str | None, list[Node]],
         name = (path.rsplit(".", 1)[-1] or path) if path else (kind or "model")
         label = f"{name} ({kind})" if kind and path else name
         lines.append(f"{indent}subgraph cluster_{counter[0]} {{")
-        lines.append(f"{indent}  label={dot_quote(label)}; tooltip={dot_quote(path or '<top>')};")
+        lines.append(f"{indent}  label={dot_quote(label)}; tooltip={dot_quote(layer_name(path))};")
         lines.append(f"{indent}  style=\"rounded\"; color=\"#9aa7b8\"; fontsize=\"10\"; fontcolor=\"#44546a\";")
         for n in by_layer.get(path, []):
             lines.append(indent + "  " + node_stmt(n))
@@ -232,21 +159,16 @@ def _cluster_lines(graph: BackwardGraph, by_layer: dict[str | None, list[Node]],
 
 
 def _legend(stats: bool) -> str:
-    rows = [
+    rows = [({"BGCOLOR": c}, t) for c, t in (
         ("#ffd966", "loss / root"),
         ("#dae8fc", "op (grad node)"),
         ("#c9ecc4", "parameter"),
         ("#e6e6e6", "input leaf"),
         ("#ff6b6b", "NaN/Inf gradient"),
-    ]
-    cells = "".join(
-        f'<TR><TD BGCOLOR="{c}" WIDTH="14"></TD><TD ALIGN="LEFT">{t}</TD></TR>' for c, t in rows
-    )
-    edge_note = "edge: grad shape dtype" + (", |g| = L2 norm" if stats else "")
-    cells += f'<TR><TD COLSPAN="2" ALIGN="LEFT">dashed: no gradient data</TD></TR>'
-    cells += f'<TR><TD COLSPAN="2" ALIGN="LEFT">{edge_note}</TD></TR>'
-    table = f'<<TABLE BORDER="0" CELLBORDER="0" CELLSPACING="1" CELLPADDING="2"><TR><TD COLSPAN="2"><B>legend</B></TD></TR>{cells}</TABLE>>'
-    return f'legend [shape=box, style="rounded", color="#bbbbbb", fontsize="9", label={table}]'
+    )]
+    rows.append(({}, "dashed: no gradient data"))
+    rows.append(({}, "edge: grad shape dtype" + (", |g| = L2 norm" if stats else "")))
+    return f'legend [shape=box, style="rounded", color="#bbbbbb", fontsize="9", label={dot_html_table("legend", rows)}]'
 
 
 def to_dot(graph: BackwardGraph, **options: Any) -> str:
@@ -268,7 +190,7 @@ def to_dot(graph: BackwardGraph, **options: Any) -> str:
     graph_attr, body = dot_parts(graph, **options)
     if dpi is not None:
         graph_attr["dpi"] = str(dpi)
-    lines = ["digraph backward {", f"  graph [{_attrs(graph_attr)}]"]
+    lines = ["digraph backward {", f"  graph [{dot_attrs(graph_attr)}]"]
     lines.extend("  " + b for b in body)
     lines.append("}")
     return "\n".join(lines) + "\n"

@@ -6,7 +6,7 @@ import os
 import tempfile
 
 from .._fileio import atomic_write
-from ..render.quoting import safe_filename
+from ..escape import safe_filename
 
 __all__ = ["StepFiles", "step_stem"]
 

@@ -1,7 +1,7 @@
 """VisualDL records for captured steps, designed around the dashboard's limits.
 
 VisualDL keeps only 10 image and 10 text samples per run and tag (see
-``shared/notes/visualdl.md``), so image and text tags are paged: captures
+``docs/visualdl.md``), so image and text tags are paged: captures
 1-10 go to ``.../p000``, 11-20 to ``.../p001`` and so on, and every capture
 stays reachable. Scalars keep 1000 samples and are not paged.
 """
@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import io
 import math
-import re
 import zlib
 from collections import defaultdict
 from typing import Any
+
+from ..escape import vdl_tag
 
 __all__ = ["VisualDLSink", "png_to_array", "encode_like_visualdl", "PAGE"]
 
@@ -34,17 +35,6 @@ def encode_like_visualdl(array: Any) -> bytes:
     from visualdl.component.base_component import imgarray2bytes
 
     return imgarray2bytes(array)
-
-
-# \w is Unicode-aware: layer names in any script stay readable (VisualDL
-# stores and serves non-ASCII tags fine; only '%' breaks it)
-_TAG_UNSAFE = re.compile(r"[^\w.\-/]+")
-
-
-def clean_tag(text: str) -> str:
-    """A VisualDL tag from arbitrary text (no ``%``, no spaces, no ``..``)."""
-    tag = _TAG_UNSAFE.sub("_", str(text)).replace("..", "_").strip("/")
-    return tag[:120] or "unnamed"
 
 
 class VisualDLSink:
@@ -70,7 +60,7 @@ class VisualDLSink:
 
     def paged_tag(self, base: str) -> str:
         """The tag for the next sample of ``base``, turning pages every 10."""
-        base = clean_tag(base)
+        base = vdl_tag(base)
         n = self._counts[base]
         self._counts[base] = n + 1
         return f"{base}/p{n // PAGE:03d}"
@@ -96,7 +86,7 @@ class VisualDLSink:
         (``"a b"`` and ``"a_b"``) get different tags, so no chart mixes two layers."""
         tag = self._scalar_tags.get(name)
         if tag is None:
-            tag = clean_tag(name)
+            tag = vdl_tag(name)
             if self._tag_owner.setdefault(tag, name) != name:
                 tag = f"{tag[:111]}_{zlib.crc32(name.encode('utf-8')):08x}"
                 self._tag_owner.setdefault(tag, name)

@@ -1,6 +1,6 @@
 """One self-contained HTML page showing every captured step of a log directory.
 
-VisualDL keeps only 10 image samples per tag (``shared/notes/visualdl.md``);
+VisualDL keeps only 10 image samples per tag (``docs/visualdl.md``);
 this page shows all of them. It needs no network: CSS, JS and SVGs are inline.
 
 What it shows, per run (a folder holding ``step_*.json`` files):
@@ -23,25 +23,23 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import json
 import math
 import os
 import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
-from xml.etree import ElementTree
 
-from .diff import DIFF_FORMAT, GraphDiff, describe_node, diff_graphs
-from .graph import BackwardGraph, parse_json
-from .render.dot import fmt_num
-from .render.quoting import html_escape
+from .._fileio import atomic_write
+from ..diff import DIFF_FORMAT, GraphDiff, diff_graphs
+from ..escape import clean_svg, html_escape, json_for_script
+from ..graph import BackwardGraph, parse_json
+from ..render import render_diff, render_svg
+from ..text import describe_node, diff_summary, fmt_num, graph_summary
 
 __all__ = ["build_report", "find_step_files", "ReportError"]
 
 _STEP_FILE = re.compile(r"^step_(\d+)(?:_(.+))?\.json$")
-_UNSAFE_TAGS = {"script", "foreignobject", "iframe", "embed", "object", "handler", "listener"}
-_SCHEME = re.compile(r"\s*[a-z][a-z0-9+.-]*:", re.I)  # any href with a scheme (javascript:, http:, data:)
 _PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf"]
 MAX_CHART_LINES = 8
 
@@ -108,39 +106,11 @@ def _read_graph(path: str) -> BackwardGraph:
     return g
 
 
-def _clean_svg(text: str) -> str | None:
-    """The ``<svg>`` element of a graphviz file, or None if it is unfit to inline.
-
-    Unfit: not well-formed XML, or anything that could run code once inlined
-    (script-like elements, ``on*`` attributes, ``javascript:`` links). Text
-    and attribute values are escaped by graphviz and may say anything.
-    """
-    start = text.find("<svg")
-    end = text.rfind("</svg>")
-    if start < 0 or end < start:
-        return None
-    svg = text[start:end + len("</svg>")]  # no prolog or DOCTYPE (hence no entity definitions)
-    try:
-        root = ElementTree.fromstring(svg)
-    except ElementTree.ParseError:
-        return None
-    for el in root.iter():
-        if not isinstance(el.tag, str) or el.tag.rsplit("}", 1)[-1].lower() in _UNSAFE_TAGS:
-            return None
-        for name, value in el.attrib.items():
-            local = name.rsplit("}", 1)[-1].lower()
-            if local.startswith("on"):
-                return None
-            if local in ("href", "src", "action") and _SCHEME.match(value) and not value.startswith("#"):
-                return None
-    return svg
-
-
 def _existing_svg(json_path: str) -> str | None:
     svg_path = json_path[: -len(".json")] + ".svg"
     try:
         with open(svg_path, "r", encoding="utf-8") as f:
-            return _clean_svg(f.read())
+            return clean_svg(f.read())
     except (OSError, UnicodeDecodeError):
         return None
 
@@ -148,7 +118,7 @@ def _existing_svg(json_path: str) -> str | None:
 def _render(fn, *args, **kwargs) -> tuple[str | None, str | None]:
     try:
         data = fn(*args, **kwargs)
-        svg = _clean_svg(data.decode("utf-8", "replace"))
+        svg = clean_svg(data.decode("utf-8", "replace"))
         return (svg, None) if svg else (None, "the drawing was not usable SVG")
     except Exception as exc:  # no engine, timeout, engine failure: report it on the page
         return None, f"{type(exc).__name__}: {exc}"
@@ -160,9 +130,6 @@ def _step_number(graph: BackwardGraph, file_number: int) -> int:
 
 
 def _load_runs(log_dir: str, timeout: float) -> tuple[list[_Run], list[tuple[str, str]]]:
-    from .render import render_svg
-    from .render.diff import render_diff
-
     groups = find_step_files(log_dir)
     if not groups:
         raise ReportError(f"no step_*.json files under {log_dir}")
@@ -356,18 +323,18 @@ def _step_panel(run: _Run, ri: int, si: int) -> str:
     if d is not None:
         prev = run.steps[si - 1].number
         cls = "changed" if d.structure_changed else "same"
-        out.append(f'<h3 class="{cls}">Changes since step {_e(prev)}</h3><ul class="facts">{_lines(d.summary())}</ul>')
+        out.append(f'<h3 class="{cls}">Changes since step {_e(prev)}</h3><ul class="facts">{_lines(diff_summary(d))}</ul>')
         if d.structure_changed:
             rows = []
             for label, keys in (("added", d.added_nodes), ("removed", d.removed_nodes)):
                 for key in keys[:40]:
-                    rows.append(f'<li><span class="badge {label}">{label}</span> {_e(d.describe(key))} <code>{_e(key)}</code></li>')
+                    rows.append(f'<li><span class="badge {label}">{label}</span> {_e(describe_node(d.node_info[key]) if key in d.node_info else key)} <code>{_e(key)}</code></li>')
                 if len(keys) > 40:
                     rows.append(f'<li class="muted">and {len(keys) - 40} more {label}</li>')
             out.append(f'<ul class="nodes">{"".join(rows)}</ul>')
     else:
         out.append('<p class="muted">First capture of this run: nothing to compare with.</p>')
-    out.append(f'<h3>Summary</h3><ul class="facts">{_lines(g.summary())}</ul>')
+    out.append(f'<h3>Summary</h3><ul class="facts">{_lines(graph_summary(g))}</ul>')
     if st.problem:
         out.append(f'<p class="bad">Drawing problem: {_e(st.problem)}</p>')
     out.append("</section>")
@@ -401,11 +368,6 @@ def _overview(run: _Run, ri: int) -> str:
 def _script_hash(js: str) -> str:
     """CSP source allowing exactly our inline script (inline event handlers stay blocked)."""
     return "sha256-" + base64.b64encode(hashlib.sha256(js.encode("utf-8")).digest()).decode("ascii")
-
-
-def _json_for_script(data: Any) -> str:
-    text = json.dumps(data, ensure_ascii=True, allow_nan=False, separators=(",", ":"))
-    return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
 
 
 _CSS = """
@@ -652,7 +614,7 @@ def _html(title: str, runs: list[_Run], skipped: list[tuple[str, str]]) -> str:
 {skipped_html}
 </aside>
 </main>
-<script type="application/json" id="pvh-data">{_json_for_script(data)}</script>
+<script type="application/json" id="pvh-data">{json_for_script(data)}</script>
 <script>{_JS}</script>
 </body>
 </html>
@@ -694,7 +656,5 @@ def build_report(log_dir: str | os.PathLike, out_path: str | os.PathLike, *, tit
     if title is None:
         title = f"paddleviz-hooks report: {os.path.basename(os.path.abspath(log_dir))}"
     page = _html(title, runs, skipped)
-    from ._fileio import atomic_write
-
     atomic_write(out_path, page.encode("utf-8"))
     return out_path

@@ -36,7 +36,7 @@ from collections import defaultdict
 from dataclasses import replace
 from typing import Iterable
 
-from ..graph import BackwardGraph, Edge, GradMeta, Node, _merge_metas
+from .graph import BackwardGraph, Edge, Node, merge_grad_metas
 
 __all__ = ["collapse_graph", "layer_depths", "CONTAINER_TYPES"]
 
@@ -265,7 +265,7 @@ def _collapse_once(
     new_edges = []
     for (s, d, _), es in groups.items():
         metas = [e.grad for e in es if e.grad is not None]
-        grad = _merge_metas(metas) if metas else None
+        grad = merge_grad_metas(metas) if metas else None
         if grad is not None:
             grad = replace(grad)  # never share a GradMeta with the input graph
         new_edges.append(Edge(s, d, min(e.slot for e in es), grad))
@@ -276,9 +276,7 @@ def _collapse_once(
         box = new_nodes[bid]
         ops = [n for n in ns if n.kind == "op"]
         prm = [n for n in ns if n.kind == "param"]
-        per = len(ops) // box.count if box.count > 1 and len(ops) % box.count == 0 else None
-        word = "op" if (per if per is not None else len(ops)) == 1 else "ops"
-        box.op = f"{per} {word} each" if per is not None else f"{len(ops)} {word}"
+        box.ops = len(ops)
         box.params = len(prm)
         sq, known = 0.0, False
         for n in prm:
@@ -288,9 +286,7 @@ def _collapse_once(
                 known = True
         box.norm = math.sqrt(sq) if known else None
         box.hooked = bool(ops) and all(n.hooked for n in ops)
-        unhooked = [n for n in ops if not n.hooked]
-        if unhooked:
-            box.note = f"no gradient data at {len(unhooked)} of {len(ops)} ops"
+        box.unhooked = sum(1 for n in ops if not n.hooked)
         calls = {n.call for n in ops}
         box.call = min(calls) if calls else 0
 
@@ -352,9 +348,11 @@ def collapse_graph(
 
     Returns:
         A new :class:`BackwardGraph`. Boxes are ``Node(kind="layer",
-        name=<layer class>, op="12 ops", layer=<path>, count=N, params=P,
-        norm=<L2 norm of the parameter gradients inside>)``; folded boxes
-        have ``layer="layers.0-5"`` and ``op="22 ops each"``.
+        name=<layer class>, layer=<path>, ops=<op nodes inside>, count=N,
+        params=P, unhooked=<ops without gradient data>, norm=<L2 norm of the
+        parameter gradients inside>)``; folded boxes have
+        ``layer="layers.0-5"`` and ``count=6``. Boxes carry numbers only;
+        :func:`paddleviz_hooks.text.box_lines` words them.
         ``meta["collapse"]`` records the options, the depth used and the node
         count before and after. Without any option, an unchanged copy.
 

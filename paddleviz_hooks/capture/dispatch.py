@@ -1,0 +1,93 @@
+"""The backward patch: one dispatcher shared by every active capture.
+
+While at least one capture is active, ``paddle.base.core.eager.run_backward``
+and ``run_partial_grad`` are replaced by the dispatcher. ``Tensor.backward``,
+``paddle.autograd.backward`` and ``paddle.grad`` look those functions up at
+call time, so every entry point is seen. The originals are put back when the
+last capture ends, also on exceptions and KeyboardInterrupt.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+import paddle
+from paddle.base import core
+
+__all__ = ["DISPATCHER", "dispatcher_installed"]
+
+
+class Dispatcher:
+    """Installs the backward patch while any capture is active."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._active: list[Any] = []
+        self._orig_backward: Callable | None = None
+        self._orig_grad: Callable | None = None
+
+    def activate(self, cap: Any) -> None:
+        with self._lock:
+            if not self._active:
+                self._orig_backward = core.eager.run_backward
+                self._orig_grad = core.eager.run_partial_grad
+                core.eager.run_backward = self._run_backward
+                core.eager.run_partial_grad = self._run_partial_grad
+            self._active.append(cap)
+
+    def deactivate(self, cap: Any) -> None:
+        with self._lock:
+            if cap in self._active:
+                self._active.remove(cap)
+            if not self._active and self._orig_backward is not None:
+                core.eager.run_backward = self._orig_backward
+                core.eager.run_partial_grad = self._orig_grad
+                self._orig_backward = self._orig_grad = None
+
+    @property
+    def installed(self) -> bool:
+        return self._orig_backward is not None
+
+    def _run_backward(self, tensors, grad_tensors, retain_graph, *rest):
+        return self._run(self._orig_backward, "backward", tensors, retain_graph,
+                         (tensors, grad_tensors, retain_graph, *rest))
+
+    def _run_partial_grad(self, outputs, inputs, grad_outputs, retain_graph, *rest):
+        return self._run(self._orig_grad, "grad", outputs, retain_graph,
+                         (outputs, inputs, grad_outputs, retain_graph, *rest))
+
+    def _run(self, original, entry, roots, retain_graph, args):
+        with self._lock:
+            caps = list(self._active)
+        grad_was = paddle.is_grad_enabled()
+        sessions: list = []
+        ok = False
+        try:
+            # inside the try: an interrupt while walking still unhooks what was hooked
+            for cap in caps:
+                sessions.append((cap, cap._begin(list(roots), entry)))
+            result = original(*args)
+            # A KeyboardInterrupt/SystemExit that hit one of our hooks was held
+            # back so Paddle could finish the backward (raised inside a hook it
+            # would surface as Paddle's OSError); deliver it now, as itself.
+            held = next((s.interrupt for _, s in sessions if s is not None and s.interrupt is not None), None)
+            if held is not None:
+                raise held
+            ok = True
+            return result
+        finally:
+            # A hook that raised (or a KeyboardInterrupt inside one) leaves
+            # Paddle's grad mode off for the rest of the process: restore it.
+            if paddle.is_grad_enabled() != grad_was:
+                paddle.set_grad_enabled(grad_was)
+            for cap, s in sessions:
+                cap._end(s, ok=ok, retain_graph=bool(retain_graph))
+
+
+DISPATCHER = Dispatcher()
+
+
+def dispatcher_installed() -> bool:
+    """True while the backward patch is in place."""
+    return DISPATCHER.installed

@@ -1,0 +1,210 @@
+"""Grad nodes: reading ``Tensor.grad_fn`` safely and walking the graph.
+
+Paddle's grad node wrappers (``GradNodeBase``) are only touched here and in
+the other modules of this package. ``walk_graph`` turns the live graph into
+plain :class:`~paddleviz_hooks.graph.Node`/``Edge`` records; the wrappers it
+keeps (``Walk.wrappers``) must be cleared once a capture is over, since
+holding them keeps the C++ graph alive.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+from typing import Any, Callable, Sequence
+
+import paddle
+
+from ..graph import Edge, GradMeta, Node, op_display_name
+
+__all__ = ["grad_fn", "has_graph", "walk_graph", "Walk", "parameter_names", "strip_wrapper_prefix",
+           "structure_fingerprint", "dtype_name"]
+
+
+# --------------------------------------------------------------------------
+# Tensor.grad_fn without Paddle's reference leak
+# --------------------------------------------------------------------------
+# Paddle 3.3.1's `Tensor.grad_fn` getter keeps one extra reference to the
+# wrapper it returns, on every access: the wrapper, and the C++ grad node with
+# every node it reaches, are never freed (about 25 KB per access for a small
+# MLP; the trigger watch and the layer hooks read grad_fn on every step). The
+# leak is measured once; only if the getter is seen to keep exactly one extra
+# reference is it given back, so a Paddle that fixes the bug is left alone.
+_grad_fn_leak: bool | None = None
+_Py_DecRef = ctypes.PYFUNCTYPE(None, ctypes.py_object)(("Py_DecRef", ctypes.pythonapi))
+
+
+def _measure_grad_fn_leak() -> bool | None:
+    with paddle.set_grad_enabled(True):  # also when first called under no_grad
+        t = paddle.ones([1])
+        t.stop_gradient = False
+        y = t * 2.0
+    g = y.grad_fn
+    if g is None:
+        return None  # cannot tell here: measure again next time
+    before = sys.getrefcount(g)
+    h = y.grad_fn
+    extra = sys.getrefcount(g) - before - 1
+    del h
+    if extra == 1:
+        _Py_DecRef(g)
+        _Py_DecRef(g)
+    return extra == 1
+
+
+def grad_fn(t: Any) -> Any:
+    """``t.grad_fn`` (None for non-tensors), without leaking the grad node."""
+    global _grad_fn_leak
+    g = getattr(t, "grad_fn", None)
+    if g is not None:
+        if _grad_fn_leak is None:
+            _grad_fn_leak = _measure_grad_fn_leak()
+        if _grad_fn_leak:
+            _Py_DecRef(g)
+    return g
+
+
+
+
+def dtype_name(dtype: Any) -> str:
+    """``paddle.float32`` -> ``"float32"``."""
+    return str(dtype).split(".")[-1]
+
+
+def has_graph(t: Any) -> bool:
+    """Whether a gradient can flow back from ``t``.
+
+    A tensor with ``stop_gradient=True`` still has a ``grad_fn`` (an
+    accumulation node) in Paddle 3.3, but no gradient flows from it.
+    """
+    return grad_fn(t) is not None and not t.stop_gradient
+
+
+# --------------------------------------------------------------------------
+# walking the graph
+# --------------------------------------------------------------------------
+def parameter_names(params: Any) -> dict[int, tuple[str, Any]]:
+    """Map accumulation-node address -> (parameter name, parameter).
+
+    Args:
+        params: a ``paddle.nn.Layer`` or a dict name -> parameter/tensor.
+
+    Raises:
+        TypeError: ``params`` is neither.
+    """
+    if isinstance(params, paddle.nn.Layer):
+        items = params.named_parameters()
+    elif isinstance(params, dict):
+        items = params.items()
+    else:
+        raise TypeError(
+            f"params must be a paddle.nn.Layer or a dict of name -> Tensor, got {type(params).__name__}"
+        )
+    out: dict[int, tuple[str, Any]] = {}
+    for name, p in items:
+        if not isinstance(p, paddle.Tensor):
+            raise TypeError(f"params[{name!r}] must be a paddle.Tensor, got {type(p).__name__}")
+        gf = grad_fn(p)
+        if gf is not None:
+            out[gf.node_ptr()] = (strip_wrapper_prefix(str(name)), p)
+    return out
+
+
+def strip_wrapper_prefix(name: str) -> str:
+    # paddle.DataParallel (and paddle.Model's adapters) wrap the network as `_layers`.
+    while name.startswith("_layers."):
+        name = name[len("_layers."):]
+    return name
+
+
+class Walk:
+    """Nodes and edges found from some roots, plus the live wrappers."""
+
+    def __init__(self) -> None:
+        self.nodes: list[Node] = []
+        self.edges: list[Edge] = []
+        self.wrappers: list[Any] = []  # id -> GradNodeBase (None for roots)
+        self.out_edges: dict[int, list[Edge]] = {}
+        self.root_edges: dict[int, Edge] = {}  # grad node id -> edge from its root
+
+    def release(self) -> None:
+        """Drop the grad node wrappers (holding them keeps the C++ graph alive)."""
+        self.wrappers.clear()
+
+    def leaf_pointers(self) -> list[tuple[Node, int]]:
+        """(node, accumulation-node address) of every parameter leaf reached."""
+        return [(n, gn.node_ptr()) for gn, n in zip(self.wrappers, self.nodes) if n.kind == "param"]
+
+
+def walk_graph(
+    roots: Sequence[Any],
+    param_names: dict[int, tuple[str, Any]] | None = None,
+    layer_of: Callable[[int], tuple[str, int] | None] | None = None,
+) -> Walk:
+    """Breadth-first walk from the roots' ``grad_fn`` along ``next_functions``."""
+    param_names = param_names or {}
+    w = Walk()
+    ids: dict[int, int] = {}
+    queue: list[Any] = []
+
+    def node_for(gn: Any) -> int:
+        ptr = gn.node_ptr()
+        nid = ids.get(ptr)
+        if nid is not None:
+            return nid
+        nid = len(w.nodes)
+        ids[ptr] = nid
+        name = gn.name()
+        if name == "GradNodeAccumulation":
+            named = param_names.get(ptr)
+            if named is not None:
+                pname, p = named
+                node = Node(nid, "param", name, "Parameter", param=pname,
+                            shape=tuple(int(s) for s in p.shape), dtype=dtype_name(p.dtype))
+            else:
+                node = Node(nid, "input", name, "Leaf")
+        else:
+            node = Node(nid, "op", name, op_display_name(name))
+            where = layer_of(ptr) if layer_of is not None else None
+            if where is not None:
+                node.layer, node.call = where
+        w.nodes.append(node)
+        w.wrappers.append(gn)
+        queue.append(gn)
+        return nid
+
+    for i, t in enumerate(roots):
+        gf = grad_fn(t)
+        if gf is None:
+            continue
+        rid = len(w.nodes)
+        label = "loss" if len(roots) == 1 else f"output {i}"
+        w.nodes.append(Node(rid, "root", label, label, shape=tuple(int(s) for s in t.shape),
+                            dtype=dtype_name(t.dtype)))
+        w.wrappers.append(None)
+        gid = node_for(gf)
+        e = Edge(rid, gid, 0, GradMeta(shape=tuple(int(s) for s in t.shape), dtype=dtype_name(t.dtype)))
+        w.edges.append(e)
+        w.root_edges.setdefault(gid, e)
+
+    head = 0
+    while head < len(queue):
+        gn = queue[head]
+        head += 1
+        src = ids[gn.node_ptr()]
+        outs = []
+        for slot, nxt in enumerate(gn.next_functions):
+            if nxt is None:
+                continue
+            e = Edge(src, node_for(nxt), slot)
+            w.edges.append(e)
+            outs.append(e)
+        w.out_edges[src] = outs
+    return w
+
+
+def structure_fingerprint(walk: Walk) -> int:
+    """A hash of a walk's structure: op kinds, parameter names and edges."""
+    return hash((tuple((n.name, n.param) for n in walk.nodes), tuple((e.src, e.dst) for e in walk.edges)))
+
+

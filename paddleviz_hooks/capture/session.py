@@ -1,0 +1,353 @@
+"""BackwardCapture: one capture of every backward run inside a ``with`` block.
+
+* When a backward starts (seen through the dispatcher, ``dispatch.py``), each
+  active capture walks the graph from the roots (the graph is freed by
+  backward, so it has to be walked *before*, ``gradnode.py``) and puts a
+  post-hook on every node that can safely take one (``hazards.py``). The hooks
+  record the gradients that really flow (``stats.py``) and always return them
+  unchanged.
+* When the backward returns, the hooks are removed, every grad node wrapper is
+  dropped (holding them would keep the C++ graph alive) and a plain
+  :class:`~paddleviz_hooks.graph.BackwardGraph` is built.
+* With a layer given, forward pre/post hooks on every sublayer attribute the op
+  nodes created during the forward to the innermost layer that ran them
+  (``attribution.py``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import paddle
+
+from ..graph import BackwardGraph, GradMeta
+from ..hazards import hook_hazard
+from ..warn import WarnOnce
+from .attribution import LayerAttribution
+from .dispatch import DISPATCHER
+from .gradnode import Walk, grad_fn, parameter_names, walk_graph
+from . import stats
+
+__all__ = ["BackwardCapture", "capture_backward"]
+
+
+# --------------------------------------------------------------------------
+# the public context manager
+# --------------------------------------------------------------------------
+class _Session:
+    """State of one capture of one backward call."""
+
+    def __init__(self, cap: "BackwardCapture", walk: Walk, entry: str, t0: float):
+        self.cap = cap
+        self.walk = walk
+        self.entry = entry
+        self.handles: list[Any] = []
+        self.in_meta: dict[int, GradMeta] = {}
+        self.errors: list[BaseException] = []
+        self.interrupt: BaseException | None = None
+        self.returned: list[list[Any]] = []  # what the hooks returned; emptied in _end
+        self.hook_seconds = 0.0
+        self.prepare_seconds = time.perf_counter() - t0
+        self.loss: float | None = None
+        self.trigger: str | None = None
+
+
+class BackwardCapture:
+    """Captures the backward graph of every backward run inside a ``with`` block.
+
+    Use :func:`capture_backward` to make one.
+
+    Attributes:
+        graphs: one :class:`BackwardGraph` per backward call, in order.
+        graph: the last captured graph.
+    """
+
+    def __init__(
+        self,
+        layer: paddle.nn.Layer | None = None,
+        *,
+        grad_stats: bool = True,
+        params: Any = None,
+        on_graph: Callable[[BackwardGraph], None] | None = None,
+        keep_graphs: bool = True,
+        max_graphs: int | None = None,
+        when: Callable[[list[Any], Callable[[], Any]], str | None] | None = None,
+        after_backward: Callable[[bool], None] | None = None,
+        warn: Callable[[str, str], None] | None = None,
+    ) -> None:
+        if layer is not None and not isinstance(layer, paddle.nn.Layer):
+            raise TypeError(
+                f"layer must be a paddle.nn.Layer or None, got {type(layer).__name__}; "
+                "pass your model, e.g. capture_backward(model)"
+            )
+        if not isinstance(grad_stats, bool):
+            raise TypeError(f"grad_stats must be True or False, got {grad_stats!r}")
+        if params is not None and not isinstance(params, (dict, paddle.nn.Layer)):
+            raise TypeError(
+                f"params must be a paddle.nn.Layer or a dict of name -> Tensor, got {type(params).__name__}"
+            )
+        if on_graph is not None and not callable(on_graph):
+            raise TypeError(f"on_graph must be callable, got {type(on_graph).__name__}")
+        if max_graphs is not None and (not isinstance(max_graphs, int) or max_graphs < 1):
+            raise ValueError(f"max_graphs must be a positive int or None, got {max_graphs!r}")
+        self.layer = layer
+        self.grad_stats = grad_stats
+        self.params = params
+        self.on_graph = on_graph
+        self.keep_graphs = keep_graphs
+        self.max_graphs = max_graphs
+        # when(roots, walk) -> trigger label, or None to let this backward
+        # run unobserved; `walk()` gives the (cached) structure walk.
+        self.when = when
+        self.after_backward = after_backward
+        self.graphs: list[BackwardGraph] = []
+        self.meta: dict[str, Any] = {}
+        self._active = False
+        self._attribution: LayerAttribution | None = None
+        self._param_names: dict[int, tuple[str, Any]] = {}
+        self._warn = warn or WarnOnce()
+
+    # -- context protocol ---------------------------------------------------
+    def __enter__(self) -> "BackwardCapture":
+        if self._active:
+            raise RuntimeError("this capture is already active; create a new capture_backward() per block")
+        try:
+            source = self.params if self.params is not None else self.layer
+            self._param_names = parameter_names(source) if source is not None else {}
+            if self.layer is not None:
+                self._attribution = LayerAttribution(self.layer)
+                self._attribution.install()
+            DISPATCHER.activate(self)
+            self._active = True
+        except BaseException:
+            self._teardown()
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._teardown()
+
+    def _teardown(self) -> None:
+        self._active = False
+        DISPATCHER.deactivate(self)
+        if self._attribution is not None:
+            self._attribution.remove()
+            self._attribution = None
+        self._param_names = {}
+
+    @property
+    def errors(self) -> list[str]:
+        """Every capture problem met so far (each also warned once per cause)."""
+        return self._warn.messages
+
+    @property
+    def graph(self) -> BackwardGraph:
+        """The last captured graph.
+
+        Raises:
+            RuntimeError: no backward ran inside the block.
+        """
+        if not self.graphs:
+            raise RuntimeError(
+                "no backward graph was captured: call loss.backward(), paddle.grad() or "
+                "paddle.autograd.backward() inside the `with capture_backward(...)` block"
+            )
+        return self.graphs[-1]
+
+    # -- called by the dispatcher -----------------------------------------
+    def _begin(self, roots: list[Any], entry: str) -> _Session | None:
+        t0 = time.perf_counter()
+        try:
+            if not any(grad_fn(t) is not None for t in roots):
+                return None
+            layer_of = self._attribution.lookup if self._attribution is not None else None
+            cache: list[Walk] = []
+
+            def walk() -> Walk:
+                if not cache:
+                    cache.append(walk_graph(roots, self._param_names, layer_of))
+                return cache[0]
+
+            trigger = self.when(roots, walk) if self.when is not None else None
+            if self.when is not None and trigger is None:
+                if cache:
+                    cache[0].release()
+                return None
+            s = _Session(self, walk(), entry, t0)
+            s.trigger = trigger
+            if len(roots) == 1 and roots[0].size == 1:
+                s.loss = float(roots[0])
+            self._hook_all(s)
+            s.prepare_seconds = time.perf_counter() - t0
+            return s
+        except Exception as exc:  # observability never breaks training
+            self._warn("capture", f"backward graph capture failed and was skipped: {exc!r}")
+            return None
+
+    def _hook_all(self, s: _Session) -> None:
+        w = s.walk
+        needs_in: set[int] = set()
+        for nid, node in enumerate(w.nodes):
+            if node.kind != "op":
+                continue
+            reason = hook_hazard(node.name)
+            if reason is not None:
+                node.note = reason
+                needs_in.update(e.dst for e in w.out_edges.get(nid, ()))
+        for nid, node in enumerate(w.nodes):
+            if node.kind != "op" or node.note is not None:
+                continue
+            hook = self._make_hook(s, nid, nid in needs_in)
+            s.handles.append(w.wrappers[nid]._register_post_hook(hook))
+            node.hooked = True
+
+    def _make_hook(self, s: _Session, nid: int, want_in: bool):
+        with_stats = self.grad_stats
+        out_edges = s.walk.out_edges.get(nid, [])
+        root_edge = s.walk.root_edges.get(nid)
+
+        def hook(outs, ins):
+            t = time.perf_counter()
+            try:
+                produced = stats.flat_tensors(outs)
+                for e, g in zip(out_edges, produced):
+                    e.grad = stats.grad_meta(g, with_stats)
+                if root_edge is not None or want_in:
+                    received = stats.flat_tensors(ins)
+                    if len(received) == 1:
+                        m = stats.grad_meta(received[0], with_stats)
+                        if root_edge is not None:
+                            root_edge.grad = m
+                        s.in_meta[nid] = m
+            except Exception as exc:  # a raising hook would abort backward
+                s.errors.append(exc)
+            except BaseException as exc:  # Ctrl-C: re-raised when the backward returns
+                if s.interrupt is None:
+                    s.interrupt = exc
+            s.hook_seconds += time.perf_counter() - t
+            # Paddle 3.3.1 never releases the object a node post-hook returns
+            # (one reference leaks per call, and with it every gradient tensor
+            # in it: about 1 MB per capture of a 64x512 MLP). Return a fresh list
+            # of the same slots and empty it when the backward is over
+            # (_end): only an empty list is left behind.
+            ret = list(outs)
+            s.returned.append(ret)
+            return ret
+
+        return hook
+
+    def _end(self, s: _Session | None, ok: bool, retain_graph: bool) -> None:
+        if s is None:
+            if not retain_graph and self._attribution is not None:
+                self._attribution.reset()
+            self._after(ok)
+            return
+        t0 = time.perf_counter()
+        try:
+            for h in s.handles:
+                try:
+                    h.remove()
+                except Exception:
+                    pass
+            s.handles.clear()
+            for ret in s.returned:  # see _make_hook: drop the gradients Paddle leaks
+                ret.clear()
+            s.returned.clear()
+            s.walk.release()
+            if not retain_graph and self._attribution is not None:
+                self._attribution.reset()  # that forward's graph is consumed
+            if not ok:
+                return
+            if s.errors:
+                self._warn("hook", f"gradient recording failed at {len(s.errors)} nodes: {s.errors[0]!r}")
+            graph = self._build(s)
+            graph.meta["capture_ms"] = round(
+                1000 * (s.prepare_seconds + s.hook_seconds + time.perf_counter() - t0), 3
+            )
+            if self.keep_graphs:
+                self.graphs.append(graph)
+                if self.max_graphs is not None and len(self.graphs) > self.max_graphs:
+                    del self.graphs[0]
+            if self.on_graph is not None:
+                self.on_graph(graph)
+        except Exception as exc:
+            self._warn("finish", f"backward graph capture failed and was skipped: {exc!r}")
+        self._after(ok)
+
+    def _after(self, ok: bool) -> None:
+        if self.after_backward is None:
+            return
+        try:
+            self.after_backward(ok)
+        except Exception as exc:
+            self._warn("after", f"post-backward check failed: {exc!r}")
+
+    def _build(self, s: _Session) -> BackwardGraph:
+        w = s.walk
+        in_count: dict[int, int] = {}
+        for e in w.edges:
+            in_count[e.dst] = in_count.get(e.dst, 0) + 1
+        for e in w.edges:
+            if e.grad is not None:
+                continue
+            # An unhooked producer: the receiver saw the same tensor when it
+            # is its only incoming gradient.
+            if in_count.get(e.dst) == 1 and e.dst in s.in_meta:
+                e.grad = s.in_meta[e.dst]
+            elif w.nodes[e.dst].kind == "param":
+                leaf = w.nodes[e.dst]
+                e.grad = GradMeta(shape=leaf.shape, dtype=leaf.dtype)
+        graph = BackwardGraph(
+            nodes=w.nodes,
+            edges=w.edges,
+            layers=dict(self._attribution.types) if self._attribution is not None else {},
+            meta={"entry": s.entry, "grad_stats": self.grad_stats, **self.meta},
+        )
+        if s.loss is not None:
+            graph.meta["loss"] = s.loss
+        if s.trigger is not None:
+            graph.meta["trigger"] = s.trigger
+        graph.assign_keys()
+        return graph
+
+
+
+def capture_backward(
+    layer: paddle.nn.Layer | None = None,
+    *,
+    grad_stats: bool = True,
+    params: Any = None,
+) -> BackwardCapture:
+    """Capture the backward graph of every backward call inside a ``with`` block.
+
+    Every backward started in the block, by ``loss.backward()``,
+    ``paddle.autograd.backward(...)`` or ``paddle.grad(...)``, is walked when it
+    starts and observed while it runs; gradients are never changed.
+
+    Args:
+        layer: the model. When given, forward hooks installed for the block
+            attribute op nodes to sublayers (``encoder.layers.3.linear1``) and
+            parameters are named as in ``layer.named_parameters()``. Run the
+            forward pass inside the block for layer attribution.
+        grad_stats: record L2 norm, min, max and NaN/Inf counts of every
+            gradient (costs a few reductions per gradient); False records
+            shapes and dtypes only.
+        params: names for parameter leaves when ``layer`` is not given: a
+            ``paddle.nn.Layer`` or a dict name -> tensor.
+
+    Returns:
+        A :class:`BackwardCapture`; ``cap.graphs`` holds one graph per backward,
+        ``cap.graph`` the last.
+
+    Raises:
+        TypeError: ``layer`` or ``params`` of the wrong type.
+
+    Example:
+        >>> with capture_backward(model) as cap:
+        ...     loss = paddle.nn.functional.cross_entropy(model(x), y)
+        ...     loss.backward()
+        >>> print(cap.graph.summary())
+    """
+    return BackwardCapture(layer, grad_stats=grad_stats, params=params)
+

@@ -1,0 +1,232 @@
+"""Every escaping rule, in one place.
+
+Layer names, op names, parameter names and user tags come from models and
+users. They reach DOT source (:func:`dot_quote`, :func:`dot_label`),
+Graphviz HTML-like labels (:func:`dot_html_table`), HTML pages
+(:func:`html_escape`), JSON inside ``<script>`` (:func:`json_for_script`),
+VisualDL tags (:func:`vdl_tag`) and file names (:func:`safe_filename`) only
+through these helpers; SVG drawn by the layout engine is inlined into pages
+only after :func:`clean_svg` (an allowlist) accepted it. Nothing else of the
+package is imported here.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import re
+import unicodedata
+from typing import Any, Iterable, Mapping
+from xml.etree import ElementTree
+
+__all__ = [
+    "clean_svg",
+    "dot_attrs",
+    "dot_html_table",
+    "dot_label",
+    "dot_quote",
+    "html_escape",
+    "json_for_script",
+    "safe_filename",
+    "shorten",
+    "vdl_tag",
+]
+
+MAX_TEXT = 120
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
+
+
+def shorten(text: str, limit: int = MAX_TEXT) -> str:
+    """Cut very long text to ``limit`` characters with an ellipsis in the middle."""
+    text = str(text)
+    if len(text) <= limit:
+        return text
+    half = (limit - 1) // 2
+    return text[:half] + "\u2026" + text[-(limit - 1 - half):]
+
+
+def _clean_line(text: str) -> str:
+    return _CONTROL.sub("?", str(text).replace("\t", " "))
+
+
+def dot_quote(text: str) -> str:
+    """A DOT double-quoted string holding ``text`` literally (one line).
+
+    Backslashes are doubled so Graphviz escapes such as ``\\N`` or ``\\l``
+    cannot be injected; quotes are escaped; newlines become spaces.
+
+    Example:
+        >>> dot_quote('a"b')
+        '"a\\\\"b"'
+    """
+    text = _clean_line(shorten(text)).replace("\r", " ").replace("\n", " ")
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def dot_label(*lines: str) -> str:
+    """A DOT quoted label whose lines are each escaped and centred."""
+    parts = []
+    for line in lines:
+        text = _clean_line(shorten(line)).replace("\r", " ").replace("\n", " ")
+        parts.append(text.replace("\\", "\\\\").replace('"', '\\"'))
+    return '"' + "\\n".join(parts) + '"'
+
+
+def dot_attrs(attrs: Mapping[str, Any]) -> str:
+    """``key="value", ...`` for a DOT attribute list, every value quoted.
+
+    Example:
+        >>> print(dot_attrs({"label": 'say "hi"', "color": "red"}))
+        label="say \\"hi\\"", color="red"
+    """
+    return ", ".join(f"{k}={dot_quote(v)}" for k, v in attrs.items())
+
+
+def dot_html_table(title: str, rows: Iterable[tuple[Mapping[str, str], str]], *, spacing: int = 1) -> str:
+    """A Graphviz HTML-like label: a bold title, then one row per (swatch, text).
+
+    Args:
+        title: the first row, in bold.
+        rows: ``(swatch cell attributes, text)``; an empty attribute dict
+            makes the text span both columns.
+        spacing: ``CELLSPACING`` of the table.
+
+    Example:
+        >>> dot_html_table("legend", [({"BGCOLOR": "#ff0000"}, "a <b>")])[:40]
+        '<<TABLE BORDER="0" CELLBORDER="0" CELLSP'
+        >>> "a &lt;b&gt;" in dot_html_table("legend", [({}, "a <b>")])
+        True
+    """
+    cells = [f'<TR><TD COLSPAN="2"><B>{html_escape(title)}</B></TD></TR>']
+    for swatch, text in rows:
+        if swatch:
+            attrs = " ".join(f'{k}="{html_escape(v)}"' for k, v in swatch.items())
+            cells.append(f'<TR><TD {attrs} WIDTH="14"></TD><TD ALIGN="LEFT">{html_escape(text)}</TD></TR>')
+        else:
+            cells.append(f'<TR><TD COLSPAN="2" ALIGN="LEFT">{html_escape(text)}</TD></TR>')
+    return (f'<<TABLE BORDER="0" CELLBORDER="0" CELLSPACING="{int(spacing)}" CELLPADDING="2">'
+            + "".join(cells) + "</TABLE>>")
+
+
+def html_escape(text: Any) -> str:
+    """Escape text for HTML element content and quoted attributes.
+
+    Example:
+        >>> html_escape('<a href="x">')
+        '&lt;a href=&quot;x&quot;&gt;'
+    """
+    return html.escape(str(text), quote=True)
+
+
+def json_for_script(data: Any) -> str:
+    """JSON that can sit inside ``<script type="application/json">``.
+
+    ``<``, ``>`` and ``&`` are written as ``\\u003c`` etc., so no text can end
+    the script element.
+
+    Example:
+        >>> json_for_script({"name": "</script>"})
+        '{"name":"\\\\u003c/script\\\\u003e"}'
+    """
+    text = json.dumps(data, ensure_ascii=True, allow_nan=False, separators=(",", ":"))
+    return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+
+
+# \w is Unicode-aware: layer names in any script stay readable (VisualDL
+# stores and serves non-ASCII tags fine; only '%' breaks it)
+_TAG_UNSAFE = re.compile(r"[^\w.\-/]+")
+
+
+def vdl_tag(text: str) -> str:
+    """A VisualDL tag from arbitrary text (no ``%``, no spaces, no ``..``).
+
+    Example:
+        >>> vdl_tag("grad norm/../50%")
+        'grad_norm/_/50_'
+    """
+    tag = _TAG_UNSAFE.sub("_", str(text)).replace("..", "_").strip("/")
+    return tag[:120] or "unnamed"
+
+
+_UNSAFE_FILE = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+def safe_filename(text: str, limit: int = 80) -> str:
+    """A file-name component made from arbitrary text.
+
+    Never empty, never ``.``/``..``, no path separators, ASCII only.
+
+    Example:
+        >>> safe_filename("../../etc/passwd")
+        'etc_passwd'
+    """
+    text = unicodedata.normalize("NFKD", str(text)).encode("ascii", "ignore").decode()
+    text = _UNSAFE_FILE.sub("_", text).strip("._-")
+    text = text[:limit].strip("._-")
+    return text or "unnamed"
+
+
+# --------------------------------------------------------------------------
+# SVG from the layout engine, before it is inlined into a page
+# --------------------------------------------------------------------------
+_SVG = "http://www.w3.org/2000/svg"
+_XLINK = "http://www.w3.org/1999/xlink"
+#: The elements Graphviz writes; anything else (script, foreignObject,
+#: animate, set, use, image...) makes the SVG unfit.
+SVG_ELEMENTS = frozenset({
+    "svg", "g", "title", "desc", "polygon", "polyline", "path", "ellipse", "circle", "line",
+    "rect", "text", "tspan", "a", "defs", "lineargradient", "radialgradient", "stop",
+})
+#: Attributes (local names) Graphviz writes on those elements.
+SVG_ATTRIBUTES = frozenset({
+    "id", "class", "width", "height", "viewbox", "version", "preserveaspectratio", "transform",
+    "points", "d", "cx", "cy", "rx", "ry", "r", "x", "y", "x1", "y1", "x2", "y2", "fill", "stroke",
+    "stroke-width", "stroke-dasharray", "stroke-opacity", "fill-opacity", "stroke-linecap",
+    "stroke-linejoin", "stroke-miterlimit", "font-family", "font-size", "font-weight",
+    "font-style", "text-anchor", "text-decoration", "href", "title", "target", "style", "offset",
+    "stop-color", "stop-opacity", "gradientunits", "gradienttransform", "opacity", "space",
+})
+_CSS_URL = re.compile(r"url\s*\(|expression|@import|javascript:", re.I)
+
+
+def clean_svg(text: str) -> str | None:
+    """The ``<svg>`` element of an engine's SVG output, or None if it is unfit to inline.
+
+    An allowlist: only elements and attributes the layout engine writes are
+    accepted; links may only point inside the document (``#id``); a style
+    attribute may not load anything. Text and attribute values are escaped
+    by the engine and may say anything.
+
+    Example:
+        >>> clean_svg('<svg xmlns="http://www.w3.org/2000/svg"><g id="a"/></svg>')
+        '<svg xmlns="http://www.w3.org/2000/svg"><g id="a"/></svg>'
+        >>> clean_svg('<svg xmlns="http://www.w3.org/2000/svg"><set attributeName="href" to="javascript:x()"/></svg>') is None
+        True
+    """
+    start = text.find("<svg")
+    end = text.rfind("</svg>")
+    if start < 0 or end < start:
+        return None
+    svg = text[start:end + len("</svg>")]  # no prolog or DOCTYPE (hence no entity definitions)
+    try:
+        root = ElementTree.fromstring(svg)
+    except ElementTree.ParseError:
+        return None
+    for el in root.iter():
+        if not isinstance(el.tag, str):
+            return None
+        ns, _, local = el.tag[1:].partition("}") if el.tag.startswith("{") else ("", "", el.tag)
+        if ns not in ("", _SVG) or local.lower() not in SVG_ELEMENTS:
+            return None
+        for name, value in el.attrib.items():
+            ans, _, alocal = name[1:].partition("}") if name.startswith("{") else ("", "", name)
+            if ans not in ("", _XLINK, "http://www.w3.org/XML/1998/namespace"):
+                return None
+            alocal = alocal.lower()
+            if alocal not in SVG_ATTRIBUTES:
+                return None
+            if alocal == "href" and not value.startswith("#"):
+                return None
+            if alocal == "style" and _CSS_URL.search(value):
+                return None
+    return svg

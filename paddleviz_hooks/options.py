@@ -1,0 +1,195 @@
+"""The recorder's options, checked in one place.
+
+One rule for every option: a value of the wrong *type* raises ``TypeError``,
+a value of the right type that is out of range raises ``ValueError``; both
+name the option and quote the value received.
+
+Example:
+    >>> RecorderOptions.check(every=0)
+    Traceback (most recent call last):
+    ...
+    ValueError: every must be an int >= 1 or None, got 0
+    >>> RecorderOptions.check(every="10")
+    Traceback (most recent call last):
+    ...
+    TypeError: every must be an int >= 1 or None, got '10'
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+from .escape import safe_filename
+
+__all__ = ["RecorderOptions", "FORMATS"]
+
+#: Files a capture can be written as.
+FORMATS = ("png", "svg", "dot", "json")
+
+
+def _int(name: str, value: Any, minimum: int, allow_none: bool = True, what: str | None = None) -> int | None:
+    if value is None and allow_none:
+        return None
+    text = what or f"{name} must be an int >= {minimum}{' or None' if allow_none else ''}"
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{text}, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{text}, got {value!r}")
+    return value
+
+
+def _bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
+def _number(name: str, value: Any, text: str, ok) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be {text}, got {value!r}")
+    if not ok(value):
+        raise ValueError(f"{name} must be {text}, got {value!r}")
+    return float(value)
+
+
+def _int_list(name: str, value: Any, minimum: int) -> list[int]:
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise TypeError(f"{name} must be a list of ints >= {minimum}, got {value!r}")
+    items = list(value)
+    for v in items:
+        _int(f"each of {name}", v, minimum, allow_none=False,
+             what=f"{name} must be a list of ints >= {minimum}; each of {name}")
+    return items
+
+
+@dataclass(frozen=True)
+class RecorderOptions:
+    """Checked options of :class:`~paddleviz_hooks.recorder.BackwardGraphRecorder`.
+
+    The meaning of each field is documented there.
+    """
+
+    log_dir: str = "vdl_log"
+    every: int | None = 100
+    steps: frozenset[int] | None = None
+    capture_first: bool = True
+    max_captures: int | None = None
+    grad_stats: bool = True
+    view_max_nodes: int | None = None
+    view_max_px: int = 2000
+    formats: tuple[str, ...] = FORMATS
+    visualdl: bool = True
+    run_name: str = "backward_graph"
+    ranks: frozenset[int] | str = frozenset({0})
+    on_nonfinite: bool = False
+    on_grad_spike: float | None = None
+    on_structure_change: bool = False
+    cooldown: int = 100
+    queue_size: int = 4
+    render_timeout: float = 60.0
+    verbose: int = 1
+
+    @property
+    def watching(self) -> bool:
+        """Whether any trigger is on (the backward dispatcher then stays installed)."""
+        return self.on_nonfinite or self.on_grad_spike is not None or self.on_structure_change
+
+    @classmethod
+    def check(
+        cls,
+        log_dir: Any = "vdl_log",
+        every: Any = None,
+        steps: Any = None,
+        *,
+        capture_first: Any = True,
+        max_captures: Any = None,
+        grad_stats: Any = True,
+        view_max_nodes: Any = None,
+        view_max_px: Any = 2000,
+        formats: Any = FORMATS,
+        visualdl: Any = True,
+        run_name: Any = "backward_graph",
+        ranks: Any = 0,
+        on_nonfinite: Any = False,
+        on_grad_spike: Any = None,
+        on_structure_change: Any = False,
+        cooldown: Any = 100,
+        queue_size: Any = 4,
+        render_timeout: Any = 60.0,
+        verbose: Any = 1,
+    ) -> "RecorderOptions":
+        """Check every option; raises ``TypeError``/``ValueError`` naming the first bad one."""
+        if not isinstance(log_dir, (str, os.PathLike)) or not os.fspath(log_dir):
+            raise TypeError(f"log_dir must be a non-empty path (str or os.PathLike), got {log_dir!r}")
+        if every is not None and steps is not None:
+            raise ValueError(f"pass either every= or steps=, not both (got every={every!r}, steps={steps!r})")
+        _int("every", every, 1)
+        step_set = frozenset(_int_list("steps", steps, 1)) if steps is not None else None
+        if steps is None and every is None:
+            every = 100
+        if isinstance(formats, str):
+            formats = (formats,)
+        if isinstance(formats, (bytes, type(None))) or not isinstance(formats, Iterable):
+            raise TypeError(f"formats must be a non-empty subset of {FORMATS}, got {formats!r}")
+        formats = tuple(formats)
+        if not formats or any(f not in FORMATS for f in formats):
+            raise ValueError(f"formats must be a non-empty subset of {FORMATS}, got {formats!r}")
+        if ranks == "all":
+            rank_set: frozenset[int] | str = "all"
+        elif isinstance(ranks, str):
+            raise ValueError(f"ranks must be an int, a list of ints or 'all', got {ranks!r}")
+        else:
+            rank_set = frozenset(_int_list("ranks", [ranks] if isinstance(ranks, int) else ranks, 0))
+        if not isinstance(run_name, str):
+            raise TypeError(f"run_name must be a str, got {run_name!r}")
+        if safe_filename(run_name) != run_name:
+            raise ValueError(
+                f"run_name must be a plain folder name (letters, digits, . _ -), got {run_name!r}; "
+                f"for example {safe_filename(run_name)!r}"
+            )
+        if isinstance(verbose, bool):
+            verbose = int(verbose)
+        _int("verbose", verbose, 0, allow_none=False, what="verbose must be 0 (silent) or 1 (print notices)")
+        if verbose > 2:
+            raise ValueError(f"verbose must be 0 (silent) or 1 (print notices), got {verbose!r}")
+        return cls(
+            log_dir=os.fspath(log_dir),
+            every=every,
+            steps=step_set,
+            capture_first=_bool("capture_first", capture_first),
+            max_captures=_int("max_captures", max_captures, 1),
+            grad_stats=_bool("grad_stats", grad_stats),
+            view_max_nodes=_int("view_max_nodes", view_max_nodes, 2),
+            view_max_px=_int("view_max_px", view_max_px, 64, allow_none=False),
+            formats=formats,
+            visualdl=_bool("visualdl", visualdl),
+            run_name=run_name,
+            ranks=rank_set,
+            on_nonfinite=_bool("on_nonfinite", on_nonfinite),
+            on_grad_spike=None if on_grad_spike is None else _number(
+                "on_grad_spike", on_grad_spike, "a factor > 1 (e.g. 10) or None",
+                lambda v: 1 < v < math.inf),  # also rejects NaN, which would never fire
+            on_structure_change=_bool("on_structure_change", on_structure_change),
+            cooldown=_int("cooldown", cooldown, 0, allow_none=False),
+            queue_size=_int("queue_size", queue_size, 1, allow_none=False),
+            render_timeout=_number("render_timeout", render_timeout, "a positive number of seconds",
+                                   lambda v: 0 < v < math.inf),
+            verbose=verbose,
+        )
+
+    def scheduled(self, step: int) -> bool:
+        """Whether ``step`` is selected by ``capture_first``, ``steps`` or ``every``.
+
+        Example:
+            >>> o = RecorderOptions.check(every=10)
+            >>> [s for s in range(1, 31) if o.scheduled(s)]
+            [1, 10, 20, 30]
+        """
+        if self.capture_first and step == 1:
+            return True
+        if self.steps is not None:
+            return step in self.steps
+        return self.every is not None and step % self.every == 0

@@ -1,0 +1,412 @@
+"""Drawing a BackwardGraph to SVG at full detail, or to a PNG sized for viewing.
+
+The PNG policy (``docs/graphviz.md`` has the measurements): layout is cheap
+and rasterizing a huge bitmap is what costs, and VisualDL's viewer fits an
+image to the window and zooms at most 3x. So a viewing PNG is laid out both
+top-down and left-right (a long strip also wrapped into columns), the
+arrangement that allows the larger scale wins, the resolution is chosen so the
+long side stays within ``max_px`` and the aspect ratio within 16:9, and the
+bitmap is never larger than the drawing at 96 dpi. A graph that would still be
+drawn below the legibility floor (``LEGIBLE_DPI``) is collapsed into layer
+boxes (``paddleviz_hooks.collapse``); SVG keeps full detail. See :func:`render_png`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import struct
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .._fileio import atomic_write
+from ..collapse import collapse_graph, layer_depths
+from ..graph import BackwardGraph
+from ..text import collapse_note
+from .dot import to_dot
+from .engine import run_engine
+
+__all__ = ["render_png", "fit_png", "render_svg", "render_to_file", "layout_size", "png_size", "prepare",
+           "LEGIBLE_DPI", "VIEW_MAX_PX"]
+
+VIEW_MAX_PX = 2000
+FULL_DPI = 96.0
+_COLLAPSE_KEYS = ("depth", "by_type", "fold_repeats", "max_nodes")
+_FORMATS = ("png", "svg", "dot", "json")
+
+
+def prepare(graph: BackwardGraph, options: dict[str, Any]) -> BackwardGraph:
+    """Apply the collapse options (popped from ``options``) to ``graph``."""
+    if not isinstance(graph, BackwardGraph):
+        raise TypeError(f"graph must be a BackwardGraph (e.g. cap.graph), got {type(graph).__name__}")
+    collapse = {k: options.pop(k) for k in _COLLAPSE_KEYS if k in options}
+    # `is` tests: depth=0 (box the whole model) is an option, though 0 == False
+    if not any(v is not None and v is not False and not (isinstance(v, (tuple, list)) and not v)
+               for v in collapse.values()):
+        return graph
+    return collapse_graph(graph, **collapse)
+
+
+def layout_size(source: str, *, timeout: float | None = 60.0) -> tuple[float, float]:
+    """Width and height in inches of the laid-out DOT ``source``."""
+    plain = run_engine(source, "plain", timeout=timeout).decode("utf-8", "replace")
+    first = plain.split("\n", 1)[0].split()
+    return float(first[2]), float(first[3])
+
+
+def png_size(data: bytes) -> tuple[int, int]:
+    """(width, height) of PNG bytes, read from the IHDR chunk."""
+    if data[:8] != b"\x89PNG\r\n\x1a\n":
+        raise ValueError("not PNG data")
+    return struct.unpack(">II", data[16:24])
+
+
+def render_svg(graph: BackwardGraph, *, timeout: float | None = 120.0, **options: Any) -> bytes:
+    """Full-detail SVG bytes (tooltips carry the full grad node names)."""
+    g = prepare(graph, options)
+    return run_engine(to_dot(g, **options), "svg", timeout=timeout)
+
+
+VIEW_ASPECT = 16 / 9
+#: Below this resolution the drawing is not legible: at 48 dpi an 11 pt node
+#: label is 7.3 px high and a 9 pt edge label 6 px, the smallest sizes at
+#: which Graphviz's antialiased Helvetica still reads (at 40 dpi op names
+#: read but gradient shapes and norms on the edges blur; at 32 dpi nothing).
+LEGIBLE_DPI = 48.0
+_PAD_IN = 4 / 72  # Graphviz's default pad, added on every side
+
+
+@dataclass
+class _Plan:
+    """One way of drawing a graph: DOT source, layout size and resulting dpi."""
+
+    source: str
+    width: float
+    height: float
+    dpi: float
+    rankdir: str
+    bands: int
+    area: float = 0.0  # smallest area (square inches) of the unwrapped layouts tried
+
+    @property
+    def aspect(self) -> float:
+        long, short = max(self.width, self.height), max(min(self.width, self.height), 1e-3)
+        return long / short
+
+
+def _dpi_for(width: float, height: float, max_px: int) -> float:
+    long = max(width, height) + 2 * _PAD_IN
+    return min(FULL_DPI, (max_px - 1) / max(long, 1e-3))
+
+
+_EDGE_LINE = re.compile(r"^(\s*)(\w+) -> (\w+) \[(.*)\]$")
+_NODE_LINE = re.compile(r"^\s*(\w+) \[label=")
+
+
+def _cluster_members(source: str, innermost: bool = False) -> list[set[str]]:
+    """Node names inside each ``subgraph cluster_*`` of DOT ``source``.
+
+    With ``innermost``, only clusters that hold no other cluster (one
+    layer's own ops, such as a Conv2D's conv, bias add and reshape).
+    """
+    clusters: list[set[str]] = []
+    has_child: list[bool] = []
+    stack: list[int] = []
+    for line in source.split("\n"):
+        s = line.strip()
+        if s.startswith("subgraph cluster_"):
+            if stack:
+                has_child[stack[-1]] = True
+            clusters.append(set())
+            has_child.append(False)
+            stack.append(len(clusters) - 1)
+        elif s == "}" and stack:
+            stack.pop()
+        else:
+            m = _NODE_LINE.match(line)
+            if m and stack:
+                for c in stack:
+                    clusters[c].add(m.group(1))
+    if innermost:
+        return [c for c, child in zip(clusters, has_child) if not child]
+    return clusters
+
+
+def _wrapped(source: str, plain: str, rankdir: str, bands: int) -> str | None:
+    """``source`` with its rank axis cut into up to ``bands`` columns (rows for LR).
+
+    Edges that cross from one band into the next stop constraining the
+    ranks, so every band starts again at the top (left): a long chain is
+    drawn like newspaper columns instead of one tall strip. Cuts go between
+    ranks and never through an innermost layer cluster (one layer's own
+    ops); containers such as ``Sequential`` or the model may be split, since
+    otherwise a chain of containers (LeNet) can never wrap. None when no such
+    cut exists.
+    """
+    lines = plain.split("\n")
+    head = lines[0].split()
+    gh = float(head[3])
+    pos: dict[str, float] = {}
+    for line in lines[1:]:
+        parts = line.split()
+        if len(parts) > 3 and parts[0] == "node" and parts[1] != "legend":
+            # TB: distance from the top; LR: from the left
+            pos[parts[1].strip('"')] = gh - float(parts[3]) if rankdir == "TB" else float(parts[2])
+    if len(pos) < 2:
+        return None
+    lo, hi = min(pos.values()), max(pos.values())
+    extents = []
+    for members in _cluster_members(source, innermost=True):
+        ps = [pos[n] for n in members if n in pos]
+        if ps and max(ps) - min(ps) < 0.9 * (hi - lo):  # model-wide frames may be cut
+            extents.append((min(ps), max(ps)))
+    ranks = sorted(set(round(p, 3) for p in pos.values()))
+    allowed = [
+        (a + b) / 2 for a, b in zip(ranks, ranks[1:])
+        if not any(x0 < (a + b) / 2 < x1 for x0, x1 in extents)
+    ]
+    cuts: list[float] = []
+    for i in range(1, bands):
+        ideal = lo + (hi - lo) * i / bands
+        free = [c for c in allowed if c not in cuts]
+        if free:
+            cuts.append(min(free, key=lambda c: abs(c - ideal)))
+    cuts.sort()
+    if not cuts:
+        return None
+    band = {n: sum(1 for c in cuts if p > c) for n, p in pos.items()}
+    out = []
+    for line in source.split("\n"):
+        m = _EDGE_LINE.match(line)
+        if m and m.group(2) in band and m.group(3) in band and band[m.group(2)] != band[m.group(3)]:
+            rest = m.group(4)
+            line = f"{m.group(1)}{m.group(2)} -> {m.group(3)} [constraint=false{', ' if rest else ''}{rest}]"
+        out.append(line)
+    return "\n".join(out)
+
+
+def _plan_png(
+    make_source: Callable[[str], str], max_px: int, rankdir: str | None,
+    timeout: float | None, wrap_only_if_legible: bool = False,
+) -> _Plan:
+    """The most legible way to draw ``make_source(rankdir)`` within ``max_px``.
+
+    Tries top-down and left-right layouts and, for a long narrow strip,
+    the same layout wrapped into bands. The highest dpi wins; within 15% of
+    it, a drawing inside the aspect window wins, then top-down, then fewer
+    bands. ``wrap_only_if_legible`` skips the wrapped layouts when even a
+    square arrangement of the same area would be below ``LEGIBLE_DPI`` (the
+    caller collapses the graph then).
+    """
+    plans: list[_Plan] = []
+    for rd in [rankdir] if rankdir else ["TB", "LR"]:
+        source = make_source(rd)
+        plain = run_engine(source, "plain", timeout=timeout).decode("utf-8", "replace")
+        head = plain.split("\n", 1)[0].split()
+        w, h = float(head[2]), float(head[3])
+        plans.append(_Plan(source, w, h, _dpi_for(w, h, max_px), rd, 1))
+        rank_len, cross = (h, w) if rd in ("TB", "BT") else (w, h)
+        if rd not in ("TB", "LR") or rank_len / max(cross, 1e-3) <= VIEW_ASPECT:
+            continue
+        if wrap_only_if_legible and (max_px - 1) / math.sqrt(max(w * h, 1e-6)) < LEGIBLE_DPI:
+            continue
+        if plans[-1].dpi >= FULL_DPI and plans[-1].aspect <= VIEW_ASPECT:
+            continue
+        ratio = rank_len / max(cross, 1e-3)
+        k1 = max(2, round(math.sqrt(ratio)))
+        k2 = int(math.sqrt(ratio * VIEW_ASPECT))
+        for k in sorted({k1, k2} - {0, 1})[:2]:
+            wsrc = _wrapped(source, plain, rd, k)
+            if wsrc is None or any(wsrc == p.source for p in plans):
+                continue
+            try:
+                ww, wh = layout_size(wsrc, timeout=timeout)
+            except RuntimeError:  # Graphviz 2.43 can fail to route such edges
+                continue
+            plans.append(_Plan(wsrc, ww, wh, _dpi_for(ww, wh, max_px), rd, k))
+    best_dpi = max(p.dpi for p in plans)
+    near = [p for p in plans if p.dpi >= best_dpi / 1.15]
+    near.sort(key=lambda p: (p.aspect > VIEW_ASPECT * 1.02, p.rankdir != "TB", p.bands, -p.dpi))
+    near[0].area = min(p.width * p.height for p in plans if p.bands == 1)
+    return near[0]
+
+
+def fit_png(
+    make_source: Callable[[str], str],
+    *,
+    max_px: int = VIEW_MAX_PX,
+    rankdir: str | None = None,
+    timeout: float | None = 120.0,
+) -> bytes:
+    """PNG of any DOT drawing with :func:`render_png`'s size policy (no collapsing).
+
+    Args:
+        make_source: returns the DOT source for a ``rankdir`` (``"TB"`` or
+            ``"LR"``); called once per direction tried.
+        max_px: the longest side of the bitmap, in pixels.
+        rankdir: fix the direction instead of choosing it.
+        timeout: seconds per engine run.
+
+    Example:
+        >>> png = fit_png(lambda rd: diff_to_dot(diff, rankdir=rd), max_px=1600)
+    """
+    if isinstance(max_px, bool) or not isinstance(max_px, int) or max_px < 64:
+        raise ValueError(f"max_px must be an int >= 64, got {max_px!r}")
+    plan = _plan_png(make_source, max_px, rankdir, timeout)
+    return run_engine(plan.source, "png", args=(f"-Gdpi={plan.dpi:.3f}", *_pad_args(plan)), timeout=timeout)
+
+
+def _pad_args(plan: _Plan) -> tuple[str, ...]:
+    """``-Gpad`` that widens the short side so the bitmap stays in the aspect window."""
+    w, h = plan.width + 2 * _PAD_IN, plan.height + 2 * _PAD_IN
+    if max(w, h) / min(w, h) <= VIEW_ASPECT:
+        return ()
+    if h > w:
+        px, py = _PAD_IN + (h / VIEW_ASPECT - w) / 2 + 0.01, _PAD_IN
+    else:
+        px, py = _PAD_IN, _PAD_IN + (w / VIEW_ASPECT - h) / 2 + 0.01
+    return (f"-Gpad={px:.4f},{py:.4f}",)
+
+
+def render_png(
+    graph: BackwardGraph,
+    *,
+    max_px: int = VIEW_MAX_PX,
+    timeout: float | None = 120.0,
+    auto_collapse: bool = True,
+    info: dict[str, Any] | None = None,
+    **options: Any,
+) -> bytes:
+    """PNG bytes sized for viewing (VisualDL's image viewer, a browser).
+
+    The size policy (measurements in ``docs/graphviz.md`` and
+    ``docs/visualdl.md``):
+
+    * The long side is at most ``max_px`` pixels and the resolution at most
+      96 dpi (the drawing's natural size), so the bitmap is never larger
+      than needed and rasterizing stays cheap.
+    * Top-down and left-right layouts are both laid out (layout is cheap);
+      a long narrow strip is also tried wrapped into 2-3 columns (rows).
+      The arrangement allowing the highest resolution wins; among those
+      within 15% of it, one whose aspect ratio is within 16:9 (either
+      orientation), then top-down. If the winner is still a strip, the short
+      side is padded so the image stays within 16:9.
+    * Legibility floor: 48 dpi (``LEGIBLE_DPI``; an 11 pt node label 7.3 px
+      high). When the best arrangement falls below it, ``auto_collapse`` is
+      on, and neither ``max_nodes`` nor ``depth`` was given, the graph is
+      collapsed by layer depth (deepest depth first, see
+      :func:`paddleviz_hooks.collapse.collapse_graph`; ``by_type``
+      and ``fold_repeats`` still apply) until it is legible, and the title
+      says so. Pass ``depth=None`` to force every op, or
+      ``auto_collapse=False``. :func:`render_svg` always keeps full detail.
+
+    Args:
+        graph: the graph.
+        max_px: the longest side of the bitmap, in pixels.
+        timeout: seconds per engine run before it is killed.
+        auto_collapse: collapse an illegibly large graph (see above).
+        info: a dict to fill with the decisions taken: ``nodes`` drawn,
+            ``collapsed_depth`` (None when not collapsed), ``dpi``,
+            ``rankdir``, ``bands`` (columns of a wrapped strip), ``padded``.
+        **options: collapse options (``depth``, ``by_type``, ``fold_repeats``,
+            ``max_nodes``) and drawing options (``stats``, ``clusters``,
+            ``legend``, ``title``; ``rankdir`` fixes the direction, otherwise
+            it is chosen; ``dpi`` fixes the resolution and disables the size
+            policy).
+
+    Returns:
+        The PNG file content.
+
+    Raises:
+        ValueError: ``max_px`` below 64 or invalid collapse options.
+        EngineNotFound: no layout engine is installed.
+        RenderTimeout: the engine ran past ``timeout``.
+
+    Example:
+        >>> data = render_png(cap.graph)                # legible, auto-collapsed
+        >>> data = render_png(cap.graph, max_nodes=80)  # explicit node budget
+        >>> open("graph.png", "wb").write(data)
+    """
+    if isinstance(max_px, bool) or not isinstance(max_px, int) or max_px < 64:
+        raise ValueError(f"max_px must be an int >= 64, got {max_px!r}")
+    explicit = "depth" in options or options.get("max_nodes") is not None
+    keep = {k: options[k] for k in ("by_type", "fold_repeats") if k in options}
+    g = prepare(graph, options)
+    if options.get("dpi") is not None:
+        return run_engine(to_dot(g, **options), "png", timeout=timeout)
+    rankdir = options.pop("rankdir", None)
+    can_collapse = auto_collapse and not explicit and any(
+        n.kind == "op" and n.layer is not None for n in g.nodes
+    )
+    plan = _plan_png(lambda rd: to_dot(g, rankdir=rd, **options), max_px, rankdir, timeout,
+                     wrap_only_if_legible=can_collapse)
+    drawn = g
+    if plan.dpi < LEGIBLE_DPI and can_collapse:
+        plan, drawn = _auto_collapse(graph, g, plan, max_px, options, keep, rankdir, timeout)
+    pad = _pad_args(plan)
+    if info is not None:
+        info.update(
+            nodes=len(drawn.nodes),
+            collapsed_depth=drawn.meta.get("collapse", {}).get("depth") if drawn is not graph else None,
+            dpi=round(plan.dpi, 3), rankdir=plan.rankdir, bands=plan.bands, padded=bool(pad),
+        )
+    return run_engine(plan.source, "png", args=(f"-Gdpi={plan.dpi:.3f}", *pad), timeout=timeout)
+
+
+def _auto_collapse(
+    graph: BackwardGraph, g: BackwardGraph, plan: _Plan, max_px: int, options: dict[str, Any],
+    keep: dict[str, Any], rankdir: str | None, timeout: float | None,
+) -> tuple[_Plan, BackwardGraph]:
+    """Collapse by depth, deepest first, until the drawing is legible."""
+    deepest = max(layer_depths(graph).values(), default=0)
+    best, best_graph = plan, g
+    # A drawing's area grows about linearly with its node count and the best
+    # arrangement of an area A is a square (dpi = max_px / sqrt(A)), so a
+    # depth with more nodes than this cannot reach the floor: skip its layout.
+    square_dpi = (max_px - 1) / math.sqrt(max(plan.area, 1e-6))
+    hopeless = len(g.nodes) * (square_dpi / LEGIBLE_DPI) ** 2 * 1.5
+    last = None
+    for d in range(deepest, -1, -1):
+        c = collapse_graph(graph, depth=d, **keep)
+        if len(c.nodes) >= len(g.nodes) or (len(c.nodes) > hopeless and d > 0):
+            continue
+        if last is not None and len(c.nodes) == last:
+            continue
+        last = len(c.nodes)
+        opts = _with_note(options, c, graph)
+        p = _plan_png(lambda rd: to_dot(c, rankdir=rd, **opts), max_px, rankdir, timeout)
+        if p.dpi > best.dpi:
+            best, best_graph = p, c
+        if p.dpi >= LEGIBLE_DPI:
+            break
+    return best, best_graph
+
+
+def _with_note(options: dict[str, Any], collapsed: BackwardGraph, full: BackwardGraph) -> dict[str, Any]:
+    note = collapse_note(collapsed, full)
+    title = options.get("title")
+    return {**options, "title": f"{title} - {note}" if title else note}
+
+
+def render_to_file(graph: BackwardGraph, path: str | os.PathLike, format: str | None = None, **options: Any) -> str:
+    """Write ``graph`` to ``path`` as png, svg, dot or json (see ``BackwardGraph.render``)."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
+    path = os.fspath(path)
+    fmt = (format or os.path.splitext(path)[1].lstrip(".")).lower()
+    if fmt not in _FORMATS:
+        raise ValueError(f"format must be one of {', '.join(_FORMATS)}; got {fmt!r} (from {path!r})")
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"directory {directory!r} does not exist; create it first")
+    if fmt == "json":
+        data = graph.to_json(indent=1).encode("utf-8")
+    elif fmt == "dot":
+        data = to_dot(prepare(graph, options), **options).encode("utf-8")
+    elif fmt == "svg":
+        data = render_svg(graph, **options)
+    else:
+        data = render_png(graph, **options)
+    atomic_write(path, data)
+    return path

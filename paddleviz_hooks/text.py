@@ -1,0 +1,331 @@
+"""Every sentence a person reads: summaries, node and layer names, numbers.
+
+One phrase per concept, so the console notice, the VisualDL text record, the
+drawing and the report say the same thing the same way. Functions here take
+the plain data model (graphs, diffs, box nodes) and return text; escaping is
+the caller's job (``paddleviz_hooks.escape``), since the same words go into
+DOT, HTML and VisualDL.
+
+Summaries are short lines, one fact each, that still read when a viewer joins
+them with spaces (VisualDL's text tab does).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable
+
+from .diff import GraphDiff
+from .graph import BackwardGraph, GradMeta, Node
+
+__all__ = [
+    "OUTSIDE_MODEL",
+    "TOP_LAYER",
+    "box_lines",
+    "collapse_note",
+    "describe_node",
+    "diff_summary",
+    "edge_lines",
+    "fmt_num",
+    "fmt_ratio",
+    "fmt_shape",
+    "graph_summary",
+    "layer_name",
+    "node_lines",
+    "node_tooltip",
+    "node_where",
+    "plural",
+    "summarize",
+]
+
+#: How the model's own (top) layer is named.
+TOP_LAYER = "<top>"
+#: How an op that no layer ran is placed (the loss function, a user's own code).
+OUTSIDE_MODEL = "outside the model"
+
+_LIST_LIMIT = 4  # names listed per summary line before "and N more"
+_DTYPE_SHORT = {
+    "float32": "f32", "float64": "f64", "float16": "f16", "bfloat16": "bf16",
+    "int64": "i64", "int32": "i32", "complex64": "c64", "complex128": "c128",
+}
+
+
+# --------------------------------------------------------------------------
+# numbers and small pieces
+# --------------------------------------------------------------------------
+def fmt_num(v: float | None, digits: int = 3) -> str:
+    """Short number text: ``digits`` significant digits, NaN/Inf spelled out.
+
+    Example:
+        >>> fmt_num(0.000123456), fmt_num(float("nan")), fmt_num(None)
+        ('0.000123', 'NaN', '-')
+    """
+    if v is None:
+        return "-"
+    if math.isnan(v):
+        return "NaN"
+    if math.isinf(v):
+        return "Inf" if v > 0 else "-Inf"
+    return f"{v:.{digits}g}"
+
+
+def fmt_ratio(r: float) -> str:
+    """A change factor: ``x12.3``; ``from 0`` / ``to 0`` where one side is zero.
+
+    Example:
+        >>> fmt_ratio(12.345), fmt_ratio(math.inf), fmt_ratio(0.0)
+        ('x12.3', 'from 0', 'to 0')
+    """
+    if math.isinf(r):
+        return "from 0"
+    if r == 0:
+        return "to 0"
+    if r >= 100:
+        return f"x{r:.0f}"
+    if r >= 0.01:
+        return f"x{r:.3g}"
+    return f"x{r:.1e}"
+
+
+def fmt_shape(shape: Iterable[int] | None) -> str:
+    """``[2, 3]``; ``?`` when unknown."""
+    if shape is None:
+        return "?"
+    return "[" + ", ".join(str(s) for s in shape) + "]"
+
+
+def plural(n: int, word: str, many: str | None = None) -> str:
+    """``1 node``, ``3 nodes``.
+
+    Example:
+        >>> plural(1, "op"), plural(2, "op")
+        ('1 op', '2 ops')
+    """
+    return f"{n} {word if n == 1 else (many or word + 's')}"
+
+
+def _names(items: list[str], limit: int = _LIST_LIMIT) -> str:
+    shown = ", ".join(items[:limit])
+    if len(items) > limit:
+        shown += f" and {len(items) - limit} more"
+    return shown
+
+
+def layer_name(path: str | None) -> str:
+    """A layer path as people read it: the top layer and "no layer" spelled out."""
+    if path is None:
+        return OUTSIDE_MODEL
+    return path or TOP_LAYER
+
+
+def node_where(layer: str | None, call: int = 0) -> str:
+    """``in encoder.layers.0 (call 2)``, ``outside the model``.
+
+    Example:
+        >>> node_where("block", 1), node_where(None)
+        ('in block (call 1)', 'outside the model')
+    """
+    if layer is None:
+        return OUTSIDE_MODEL
+    return "in " + layer_name(layer) + (f" (call {call})" if call else "")
+
+
+def describe_node(info: Node | dict[str, Any]) -> str:
+    """Short readable text for a node, or a node record of a :class:`GraphDiff`.
+
+    Example:
+        >>> describe_node({"kind": "op", "op": "Sqrt", "layer": "block"})
+        'Sqrt in block'
+        >>> describe_node({"kind": "param", "param": "fc.weight"})
+        'param fc.weight'
+    """
+    get = info.get if isinstance(info, dict) else lambda k, d=None: getattr(info, k, d)
+    kind = get("kind")
+    if kind == "param":
+        return f"param {get('param')}"
+    if kind == "root":
+        return str(get("op") or "loss")
+    if kind == "input":
+        return "input leaf"
+    if kind == "layer":  # a collapsed layer box
+        return f"layer {layer_name(get('layer'))} ({get('name') or '?'})"
+    return f"{get('op') or '?'} {node_where(get('layer'), get('call') or 0)}"
+
+
+# --------------------------------------------------------------------------
+# drawing labels
+# --------------------------------------------------------------------------
+def edge_lines(meta: GradMeta | None, stats: bool) -> list[str]:
+    """Label lines for one gradient: shape and dtype, then norm (and NaN/Inf)."""
+    if meta is None:
+        return []
+    lines = [f"{fmt_shape(meta.shape)} {_DTYPE_SHORT.get(meta.dtype or '', meta.dtype or '')}".strip()]
+    if stats and meta.norm is not None:
+        extra = f"|g| {fmt_num(meta.norm)}"
+        if meta.nonfinite:
+            extra += f" NaN:{meta.nan} Inf:{meta.inf}"
+        lines.append(extra)
+    return lines
+
+
+def node_lines(node: Node) -> list[str]:
+    """The visible label of a node."""
+    if node.kind == "param":
+        return [node.param or "parameter", fmt_shape(node.shape)]
+    if node.kind == "root":
+        return [node.name, fmt_shape(node.shape)]
+    if node.kind == "input":
+        return ["input"]
+    if node.kind == "layer":
+        return box_lines(node)
+    return [node.op]
+
+
+def box_lines(node: Node) -> list[str]:
+    """Label of a collapsed layer box: path, class (x N), op and parameter count, norm."""
+    path = layer_name(node.layer) if node.layer is not None else ""
+    kind = node.name + (f" x{node.count}" if node.count > 1 else "")
+    lines = [path, kind] if path else [kind]
+    per = node.ops // node.count if node.count > 1 and node.ops % node.count == 0 else None
+    size = (plural(per, "op") + " each") if per is not None else (plural(node.ops, "op") if node.ops else "")
+    if node.params:
+        size += (", " if size else "") + plural(node.params, "param")
+    if size:
+        lines.append(size)
+    if node.norm is not None:
+        lines.append(f"|g| params {fmt_num(node.norm)}")
+    if node.nonfinite:
+        lines.append(f"NaN/Inf inside: {node.nonfinite}")
+    return lines
+
+
+def node_tooltip(node: Node) -> str:
+    """Hover text: Paddle's grad node name, the layer (call), the key, why unhooked."""
+    tip = [node.name, "layer: " + (layer_name(node.layer) + (f" (call {node.call})" if node.call else "")
+                                   if node.layer is not None else OUTSIDE_MODEL), f"key: {node.key}"]
+    if node.note:
+        tip.append(node.note)
+    if node.kind == "layer" and node.unhooked:
+        tip.append(f"no gradient data at {node.unhooked} of {plural(node.ops, 'op')}")
+    return " | ".join(tip)
+
+
+def collapse_note(collapsed: BackwardGraph, full: BackwardGraph) -> str:
+    """The title note of a drawing that was collapsed to stay legible."""
+    depth = collapsed.meta.get("collapse", {}).get("depth")
+    return (f"collapsed to layer depth {depth}: {len(collapsed.nodes)} of "
+            f"{len(full.nodes)} nodes (the SVG has every op)")
+
+
+# --------------------------------------------------------------------------
+# summaries
+# --------------------------------------------------------------------------
+def _sort_val(v: float) -> float:
+    return v if math.isfinite(v) else math.inf
+
+
+def graph_summary(graph: BackwardGraph, top: int = 5) -> str:
+    """A compact multi-line summary of one capture (one fact per line).
+
+    Example:
+        >>> from paddleviz_hooks.graph import Edge
+        >>> g = BackwardGraph([Node(0, "root", "loss", "loss"), Node(1, "op", "ExpGradNode", "Exp", hooked=True)],
+        ...                   [Edge(0, 1)], meta={"step": 3, "grad_stats": True})
+        >>> print(graph_summary(g))
+        step 3:
+        2 nodes (1 ops), 1 edges;
+        0 parameters reached;
+        no NaN/Inf gradients;
+    """
+    ops = sum(1 for n in graph.nodes if n.kind == "op")
+    params = graph.params()
+    lines = [
+        f"step {graph.meta['step']}:" if "step" in graph.meta else "backward graph:",
+        f"{len(graph.nodes)} nodes ({ops} ops), {len(graph.edges)} edges;",
+        f"{len(params)} parameters reached;",
+    ]
+    leaves = sum(1 for n in graph.nodes if n.kind == "input")
+    if leaves and not params:
+        lines.append(f"{leaves} unnamed leaf tensors reached (capture_backward(model) names parameters);")
+    gn = graph.global_grad_norm()
+    if gn is not None:
+        lines.append(f"global grad norm {gn:.4g};")
+    norms = graph.layer_grad_norms()
+    if norms:
+        biggest = sorted(norms.items(), key=lambda kv: -_sort_val(kv[1]))[:top]
+        lines.append("largest grad norms: " + ", ".join(f"{k} {v:.3g}" for k, v in biggest) + ";")
+    sites = graph.nonfinite_sites()
+    if sites:
+        first = sites[0]
+        lines.append(f"NaN/Inf gradients at {len(sites)} nodes, first at {describe_node(first)} (node {first.key});")
+    elif graph.meta.get("grad_stats"):
+        lines.append("no NaN/Inf gradients;")
+    unhooked = [n for n in graph.nodes if n.kind == "op" and not n.hooked]
+    if unhooked:
+        kinds = sorted({n.op for n in unhooked})
+        lines.append(f"no gradient data at {plural(len(unhooked), 'node')} ({', '.join(kinds)});")
+    return "\n".join(lines)
+
+
+def diff_summary(diff: GraphDiff) -> str:
+    """Short lines, one fact each, describing what changed between two captures."""
+    if diff.older_step is None and diff.newer_step is None:
+        lines = ["backward graph diff:"]
+    else:
+        a = "?" if diff.older_step is None else diff.older_step
+        b = "?" if diff.newer_step is None else diff.newer_step
+        lines = [f"step {b} vs step {a}:"]
+
+    def describe(key: str) -> str:
+        info = diff.node_info.get(key)
+        return describe_node(info) if info else key
+
+    if not diff.structure_changed:
+        lines.append("same graph structure;")
+    else:
+        lines.append(
+            f"structure changed: {len(diff.added_nodes)} nodes added, {len(diff.removed_nodes)} removed, "
+            f"{len(diff.added_edges)} edges added, {len(diff.removed_edges)} removed;"
+        )
+        ops_added = [describe(k) for k in diff.added_nodes if diff.node_info.get(k, {}).get("kind") != "param"]
+        ops_removed = [describe(k) for k in diff.removed_nodes if diff.node_info.get(k, {}).get("kind") != "param"]
+        if ops_added:
+            lines.append(f"new ops: {_names(ops_added)};")
+        if ops_removed:
+            lines.append(f"ops gone: {_names(ops_removed)};")
+    if diff.params_started:
+        lines.append(f"parameters now receiving gradient: {_names(diff.params_started)};")
+    if diff.params_stopped:
+        lines.append(f"parameters no longer receiving gradient: {_names(diff.params_stopped)};")
+    if diff.nonfinite_origin is not None:
+        o = diff.nonfinite_origin
+        verb = "appeared at" if diff.new_nonfinite else "still at"
+        where = f"{len(diff.new_nonfinite)} new nodes" if diff.new_nonfinite else "the same nodes"
+        lines.append(f"NaN/Inf gradients {verb} {where}, first at {describe_node(o)} (node {o['key']});")
+    if diff.resolved_nonfinite:
+        lines.append(f"NaN/Inf gradients gone from {len(diff.resolved_nonfinite)} nodes;")
+    if diff.global_norm_ratio is not None:
+        lines.append(f"global grad norm {fmt_ratio(diff.global_norm_ratio)};")
+    for name, r in list(diff.large_layer_changes().items())[:3]:
+        lines.append(f"layer {layer_name(name)} grad norm {fmt_ratio(r)};")
+    big_nodes = diff.large_node_changes()
+    if big_nodes:
+        key, r = next(iter(big_nodes.items()))
+        lines.append(
+            f"grad norm changed over {diff.threshold:g}x at {len(big_nodes)} nodes, "
+            f"most at {describe(key)} ({fmt_ratio(r)});"
+        )
+    return "\n".join(lines)
+
+
+def summarize(obj: BackwardGraph | GraphDiff, **options: Any) -> str:
+    """The summary of a graph (:func:`graph_summary`) or a diff (:func:`diff_summary`).
+
+    Raises:
+        TypeError: ``obj`` is neither.
+    """
+    if isinstance(obj, BackwardGraph):
+        return graph_summary(obj, **options)
+    if isinstance(obj, GraphDiff):
+        return diff_summary(obj)
+    raise TypeError(f"summarize takes a BackwardGraph or a GraphDiff, got {type(obj).__name__}")

@@ -1,0 +1,146 @@
+"""Triggers: capture the steps where training goes wrong.
+
+* ``nonfinite_loss``: the loss is NaN/Inf when its backward starts; that
+  backward is captured.
+* ``nonfinite_grad``: the loss was finite but a gradient turned NaN/Inf; the
+  next step is captured.
+* ``grad_spike``: the global gradient norm exceeded ``on_grad_spike`` times
+  the running median; the next step is captured.
+* ``structure_change``: the graph differs from the last capture's.
+
+Each trigger respects ``cooldown`` (steps between two of its captures) and
+the recorder's capture budget.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from typing import Any, Callable
+
+import paddle
+
+from .capture import structure_fingerprint
+from .options import RecorderOptions
+
+__all__ = ["Triggers", "global_grad_norm"]
+
+
+def global_grad_norm(params: Any) -> float | None:
+    """L2 norm over every initialised ``p.grad`` of ``params`` (None without any).
+
+    ``square().sum()`` per tensor, summed on the device, one host transfer.
+    """
+    sq = []
+    for p in params:
+        g = p.grad
+        if g is not None and g._is_initialized():
+            if g.dtype != paddle.float32 and g.dtype != paddle.float64:
+                g = g.astype("float32")
+            # square().sum() per tensor is 3x cheaper than reshape + dot here
+            # (2.4 vs 7.3 ms for a 6-layer encoder's 96 gradients) and exact
+            sq.append(paddle.square(g).sum())
+    if not sq:
+        return None
+    total = float(paddle.add_n(sq)) if len(sq) > 1 else float(sq[0])
+    return math.sqrt(max(total, 0.0)) if not math.isnan(total) else math.nan
+
+
+class Triggers:
+    """The trigger state of one recorder.
+
+    Args:
+        options: the recorder's options.
+        budget_left: whether the recorder may still capture.
+        notice: prints a notice for the user.
+    """
+
+    def __init__(self, options: RecorderOptions, budget_left: Callable[[], bool],
+                 notice: Callable[[str], None]) -> None:
+        self.options = options
+        self._budget_left = budget_left
+        self._notice = notice
+        self._pending: tuple[str, int] | None = None
+        self._last_fired: dict[str, int] = {}
+        self._last_fp: Any = None
+        self._norms: deque[float] = deque(maxlen=100)
+        self.note: str | None = None  # why a pending trigger fired, for the capture's record
+        self.captured_now = False
+        self._loss_nonfinite = False
+
+    def new_step(self) -> None:
+        self.captured_now = False
+        self._loss_nonfinite = False
+
+    def _can_fire(self, trigger: str, step: int) -> bool:
+        last = self._last_fired.get(trigger)
+        if last is not None and step - last < self.options.cooldown:
+            return False
+        return self._budget_left()
+
+    def _fire(self, trigger: str, step: int) -> str | None:
+        if not self._can_fire(trigger, step):
+            return None
+        self._last_fired[trigger] = step
+        return trigger
+
+    def decide(self, step: int, armed: str | None, roots: list[Any], walk: Callable[[], Any]) -> str | None:
+        """When a backward starts: the label that captures it, or None."""
+        if self.captured_now:
+            return None  # one capture per step (e.g. a second paddle.grad call)
+        opts = self.options
+        trigger = None
+        loss_bad = (opts.on_nonfinite and len(roots) == 1 and roots[0].size == 1
+                    and not math.isfinite(float(roots[0])))
+        self._loss_nonfinite = loss_bad
+        if armed:
+            trigger = armed
+        elif self._pending:
+            kind, seen_at = self._pending
+            self._pending = None
+            trigger = self._fire(kind, step)
+            if trigger is not None:
+                self.note = f"{kind} seen at step {seen_at}"
+        if trigger is None and loss_bad:
+            trigger = self._fire("nonfinite_loss", step)
+        elif trigger is not None and loss_bad:
+            # this capture already shows the NaN/Inf loss: the next NaN step
+            # is not captured again until the cooldown has passed
+            self._last_fired["nonfinite_loss"] = step
+        if opts.on_structure_change:
+            fp = structure_fingerprint(walk())
+            if self._last_fp is None:
+                self._last_fp = fp
+            elif fp != self._last_fp and trigger is None:
+                trigger = self._fire("structure_change", step)
+            if trigger is not None:
+                self._last_fp = fp
+        if trigger is not None:
+            self.captured_now = True
+        return trigger
+
+    def after_backward(self, step: int, params: Any) -> None:
+        """After every backward: watch the gradients (non-finite, spikes)."""
+        opts = self.options
+        if not opts.on_nonfinite and opts.on_grad_spike is None:
+            return
+        norm = global_grad_norm(params)
+        if norm is None:
+            return
+        if not math.isfinite(norm):
+            # a NaN/Inf loss is the nonfinite_loss trigger's (its gradients are
+            # NaN too); notices only for a capture that will really happen
+            if (opts.on_nonfinite and not self.captured_now and not self._loss_nonfinite
+                    and self._can_fire("nonfinite_grad", step + 1)):
+                self._pending = ("nonfinite_grad", step)
+                self._notice(f"non-finite gradients at step {step} with a finite loss; capturing step {step + 1}")
+            return
+        if opts.on_grad_spike is not None and len(self._norms) >= 5:
+            median = statistics.median(self._norms)
+            if (median > 0 and norm > opts.on_grad_spike * median and not self.captured_now
+                    and self._can_fire("grad_spike", step + 1)):
+                self._pending = ("grad_spike", step)
+                self._notice(f"gradient norm {norm:.4g} at step {step} is {norm / median:.1f}x the running "
+                             f"median {median:.4g}; capturing step {step + 1}")
+        self._norms.append(norm)

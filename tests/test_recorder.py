@@ -1,0 +1,130 @@
+"""BackwardGraphRecorder driven by a hand-written loop, against Model.fit + the callback."""
+
+from __future__ import annotations
+
+import numpy as np
+import paddle
+import paddle.nn as nn
+import pytest
+
+from paddleviz_hooks import BackwardGraphCallback, BackwardGraphRecorder
+from paddleviz_hooks.capture import dispatcher_installed
+
+from _fitkit import (
+    Synthetic,
+    files_under,
+    no_leftover_hooks,
+    probed_mlp,
+    run_fit,
+    vdl_records,
+)
+
+STEPS, BATCH = 12, 4
+OPTIONS = dict(every=4, on_structure_change=True, on_nonfinite=True, verbose=0, view_max_px=400)
+
+
+def hand_loop(rec: BackwardGraphRecorder | None, make_net=probed_mlp, steps: int = STEPS, raise_at: int | None = None):
+    """The loop Model.fit runs, written out: same seed, data, loss and optimizer."""
+    paddle.seed(0)
+    np.random.seed(0)
+    net = make_net()
+    opt = paddle.optimizer.SGD(learning_rate=0.1, parameters=net.parameters())
+    data = Synthetic(steps * BATCH)
+    loss_fn = nn.CrossEntropyLoss()
+    losses = []
+    if rec is not None:
+        rec.open(net)
+    for step in range(1, steps + 1):
+        x = paddle.to_tensor(data.x[(step - 1) * BATCH: step * BATCH])
+        y = paddle.to_tensor(data.y[(step - 1) * BATCH: step * BATCH])
+        ctx = rec.step(step) if rec is not None else _nothing()
+        with ctx:
+            loss = loss_fn(net(x), y)
+            loss.backward()
+            if step == raise_at:
+                raise KeyboardInterrupt
+        opt.step()
+        opt.clear_grad()
+        losses.append(float(loss))
+    if rec is not None:
+        rec.close()
+    return net, losses
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _tags_and_steps(run_dir):
+    reader = vdl_records(run_dir)
+    out = {}
+    for kind, tags in reader.get_tags().items():
+        for tag in tags:
+            out[(kind, tag)] = [r.id for r in reader.get_data(kind, tag)]
+    return out
+
+
+def test_hand_loop_and_model_fit_write_the_same_records(tmp_path):
+    rec = BackwardGraphRecorder(str(tmp_path / "loop"), **OPTIONS)
+    hand_loop(rec)
+    cb = BackwardGraphCallback(str(tmp_path / "fit"), **OPTIONS)
+    run_fit(probed_mlp, [cb], steps=STEPS, batch_size=BATCH)
+
+    assert rec.captured_steps == cb.captured_steps == [1, 4, 8, 12]
+    assert rec.triggers == cb.triggers
+    loop_dir, fit_dir = tmp_path / "loop" / "backward_graph", tmp_path / "fit" / "backward_graph"
+    loop_files = [f for f in files_under(loop_dir) if not f.startswith("vdlrecords")]
+    fit_files = [f for f in files_under(fit_dir) if not f.startswith("vdlrecords")]
+    assert loop_files == fit_files
+    assert "step_000012.png" in loop_files and "step_000012.json" in loop_files
+    assert _tags_and_steps(loop_dir) == _tags_and_steps(fit_dir)
+
+
+def test_recorder_leaves_training_unchanged_and_unselected_steps_unpatched(tmp_path):
+    _, base = hand_loop(None)
+    rec = BackwardGraphRecorder(str(tmp_path), every=5, verbose=0, formats=("json",), visualdl=False)
+    net, losses = hand_loop(rec)
+    assert losses == base
+    assert rec.captured_steps == [1, 5, 10]
+    # seen from inside each step's backward
+    assert net[1].seen == [s in (1, 5, 10) for s in range(1, STEPS + 1)]
+    assert not dispatcher_installed() and no_leftover_hooks(net)
+
+
+def test_steps_count_from_one_when_the_loop_says_nothing(tmp_path):
+    net = probed_mlp()
+    x, y = paddle.randn([4, 8]), paddle.randint(0, 3, [4, 1])
+    with BackwardGraphRecorder(str(tmp_path), net, steps=[2, 3], capture_first=False, verbose=0,
+                               formats=("json",), visualdl=False) as rec:
+        for _ in range(4):
+            with rec.step():
+                nn.functional.cross_entropy(net(x), y).backward()
+    assert rec.global_step == 4 and rec.captured_steps == [2, 3]
+    assert sorted(p.name for p in (tmp_path / "backward_graph").iterdir()) == [
+        "step_000002.json", "step_000003.json"]
+
+
+def test_an_exception_in_a_step_cleans_up(tmp_path):
+    rec = BackwardGraphRecorder(str(tmp_path), every=3, on_nonfinite=True, verbose=0, visualdl=False)
+    with pytest.raises(KeyboardInterrupt):
+        hand_loop(rec, raise_at=3)
+    assert not dispatcher_installed()
+    assert rec.captured_steps == [1, 3]
+    assert rec.pipeline is None  # closed: the capture of step 3 was written first
+    assert (tmp_path / "backward_graph" / "step_000003.json").exists()
+
+
+def test_bad_arguments_fail_when_the_recorder_is_made():
+    with pytest.raises(TypeError, match="model must be a paddle.nn.Layer"):
+        BackwardGraphRecorder("logs", "net")
+    with pytest.raises(TypeError, match="every must be an int"):
+        BackwardGraphRecorder("logs", every="10")
+    with pytest.raises(ValueError, match="every must be an int >= 1 or None, got 0"):
+        BackwardGraphRecorder("logs", every=0)
+    rec = BackwardGraphRecorder("logs", verbose=0)
+    with pytest.raises(TypeError, match="step must be an int"):
+        rec.begin_step("3")
