@@ -1,7 +1,7 @@
 """Grad node kinds that must not (or cannot usefully) get a post-hook.
 
 One place, each entry with its reason, measured on Paddle 3.3.1 (CPU build;
-facts in ``shared/notes/paddle-autograd.md``). ``tests/test_op_zoo.py``
+facts in ``docs/paddle-autograd.md``). ``tests/test_op_zoo.py``
 proves the list sufficient: it sweeps 150 op cases reaching 131 grad node
 kinds, and every kind it reaches is either hooked (119 kinds, gradients
 bit-identical to an uncaptured run) or listed here; ``test_hazard_entries_are_necessary`` proves

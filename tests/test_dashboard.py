@@ -8,7 +8,7 @@ the PNG files on disk, text and scalar records present) and, when Debian's
 Chromium is installed, through the dashboard itself in headless Chromium
 (``@pytest.mark.browser``; screenshots also land in ``test-output/``).
 
-Facts this relies on are in ``shared/notes/visualdl.md``.
+Facts this relies on are in ``docs/visualdl.md``.
 """
 
 from __future__ import annotations
