@@ -157,15 +157,14 @@ def test_hostile_names_collapsed_png(max_nodes):
     assert len(names) == len(small.nodes) and "pwned" not in names
 
 
+@needs_dot
 def test_hostile_names_in_make_graph(tmp_path):
     paddle.seed(0)
     net = Hostile()
     y = net(paddle.randn([2, 8])).mean()
     dot = make_graph(y, params=net)
-    src = dot.source
-    if find_engine("dot") is not None:
-        names = _plain_nodes(src)
-        assert "pwned" not in names and len(names) == len(graph_of(y, net).nodes) + 1
+    names = _plain_nodes(dot.source)
+    assert "pwned" not in names and len(names) == len(graph_of(y, net).nodes) + 1
 
 
 # --------------------------------------------------------------------------

@@ -17,6 +17,8 @@ import pytest
 
 from paddleviz_hooks import BackwardGraph, BackwardGraphCallback
 
+from paddleviz_hooks.diff import GraphDiff
+
 from _fitkit import (
     Synthetic,
     image_steps,
@@ -254,9 +256,10 @@ def test_structure_change_captured_with_its_diff(tmp_path):
     g = _graph(tmp_path, K)
     assert g.meta["trigger"] == "structure_change"
     assert "extra.weight" in g.params() and "extra.weight" not in _graph(tmp_path, 1).params()
-    diff = json.loads((run_dir / f"step_{K:06d}_diff.json").read_text())
-    assert diff["structure_changed"] if "structure_changed" in diff else True
-    assert "param:extra.weight" in json.dumps(diff)
+    diff = GraphDiff.from_json((run_dir / f"step_{K:06d}_diff.json").read_text())
+    assert diff.structure_changed and diff.removed_nodes == []
+    assert {"param:extra.weight", "param:extra.bias"} <= set(diff.added_nodes)
+    assert sorted(diff.params_started) == ["extra.bias", "extra.weight"]
     assert (run_dir / f"step_{K:06d}_diff.png").exists()
     reader = vdl_records(run_dir)
     assert image_steps(reader, "structure_change") == [K]
