@@ -269,10 +269,34 @@ def test_report_in_chromium(report, tmp_path):
 
 
 def steps_x(i: int) -> float:
-    from paddleviz_hooks.sinks.report import _chart_x
-
-    return _chart_x(i, STEPS)
+    """Where step index ``i`` of ``STEPS`` sits on the 360 px chart: its plot area runs
+    from x=44 to x=352 (left axis labels, right margin), steps evenly spread."""
+    return round(44 + (352 - 44) * i / (STEPS - 1), 1)
 
 
 def _scale(transform: str) -> float:
     return float(re.search(r"scale\(([0-9.e+-]+)\)", transform).group(1))
+
+
+def test_page_inlines_the_asset_files_and_its_csp_allows_exactly_that_script(tmp_path):
+    """The page, CSS and JS ship as package files; the written page is still self-contained."""
+    import base64
+    import hashlib
+    from importlib import resources
+
+    log = tmp_path / "log"
+    log.mkdir()
+    net = paddle.nn.Linear(3, 2)
+    with capture_backward(net) as cap:
+        net(paddle.randn([2, 3])).sum().backward()
+    (log / "step_000001.json").write_text(cap.graph.to_json())
+    out = build_report(str(log), str(tmp_path / "r.html"))
+    page = open(out, encoding="utf-8").read()
+    assets = resources.files("paddleviz_hooks.sinks").joinpath("report_assets")
+    css = assets.joinpath("report.css").read_text("utf-8")
+    js = assets.joinpath("report.js").read_text("utf-8")
+    assert f"<style>{css}</style>" in page and f"<script>{js}</script>" in page
+    digest = base64.b64encode(hashlib.sha256(js.encode("utf-8")).digest()).decode("ascii")
+    assert f"script-src 'sha256-{digest}'" in page
+    assert "$" + "script" not in page and "$" + "data" not in page  # every placeholder filled
+

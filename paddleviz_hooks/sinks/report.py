@@ -2,6 +2,9 @@
 
 VisualDL keeps only 10 image samples per tag (``docs/visualdl.md``);
 this page shows all of them. It needs no network: CSS, JS and SVGs are inline.
+The page template, its CSS and its JavaScript are asset files in
+``report_assets/``; this module only builds the data and the escaped HTML
+fragments that go into the template.
 
 What it shows, per run (a folder holding ``step_*.json`` files):
 
@@ -28,6 +31,8 @@ import os
 import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from importlib import resources
+from string import Template
 from typing import Any
 
 from .._fileio import atomic_write
@@ -370,175 +375,10 @@ def _script_hash(js: str) -> str:
     return "sha256-" + base64.b64encode(hashlib.sha256(js.encode("utf-8")).digest()).decode("ascii")
 
 
-_CSS = """
-*{box-sizing:border-box}
-html,body{margin:0;height:100%;font:14px/1.4 Helvetica,Arial,sans-serif;color:#222}
-body{display:flex;flex-direction:column}
-header{padding:8px 12px;border-bottom:1px solid #ddd;background:#f7f7f9}
-header h1{font-size:17px;margin:0 0 6px 0}
-.controls{display:flex;flex-wrap:wrap;align-items:center;gap:10px}
-#step-slider{flex:1;min-width:200px}
-#step-label{font-weight:bold;min-width:150px}
-#strip{display:flex;gap:1px;margin-top:6px;height:12px}
-#strip span{flex:1;background:#cfd8e3;cursor:pointer;min-width:2px}
-#strip span.changed{background:#1a7f37}#strip span.nonfinite{background:#d00000}
-#strip span.current{outline:2px solid #222;outline-offset:-1px}
-main{flex:1;display:flex;min-height:0}
-#viewport{flex:1;position:relative;overflow:hidden;background:#fff;cursor:grab;touch-action:none}
-#viewport.dragging{cursor:grabbing}
-#stage{position:absolute;left:0;top:0;transform-origin:0 0}
-#stage svg{display:block}
-#viewer-note{position:absolute;left:8px;bottom:6px;color:#666;font-size:12px;background:rgba(255,255,255,.85);padding:2px 6px;border-radius:3px}
-#mode{position:absolute;right:8px;top:6px;font-size:12px;padding:2px 8px;border-radius:3px;background:#eee}
-#mode.diff{background:#1a7f37;color:#fff}
-aside{width:400px;overflow:auto;border-left:1px solid #ddd;padding:8px 12px;background:#fcfcfc}
-aside h2{font-size:16px;margin:4px 0}aside h3{font-size:14px;margin:10px 0 4px 0}
-ul,ol{margin:2px 0;padding-left:18px}
-code{font-size:11px;color:#555;word-break:break-all}
-.muted{color:#777}.bad{color:#b00000}.changed{color:#1a7f37}.same{color:#555}
-.badge{display:inline-block;font-size:11px;padding:0 5px;border-radius:3px;color:#fff;background:#777}
-.badge.added{background:#1a7f37}.badge.removed{background:#8a8a8a}.badge.bad{background:#b00000}
-.chart{width:100%;height:auto}.chart .tick{font-size:9px;fill:#666}.chart .bad{font-size:12px;fill:#d00000}
-.chart .marker{stroke:#222;stroke-dasharray:3 2}
-.legend{list-style:none;padding:0;font-size:12px;columns:2}
-.swatch{display:inline-block;width:10px;height:10px;margin-right:4px;vertical-align:middle}
-button{font:inherit;font-size:12px;padding:2px 8px}
-button.jump{padding:0 6px;margin:1px}
-"""
+def _asset(name: str) -> str:
+    """A file of ``report_assets/`` (page template, CSS, JS), shipped as package data."""
+    return resources.files("paddleviz_hooks.sinks").joinpath("report_assets", name).read_text("utf-8")
 
-_JS = r"""
-(function(){
-"use strict";
-var DATA = JSON.parse(document.getElementById("pvh-data").textContent);
-var slider = document.getElementById("step-slider");
-var label = document.getElementById("step-label");
-var strip = document.getElementById("strip");
-var stage = document.getElementById("stage");
-var vp = document.getElementById("viewport");
-var note = document.getElementById("viewer-note");
-var mode = document.getElementById("mode");
-var hl = document.getElementById("highlight");
-var runSel = document.getElementById("run-select");
-var run = 0, idx = -1, scale = 1, tx = 0, ty = 0, userView = false;
-
-function apply(){ stage.style.transform = "translate(" + tx + "px," + ty + "px) scale(" + scale + ")"; }
-function svgSize(){
-  var s = stage.querySelector("svg");
-  if (!s) return null;
-  var vb = s.viewBox && s.viewBox.baseVal;
-  var w = vb && vb.width ? vb.width : s.getBoundingClientRect().width / scale;
-  var h = vb && vb.height ? vb.height : s.getBoundingClientRect().height / scale;
-  return [w * 96 / 72, h * 96 / 72];
-}
-function place(s){
-  var sz = svgSize(); if (!sz) return;
-  var W = vp.clientWidth, H = vp.clientHeight;
-  scale = s;
-  tx = Math.max(4, (W - sz[0] * scale) / 2); ty = Math.max(4, (H - sz[1] * scale) / 2);
-  apply();
-}
-function fit(){  // the whole drawing
-  var sz = svgSize(); if (!sz) return;
-  place(Math.min(vp.clientWidth / sz[0], vp.clientHeight / sz[1], 1.5) * 0.96);
-}
-function autoView(){  // readable: fit, but no smaller than 100% while the width allows
-  var sz = svgSize(); if (!sz) return;
-  var all = Math.min(vp.clientWidth / sz[0], vp.clientHeight / sz[1]);
-  place(Math.min(1.5, Math.max(all, Math.min(1, vp.clientWidth / sz[0]))) * 0.96);
-  var mark = stage.querySelector(".pvh-added, .pvh-removed, .pvh-ratio-up, .pvh-ratio-down");
-  if (!mark) return;
-  var v = vp.getBoundingClientRect(), m = mark.getBoundingClientRect();
-  if (m.top >= v.top && m.bottom <= v.bottom) return;
-  ty += (v.top + v.height / 2) - (m.top + m.height / 2);  // bring the first change into view
-  apply();
-}
-function show(r, i){
-  var steps = DATA.runs[r].steps;
-  i = Math.max(0, Math.min(steps.length - 1, i));
-  if (r !== run) { userView = false; }
-  document.getElementById("panel-" + run + "-" + Math.max(idx, 0)).hidden = true;
-  document.getElementById("overview-" + run).hidden = true;
-  document.getElementById("chart-" + run).hidden = true;
-  run = r; idx = i;
-  var st = steps[i];
-  slider.max = String(steps.length - 1);
-  slider.value = String(i);
-  label.textContent = "step " + st.step + "  (" + (i + 1) + " of " + steps.length + ")";
-  var useDiff = hl.checked && st.diff !== null;
-  var svg = useDiff ? DATA.svgs[st.diff] : (st.svg !== null ? DATA.svgs[st.svg] : null);
-  stage.innerHTML = svg === null ? "" : svg;
-  var s = stage.querySelector("svg");
-  if (s) { var sz = svgSize(); s.style.width = sz[0] + "px"; s.style.height = sz[1] + "px"; }
-  mode.textContent = useDiff ? "changes since step " + steps[i - 1].step : (st.svg === null ? "no drawing" : "graph");
-  mode.className = useDiff ? "diff" : "";
-  note.textContent = svg === null ? "No drawing for this step (see the panel)." : "wheel: zoom, drag: pan, F: fit all, 1: 100%, A: automatic view";
-  document.getElementById("panel-" + r + "-" + i).hidden = false;
-  document.getElementById("overview-" + r).hidden = false;
-  document.getElementById("chart-" + r).hidden = false;
-  var m = document.getElementById("marker-" + r);
-  if (m && st.x !== undefined) { m.setAttribute("x1", st.x); m.setAttribute("x2", st.x); }
-  buildStrip();
-  if (!userView) { autoView(); }  // follow each step until the user zooms or pans
-}
-function buildStrip(){
-  var steps = DATA.runs[run].steps;
-  if (strip.dataset.run !== String(run)) {
-    strip.innerHTML = "";
-    steps.forEach(function(st, i){
-      var c = document.createElement("span");
-      c.className = (st.changed ? "changed " : "") + (st.nonfinite ? "nonfinite" : "");
-      c.title = "step " + st.step + (st.changed ? ", structure changed" : "") + (st.nonfinite ? ", NaN/Inf" : "");
-      c.addEventListener("click", function(){ show(run, i); });
-      strip.appendChild(c);
-    });
-    strip.dataset.run = String(run);
-  }
-  Array.prototype.forEach.call(strip.children, function(c, i){ c.classList.toggle("current", i === idx); });
-}
-slider.addEventListener("input", function(){ show(run, parseInt(slider.value, 10)); });
-hl.addEventListener("change", function(){ show(run, idx); });
-document.getElementById("fit").addEventListener("click", function(){ userView = true; fit(); });
-document.getElementById("prev").addEventListener("click", function(){ show(run, idx - 1); });
-document.getElementById("next").addEventListener("click", function(){ show(run, idx + 1); });
-if (runSel) runSel.addEventListener("change", function(){ show(parseInt(runSel.value, 10), 0); });
-document.querySelectorAll("button.jump").forEach(function(b){
-  b.addEventListener("click", function(){
-    var r = parseInt(b.dataset.run, 10);
-    if (runSel) runSel.value = String(r);
-    show(r, parseInt(b.dataset.step, 10));
-  });
-});
-document.addEventListener("keydown", function(e){
-  var t = e.target && e.target.tagName;
-  if (t === "INPUT" || t === "SELECT" || t === "TEXTAREA") return;
-  if (e.key === "ArrowRight") { show(run, idx + 1); e.preventDefault(); }
-  else if (e.key === "ArrowLeft") { show(run, idx - 1); e.preventDefault(); }
-  else if (e.key === "f" || e.key === "F" || e.key === "0") { userView = true; fit(); }
-  else if (e.key === "1") { userView = true; place(1); }
-  else if (e.key === "a" || e.key === "A") { userView = false; autoView(); }
-});
-vp.addEventListener("wheel", function(e){
-  e.preventDefault();
-  var r = vp.getBoundingClientRect(), mx = e.clientX - r.left, my = e.clientY - r.top;
-  var ns = Math.min(40, Math.max(0.02, scale * Math.exp(-e.deltaY * 0.0015)));
-  tx = mx - (mx - tx) * ns / scale; ty = my - (my - ty) * ns / scale; scale = ns; userView = true; apply();
-}, {passive: false});
-var drag = null;
-vp.addEventListener("pointerdown", function(e){
-  if (e.button !== 0) return;
-  drag = [e.clientX, e.clientY, tx, ty]; vp.setPointerCapture(e.pointerId); vp.classList.add("dragging");
-});
-vp.addEventListener("pointermove", function(e){
-  if (!drag) return;
-  tx = drag[2] + e.clientX - drag[0]; ty = drag[3] + e.clientY - drag[1]; userView = true; apply();
-});
-function endDrag(){ drag = null; vp.classList.remove("dragging"); }
-vp.addEventListener("pointerup", endDrag);
-vp.addEventListener("pointercancel", endDrag);
-window.addEventListener("resize", function(){ if (!userView) autoView(); });
-show(0, 0);
-})();
-"""
 
 
 def _html(title: str, runs: list[_Run], skipped: list[tuple[str, str]]) -> str:
@@ -581,44 +421,21 @@ def _html(title: str, runs: list[_Run], skipped: list[tuple[str, str]]) -> str:
     if skipped:
         items = "".join(f"<li><code>{_e(p)}</code>: {_e(why)}</li>" for p, why in skipped)
         skipped_html = f'<h3 class="bad">Skipped files</h3><ul>{items}</ul>'
-    return f"""<!DOCTYPE html>
-<html lang="en">
-<head>
-<meta charset="utf-8">
-<meta name="viewport" content="width=device-width, initial-scale=1">
-<meta http-equiv="Content-Security-Policy" content="default-src 'none'; style-src 'unsafe-inline'; script-src '{_script_hash(_JS)}'; img-src data:">
-<title>{_e(title)}</title>
-<style>{_CSS}</style>
-</head>
-<body>
-<header>
-<h1>{_e(title)}</h1>
-<div class="controls">
-{run_select}
-<button id="prev" title="previous step (Left arrow)">&#9664;</button>
-<input type="range" id="step-slider" min="0" max="0" step="1" value="0" aria-label="captured step">
-<button id="next" title="next step (Right arrow)">&#9654;</button>
-<span id="step-label"></span>
-<label><input type="checkbox" id="highlight" checked> highlight changes since the previous capture</label>
-<button id="fit" title="show the whole drawing (F); 1: 100%; A: back to the automatic view">fit</button>
-<span class="muted">{total} captured steps in {len(runs)} run{"s" if len(runs) != 1 else ""}</span>
-</div>
-<div id="strip" title="one cell per step: green = structure changed, red = NaN/Inf"></div>
-</header>
-<main>
-<div id="viewport"><div id="stage"></div><div id="mode"></div><div id="viewer-note"></div></div>
-<aside>
-{panels}
-{charts}
-{overviews}
-{skipped_html}
-</aside>
-</main>
-<script type="application/json" id="pvh-data">{json_for_script(data)}</script>
-<script>{_JS}</script>
-</body>
-</html>
-"""
+    script = _asset("report.js")
+    return Template(_asset("report.html")).substitute(
+        script_hash=_script_hash(script),
+        title=_e(title),
+        css=_asset("report.css"),
+        run_select=run_select,
+        total=total,
+        runs_text=f"{len(runs)} run{'s' if len(runs) != 1 else ''}",
+        panels=panels,
+        charts=charts,
+        overviews=overviews,
+        skipped=skipped_html,
+        data=json_for_script(data),
+        script=script,
+    )
 
 
 def build_report(log_dir: str | os.PathLike, out_path: str | os.PathLike, *, title: str | None = None,

@@ -1,0 +1,131 @@
+(function(){
+"use strict";
+var DATA = JSON.parse(document.getElementById("pvh-data").textContent);
+var slider = document.getElementById("step-slider");
+var label = document.getElementById("step-label");
+var strip = document.getElementById("strip");
+var stage = document.getElementById("stage");
+var vp = document.getElementById("viewport");
+var note = document.getElementById("viewer-note");
+var mode = document.getElementById("mode");
+var hl = document.getElementById("highlight");
+var runSel = document.getElementById("run-select");
+var run = 0, idx = -1, scale = 1, tx = 0, ty = 0, userView = false;
+
+function apply(){ stage.style.transform = "translate(" + tx + "px," + ty + "px) scale(" + scale + ")"; }
+function svgSize(){
+  var s = stage.querySelector("svg");
+  if (!s) return null;
+  var vb = s.viewBox && s.viewBox.baseVal;
+  var w = vb && vb.width ? vb.width : s.getBoundingClientRect().width / scale;
+  var h = vb && vb.height ? vb.height : s.getBoundingClientRect().height / scale;
+  return [w * 96 / 72, h * 96 / 72];
+}
+function place(s){
+  var sz = svgSize(); if (!sz) return;
+  var W = vp.clientWidth, H = vp.clientHeight;
+  scale = s;
+  tx = Math.max(4, (W - sz[0] * scale) / 2); ty = Math.max(4, (H - sz[1] * scale) / 2);
+  apply();
+}
+function fit(){  // the whole drawing
+  var sz = svgSize(); if (!sz) return;
+  place(Math.min(vp.clientWidth / sz[0], vp.clientHeight / sz[1], 1.5) * 0.96);
+}
+function autoView(){  // readable: fit, but no smaller than 100% while the width allows
+  var sz = svgSize(); if (!sz) return;
+  var all = Math.min(vp.clientWidth / sz[0], vp.clientHeight / sz[1]);
+  place(Math.min(1.5, Math.max(all, Math.min(1, vp.clientWidth / sz[0]))) * 0.96);
+  var mark = stage.querySelector(".pvh-added, .pvh-removed, .pvh-ratio-up, .pvh-ratio-down");
+  if (!mark) return;
+  var v = vp.getBoundingClientRect(), m = mark.getBoundingClientRect();
+  if (m.top >= v.top && m.bottom <= v.bottom) return;
+  ty += (v.top + v.height / 2) - (m.top + m.height / 2);  // bring the first change into view
+  apply();
+}
+function show(r, i){
+  var steps = DATA.runs[r].steps;
+  i = Math.max(0, Math.min(steps.length - 1, i));
+  if (r !== run) { userView = false; }
+  document.getElementById("panel-" + run + "-" + Math.max(idx, 0)).hidden = true;
+  document.getElementById("overview-" + run).hidden = true;
+  document.getElementById("chart-" + run).hidden = true;
+  run = r; idx = i;
+  var st = steps[i];
+  slider.max = String(steps.length - 1);
+  slider.value = String(i);
+  label.textContent = "step " + st.step + "  (" + (i + 1) + " of " + steps.length + ")";
+  var useDiff = hl.checked && st.diff !== null;
+  var svg = useDiff ? DATA.svgs[st.diff] : (st.svg !== null ? DATA.svgs[st.svg] : null);
+  stage.innerHTML = svg === null ? "" : svg;
+  var s = stage.querySelector("svg");
+  if (s) { var sz = svgSize(); s.style.width = sz[0] + "px"; s.style.height = sz[1] + "px"; }
+  mode.textContent = useDiff ? "changes since step " + steps[i - 1].step : (st.svg === null ? "no drawing" : "graph");
+  mode.className = useDiff ? "diff" : "";
+  note.textContent = svg === null ? "No drawing for this step (see the panel)." : "wheel: zoom, drag: pan, F: fit all, 1: 100%, A: automatic view";
+  document.getElementById("panel-" + r + "-" + i).hidden = false;
+  document.getElementById("overview-" + r).hidden = false;
+  document.getElementById("chart-" + r).hidden = false;
+  var m = document.getElementById("marker-" + r);
+  if (m && st.x !== undefined) { m.setAttribute("x1", st.x); m.setAttribute("x2", st.x); }
+  buildStrip();
+  if (!userView) { autoView(); }  // follow each step until the user zooms or pans
+}
+function buildStrip(){
+  var steps = DATA.runs[run].steps;
+  if (strip.dataset.run !== String(run)) {
+    strip.innerHTML = "";
+    steps.forEach(function(st, i){
+      var c = document.createElement("span");
+      c.className = (st.changed ? "changed " : "") + (st.nonfinite ? "nonfinite" : "");
+      c.title = "step " + st.step + (st.changed ? ", structure changed" : "") + (st.nonfinite ? ", NaN/Inf" : "");
+      c.addEventListener("click", function(){ show(run, i); });
+      strip.appendChild(c);
+    });
+    strip.dataset.run = String(run);
+  }
+  Array.prototype.forEach.call(strip.children, function(c, i){ c.classList.toggle("current", i === idx); });
+}
+slider.addEventListener("input", function(){ show(run, parseInt(slider.value, 10)); });
+hl.addEventListener("change", function(){ show(run, idx); });
+document.getElementById("fit").addEventListener("click", function(){ userView = true; fit(); });
+document.getElementById("prev").addEventListener("click", function(){ show(run, idx - 1); });
+document.getElementById("next").addEventListener("click", function(){ show(run, idx + 1); });
+if (runSel) runSel.addEventListener("change", function(){ show(parseInt(runSel.value, 10), 0); });
+document.querySelectorAll("button.jump").forEach(function(b){
+  b.addEventListener("click", function(){
+    var r = parseInt(b.dataset.run, 10);
+    if (runSel) runSel.value = String(r);
+    show(r, parseInt(b.dataset.step, 10));
+  });
+});
+document.addEventListener("keydown", function(e){
+  var t = e.target && e.target.tagName;
+  if (t === "INPUT" || t === "SELECT" || t === "TEXTAREA") return;
+  if (e.key === "ArrowRight") { show(run, idx + 1); e.preventDefault(); }
+  else if (e.key === "ArrowLeft") { show(run, idx - 1); e.preventDefault(); }
+  else if (e.key === "f" || e.key === "F" || e.key === "0") { userView = true; fit(); }
+  else if (e.key === "1") { userView = true; place(1); }
+  else if (e.key === "a" || e.key === "A") { userView = false; autoView(); }
+});
+vp.addEventListener("wheel", function(e){
+  e.preventDefault();
+  var r = vp.getBoundingClientRect(), mx = e.clientX - r.left, my = e.clientY - r.top;
+  var ns = Math.min(40, Math.max(0.02, scale * Math.exp(-e.deltaY * 0.0015)));
+  tx = mx - (mx - tx) * ns / scale; ty = my - (my - ty) * ns / scale; scale = ns; userView = true; apply();
+}, {passive: false});
+var drag = null;
+vp.addEventListener("pointerdown", function(e){
+  if (e.button !== 0) return;
+  drag = [e.clientX, e.clientY, tx, ty]; vp.setPointerCapture(e.pointerId); vp.classList.add("dragging");
+});
+vp.addEventListener("pointermove", function(e){
+  if (!drag) return;
+  tx = drag[2] + e.clientX - drag[0]; ty = drag[3] + e.clientY - drag[1]; userView = true; apply();
+});
+function endDrag(){ drag = null; vp.classList.remove("dragging"); }
+vp.addEventListener("pointerup", endDrag);
+vp.addEventListener("pointercancel", endDrag);
+window.addEventListener("resize", function(){ if (!userView) autoView(); });
+show(0, 0);
+})();
