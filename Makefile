@@ -37,7 +37,7 @@ demo: setup
 	$(BIN)/python examples/train_lenet.py --log-dir vdl_log
 
 test: setup browser
-	$(BIN)/python -m pytest -q -ra tests
+	$(BIN)/python -m pytest -q -ra --doctest-modules paddleviz_hooks tests
 
 bench: setup
 	$(BIN)/python benchmarks/run.py

@@ -239,8 +239,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (never raises for bad input).
 
     Example:
-        >>> main(["diff", "step_000100.json", "step_000200.json", "-o", "diff.png"])
-        0
+        >>> main(["render", "no_such_step.json", "-o", "x.png"])
+        1
     """
     from .render.engine import EngineNotFound, RenderTimeout
 

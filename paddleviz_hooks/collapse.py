@@ -106,7 +106,10 @@ def layer_depths(graph: BackwardGraph) -> dict[str, int]:
     """Depth of every layer path of ``graph`` as :func:`collapse_graph` counts it.
 
     Example:
-        >>> layer_depths(g)["layers.0.self_attn"]   # layers is a LayerList
+        >>> from paddleviz_hooks.graph import BackwardGraph
+        >>> g = BackwardGraph(layers={"": "Encoder", "layers": "LayerList", "layers.0": "EncoderLayer",
+        ...                           "layers.0.self_attn": "MultiHeadAttention"})
+        >>> layer_depths(g)["layers.0.self_attn"]   # layers is a LayerList: not a level
         2
     """
     lay = _Layers(graph)
@@ -361,9 +364,14 @@ def collapse_graph(
         TypeError: ``by_type`` or ``fold_repeats`` of the wrong type.
 
     Example:
+        >>> import paddle
+        >>> from paddleviz_hooks import capture_backward
+        >>> enc = paddle.nn.TransformerEncoder(paddle.nn.TransformerEncoderLayer(16, 2, 32), 3)
+        >>> with capture_backward(enc) as cap:
+        ...     enc(paddle.randn([2, 5, 16])).mean().backward()
         >>> small = collapse_graph(cap.graph, depth=1, fold_repeats=True)
         >>> [n.layer for n in small.nodes if n.kind == "layer"]
-        ['layers.0-5']
+        ['layers.0-2']
     """
     types = _check(depth, by_type, fold_repeats, max_nodes)
     lay = _Layers(graph)

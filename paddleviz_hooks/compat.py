@@ -99,8 +99,14 @@ def make_graph(tensors: Any, params: Any = None, dpi: Any = None, **options: Any
         TypeError / ValueError: not tensors, or tensors without a graph.
 
     Example:
-        >>> dot = make_graph(y, dpi="600")
-        >>> dot.render("viz-result.gv", format="png")
+        >>> import paddle
+        >>> net = paddle.nn.Linear(3, 2)
+        >>> y = net(paddle.randn([4, 3])).mean()
+        >>> dot = make_graph(y, params=net, dpi="600")
+        >>> type(dot).__name__, "fc" in dot.source or "weight" in dot.source
+        ('Digraph', True)
+
+        then ``dot.render("viz-result.gv", format="png")`` draws it.
     """
     g = graph_of(tensors, params)
     options.setdefault("stats", False)

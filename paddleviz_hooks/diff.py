@@ -254,9 +254,16 @@ def diff_graphs(
         ValueError: ``threshold`` is not a number above 1.
 
     Example:
-        >>> d = diff_graphs(step3_graph, step4_graph)
+        >>> import paddle
+        >>> from paddleviz_hooks import capture_backward
+        >>> net = paddle.nn.Sequential(paddle.nn.Linear(3, 3), paddle.nn.Linear(3, 1))
+        >>> x = paddle.randn([2, 3])
+        >>> with capture_backward(net) as cap:
+        ...     net(x).sum().backward()
+        ...     net[1](net[0](x).detach()).sum().backward()  # the gradient stops before layer 0
+        >>> d = diff_graphs(cap.graphs[0], cap.graphs[1])
         >>> d.params_stopped
-        ['fc1.weight', 'fc1.bias']
+        ['0.bias', '0.weight']
     """
     for name, g in (("older", older), ("newer", newer)):
         if not isinstance(g, BackwardGraph):

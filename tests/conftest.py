@@ -36,8 +36,7 @@ def _paddle_state_guard():
 
     leaked = dispatcher_installed()
     if leaked:
-        for cap in list(DISPATCHER._active):
-            DISPATCHER.deactivate(cap)
+        DISPATCHER.deactivate_all()
     if not paddle.is_grad_enabled():
         paddle.set_grad_enabled(True)
         warnings.warn("a test left Paddle's grad mode disabled; re-enabled", RuntimeWarning)

@@ -14,7 +14,7 @@ from paddleviz_hooks import BackwardGraph, BackwardGraphCallback
 from paddleviz_hooks.capture import dispatcher_installed
 from paddleviz_hooks.render import png_size
 
-from _fitkit import PatchProbe
+from _fitkit import PatchProbe, Recorder
 
 
 class TinyNet(paddle.nn.Layer):
@@ -38,17 +38,6 @@ class Data(paddle.io.Dataset):
 
     def __len__(self) -> int:
         return len(self.x)
-
-
-class Recorder(paddle.callbacks.Callback):
-    """Keeps every training loss."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.losses: list[float] = []
-
-    def on_train_batch_end(self, step, logs=None):
-        self.losses.append(float(np.asarray(logs["loss"]).ravel()[0]))
 
 
 def fit(callbacks, *, epochs=2, batch_size=8, n=40, loss=None, amp=None, accumulate=1, net=None):

@@ -45,6 +45,15 @@ class Dispatcher:
                 core.eager.run_partial_grad = self._orig_grad
                 self._orig_backward = self._orig_grad = None
 
+    def deactivate_all(self) -> int:
+        """Remove every active capture and the patch; returns how many were active
+        (a safety net for test harnesses: captures remove themselves on exit)."""
+        with self._lock:
+            caps = list(self._active)
+        for cap in caps:
+            self.deactivate(cap)
+        return len(caps)
+
     @property
     def installed(self) -> bool:
         return self._orig_backward is not None

@@ -344,10 +344,16 @@ def capture_backward(
         TypeError: ``layer`` or ``params`` of the wrong type.
 
     Example:
+        >>> import paddle
+        >>> model = paddle.nn.Sequential(paddle.nn.Linear(4, 8), paddle.nn.ReLU(), paddle.nn.Linear(8, 3))
+        >>> x, y = paddle.randn([2, 4]), paddle.to_tensor([[0], [2]])
         >>> with capture_backward(model) as cap:
         ...     loss = paddle.nn.functional.cross_entropy(model(x), y)
         ...     loss.backward()
-        >>> print(cap.graph.summary())
+        >>> sorted(cap.graph.params())
+        ['0.bias', '0.weight', '2.bias', '2.weight']
+        >>> cap.graph.count_ops()["Matmul"]
+        2
     """
     return BackwardCapture(layer, grad_stats=grad_stats, params=params)
 

@@ -196,7 +196,17 @@ def diff_to_dot(diff: GraphDiff, newer: BackwardGraph, older: BackwardGraph, **o
         ValueError: bad option values.
 
     Example:
+        >>> import paddle, tempfile, os
+        >>> from paddleviz_hooks import capture_backward, diff_graphs
+        >>> net = paddle.nn.Sequential(paddle.nn.Linear(3, 3), paddle.nn.Linear(3, 1))
+        >>> x = paddle.randn([2, 3])
+        >>> with capture_backward(net) as cap:
+        ...     net(x).sum().backward()
+        ...     net[1](net[0](x).detach()).sum().backward()
+        >>> old, new = cap.graphs
         >>> src = diff_to_dot(diff_graphs(old, new), new, old)
+        >>> "removed since step" in src or "(removed)" in src
+        True
     """
     _check(diff, newer, older)
     options = dict(options)
@@ -234,8 +244,17 @@ def render_diff(
         EngineNotFound / RenderTimeout: as for :func:`render_png`.
 
     Example:
-        >>> render_diff(d, new, old, "diff.png")
-        'diff.png'
+        >>> import paddle, tempfile, os
+        >>> from paddleviz_hooks import capture_backward, diff_graphs
+        >>> net = paddle.nn.Sequential(paddle.nn.Linear(3, 3), paddle.nn.Linear(3, 1))
+        >>> x = paddle.randn([2, 3])
+        >>> with capture_backward(net) as cap:
+        ...     net(x).sum().backward()
+        ...     net[1](net[0](x).detach()).sum().backward()
+        >>> old, new = cap.graphs
+        >>> out = os.path.join(tempfile.mkdtemp(), "diff.svg")
+        >>> render_diff(diff_graphs(old, new), new, old, out) == out
+        True
     """
     _check(diff, newer, older)
     if path is not None and not isinstance(path, (str, os.PathLike)):
@@ -280,6 +299,16 @@ def render_diff_png(
             ...) and drawing options.
 
     Example:
-        >>> data = render_diff_png(d, new, old, max_px=1600, max_nodes=80)
+        >>> import paddle, tempfile, os
+        >>> from paddleviz_hooks import capture_backward, diff_graphs
+        >>> net = paddle.nn.Sequential(paddle.nn.Linear(3, 3), paddle.nn.Linear(3, 1))
+        >>> x = paddle.randn([2, 3])
+        >>> with capture_backward(net) as cap:
+        ...     net(x).sum().backward()
+        ...     net[1](net[0](x).detach()).sum().backward()
+        >>> old, new = cap.graphs
+        >>> data = render_diff_png(diff_graphs(old, new), new, old, max_px=800, max_nodes=80)
+        >>> data[:4]
+        b'\\x89PNG'
     """
     return render_diff(diff, newer, older, None, format="png", **options)

@@ -183,8 +183,13 @@ def to_dot(graph: BackwardGraph, **options: Any) -> str:
         The DOT text, ready for ``dot -Tsvg``.
 
     Example:
-        >>> print(to_dot(cap.graph, legend=False)[:7])
-        digraph
+        >>> import paddle
+        >>> from paddleviz_hooks import capture_backward
+        >>> net = paddle.nn.Linear(3, 2)
+        >>> with capture_backward(net) as cap:
+        ...     net(paddle.randn([2, 3])).sum().backward()
+        >>> print(to_dot(cap.graph, legend=False)[:16])
+        digraph backward
     """
     dpi = options.pop("dpi", None)
     graph_attr, body = dot_parts(graph, **options)

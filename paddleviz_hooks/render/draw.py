@@ -249,7 +249,9 @@ def fit_png(
         timeout: seconds per engine run.
 
     Example:
-        >>> png = fit_png(lambda rd: diff_to_dot(diff, rankdir=rd), max_px=1600)
+        >>> png = fit_png(lambda rd: f"digraph {{ rankdir={rd}; a -> b -> c }}", max_px=300)
+        >>> png_size(png)[0] <= 300
+        True
     """
     if isinstance(max_px, bool) or not isinstance(max_px, int) or max_px < 64:
         raise ValueError(f"max_px must be an int >= 64, got {max_px!r}")
@@ -324,9 +326,16 @@ def render_png(
         RenderTimeout: the engine ran past ``timeout``.
 
     Example:
-        >>> data = render_png(cap.graph)                # legible, auto-collapsed
-        >>> data = render_png(cap.graph, max_nodes=80)  # explicit node budget
-        >>> open("graph.png", "wb").write(data)
+        >>> import paddle
+        >>> from paddleviz_hooks import capture_backward
+        >>> net = paddle.nn.Linear(3, 2)
+        >>> with capture_backward(net) as cap:
+        ...     net(paddle.randn([2, 3])).sum().backward()
+        >>> info = {}
+        >>> data = render_png(cap.graph, info=info)      # legible, collapsed only if needed
+        >>> info["collapsed_depth"] is None and max(png_size(data)) <= 2000
+        True
+        >>> data = render_png(cap.graph, max_nodes=3)    # an explicit node budget
     """
     if isinstance(max_px, bool) or not isinstance(max_px, int) or max_px < 64:
         raise ValueError(f"max_px must be an int >= 64, got {max_px!r}")

@@ -458,8 +458,16 @@ def build_report(log_dir: str | os.PathLike, out_path: str | os.PathLike, *, tit
         OSError: ``out_path`` cannot be written.
 
     Example:
-        >>> build_report("vdl_log", "report.html")
-        'report.html'
+        >>> import os, tempfile, paddle
+        >>> from paddleviz_hooks import capture_backward
+        >>> log = tempfile.mkdtemp()
+        >>> net = paddle.nn.Linear(3, 2)
+        >>> with capture_backward(net) as cap:
+        ...     net(paddle.randn([2, 3])).sum().backward()
+        >>> _ = open(os.path.join(log, "step_000001.json"), "w").write(cap.graph.to_json())
+        >>> out = build_report(log, os.path.join(log, "report.html"))
+        >>> out.endswith("report.html")
+        True
 
     Steps whose ``.svg`` is missing are drawn from the JSON (Graphviz needed);
     if no layout engine is installed the page still lists every step, without
