@@ -32,7 +32,7 @@ def node_norms(graph: BackwardGraph) -> dict[str, float]:
     """Norm of the gradient each node received, by node key.
 
     For an op that is the gradient w.r.t. its forward output; for a parameter
-    its gradient. Nodes without gradient statistics are left out.
+    the gradient the backward added to ``param.grad``. Nodes without gradient statistics are left out.
     """
     metas: dict[int, list] = {}
     for e in graph.edges:
@@ -40,9 +40,10 @@ def node_norms(graph: BackwardGraph) -> dict[str, float]:
             metas.setdefault(e.dst, []).append(e.grad)
     out: dict[str, float] = {}
     for nid, ms in metas.items():
-        m = merge_grad_metas(ms)
+        node = graph.nodes[nid]
+        m = node.grad if node.grad is not None else merge_grad_metas(ms)
         if m is not None and m.norm is not None:
-            out[graph.nodes[nid].key] = m.norm
+            out[node.key] = m.norm
     return out
 
 

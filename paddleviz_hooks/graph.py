@@ -141,6 +141,10 @@ class Node:
             when unknown).
         nonfinite: for a box, NaN/Inf elements in gradients that stayed
             inside it.
+        grad: for a parameter, the gradient this backward added to
+            ``param.grad``: the sum over all its uses, after the user's own
+            hooks (None when it was not observed, e.g. graphs saved by older
+            versions).
     """
 
     id: int
@@ -161,10 +165,12 @@ class Node:
     params: int = 0
     norm: float | None = None
     nonfinite: int = 0
+    grad: GradMeta | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["shape"] = list(self.shape) if self.shape is not None else None
+        d["grad"] = self.grad.to_dict() if self.grad is not None else None
         # Box-only fields are written only when set, so graphs without boxes
         # stay readable by versions that do not know them.
         for k, default in _NODE_BOX_DEFAULTS.items():
@@ -181,10 +187,13 @@ class Node:
             d["shape"] = tuple(d["shape"])
         if d.get("norm") is not None:
             d["norm"] = float_from_json(d["norm"])
+        if d.get("grad") is not None:
+            d["grad"] = GradMeta.from_dict(d["grad"])
         return cls(**d)
 
 
-_NODE_BOX_DEFAULTS = {"count": 1, "ops": 0, "unhooked": 0, "params": 0, "norm": None, "nonfinite": 0}
+_NODE_BOX_DEFAULTS = {"count": 1, "ops": 0, "unhooked": 0, "params": 0, "norm": None, "nonfinite": 0,
+                      "grad": None}
 
 
 @dataclass
@@ -276,11 +285,20 @@ class BackwardGraph:
         return dict(counts)
 
     def params(self) -> dict[str, GradMeta | None]:
-        """Parameters reached by the gradient, name -> gradient metadata."""
+        """Parameters reached by the gradient, name -> gradient metadata.
+
+        The metadata is that of the gradient the backward added to
+        ``param.grad`` (``Node.grad``). Only for graphs without it (saved by
+        older versions) is it combined from the incoming edges, which is
+        exact for a parameter used once.
+        """
         inn = self.in_edges()
         found: dict[str, GradMeta | None] = {}
         for n in self.nodes:
             if n.kind == "param" and n.param is not None:
+                if n.grad is not None:
+                    found[n.param] = n.grad
+                    continue
                 metas = [e.grad for e in inn.get(n.id, []) if e.grad is not None]
                 found[n.param] = merge_grad_metas(metas)
         return found
@@ -330,8 +348,14 @@ class BackwardGraph:
         return [self.nodes[origin]] + [self.nodes[i] for i in order if i != origin]
 
     def nonfinite_count(self) -> int:
-        """Non-finite gradient elements summed over all observed edges."""
-        return sum(e.grad.nonfinite for e in self.edges if e.grad is not None)
+        """Non-finite gradient elements over every observed gradient: the edges,
+        plus parameter totals whose incoming edges were not all observed."""
+        count = sum(e.grad.nonfinite for e in self.edges if e.grad is not None)
+        inn = self.in_edges()
+        for n in self.nodes:
+            if n.grad is not None and any(e.grad is None or e.grad.norm is None for e in inn.get(n.id, [])):
+                count += n.grad.nonfinite
+        return count
 
     def global_grad_norm(self) -> float | None:
         """L2 norm over all parameter gradients (None without statistics)."""

@@ -250,6 +250,7 @@ class CapturePipeline:
             "backward_graph/nodes": len(graph.nodes),
             "backward_graph/edges": len(graph.edges),
             "backward_graph/global_grad_norm": graph.global_grad_norm(),
+            "backward_graph/accumulated_grad_norm": graph.meta.get("accumulated_grad_norm"),
             "backward_graph/nonfinite_grads": graph.nonfinite_count(),
             "backward_graph/capture_ms": graph.meta.get("capture_ms"),
         }

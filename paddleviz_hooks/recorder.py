@@ -21,7 +21,7 @@ from .options import FORMATS, RecorderOptions
 from .pipeline import CaptureJob, CapturePipeline
 from .sinks.files import StepFiles
 from .text import describe_node
-from .triggers import Triggers
+from .triggers import Triggers, global_grad_norm
 from .warn import WarnOnce
 
 __all__ = ["BackwardGraphRecorder"]
@@ -320,6 +320,13 @@ class BackwardGraphRecorder:
         step = self.global_step
         trigger = graph.meta.get("trigger") or "scheduled"
         graph.meta["step"] = step
+        if self.model is not None:
+            # what param.grad holds now (accumulated over this step's backwards and any
+            # earlier ones not yet applied): the gradient the optimizer will apply
+            try:
+                graph.meta["accumulated_grad_norm"] = global_grad_norm(self.model.parameters())
+            except Exception as exc:
+                self._warn("accumulated", f"reading param.grad failed: {exc!r}")
         if self._triggers.note is not None:
             graph.meta["trigger_note"], self._triggers.note = self._triggers.note, None
         self.captured_steps.append(step)

@@ -19,6 +19,7 @@ from .diff import GraphDiff
 from .graph import BackwardGraph, GradMeta, Node
 
 __all__ = [
+    "NOT_OBSERVED",
     "OUTSIDE_MODEL",
     "TOP_LAYER",
     "box_lines",
@@ -42,6 +43,8 @@ __all__ = [
 TOP_LAYER = "<top>"
 #: How an op that no layer ran is placed (the loss function, a user's own code).
 OUTSIDE_MODEL = "outside the model"
+#: A gradient that flowed but could not be seen (its producer takes no hook).
+NOT_OBSERVED = "not observed"
 
 _LIST_LIMIT = 4  # names listed per summary line before "and N more"
 _DTYPE_SHORT = {
@@ -158,7 +161,7 @@ def describe_node(info: Node | dict[str, Any]) -> str:
 def edge_lines(meta: GradMeta | None, stats: bool) -> list[str]:
     """Label lines for one gradient: shape and dtype, then norm (and NaN/Inf)."""
     if meta is None:
-        return []
+        return [NOT_OBSERVED]
     lines = [f"{fmt_shape(meta.shape)} {_DTYPE_SHORT.get(meta.dtype or '', meta.dtype or '')}".strip()]
     if stats and meta.norm is not None:
         extra = f"|g| {fmt_num(meta.norm)}"
@@ -249,21 +252,27 @@ def graph_summary(graph: BackwardGraph, top: int = 5) -> str:
         lines.append(f"{leaves} unnamed leaf tensors reached (capture_backward(model) names parameters);")
     gn = graph.global_grad_norm()
     if gn is not None:
-        lines.append(f"global grad norm {gn:.4g};")
+        lines.append(f"global grad norm {gn:.4g} (this backward);")
+    acc = graph.meta.get("accumulated_grad_norm")
+    if isinstance(acc, float) and (gn is None or not math.isclose(acc, gn, rel_tol=1e-6)):
+        lines.append(f"accumulated param.grad norm {fmt_num(acc, 4)} (what the optimizer applies);")
     norms = graph.layer_grad_norms()
     if norms:
         biggest = sorted(norms.items(), key=lambda kv: -_sort_val(kv[1]))[:top]
         lines.append("largest grad norms: " + ", ".join(f"{k} {v:.3g}" for k, v in biggest) + ";")
     sites = graph.nonfinite_sites()
+    unhooked = [n for n in graph.nodes if n.kind == "op" and not n.hooked]
+    bad_params = [name for name, m in params.items() if m is not None and m.nonfinite]
     if sites:
         first = sites[0]
         lines.append(f"NaN/Inf gradients at {len(sites)} nodes, first at {describe_node(first)} (node {first.key});")
+    elif graph.nonfinite_count():
+        lines.append(f"NaN/Inf in the gradients of {plural(len(bad_params), 'parameter')}: {_names(bad_params)};")
     elif graph.meta.get("grad_stats"):
-        lines.append("no NaN/Inf gradients;")
-    unhooked = [n for n in graph.nodes if n.kind == "op" and not n.hooked]
+        lines.append("no NaN/Inf in the observed gradients;" if unhooked else "no NaN/Inf gradients;")
     if unhooked:
         kinds = sorted({n.op for n in unhooked})
-        lines.append(f"no gradient data at {plural(len(unhooked), 'node')} ({', '.join(kinds)});")
+        lines.append(f"gradients {NOT_OBSERVED} at {plural(len(unhooked), 'node')} ({', '.join(kinds)});")
     return "\n".join(lines)
 
 

@@ -42,7 +42,7 @@ class _Session:
         self.cap = cap
         self.walk = walk
         self.entry = entry
-        self.handles: list[Any] = []
+        self.handles: list[Any] = []  # node post-hooks and parameter hooks, removed in _end
         self.in_meta: dict[int, GradMeta] = {}
         self.errors: list[BaseException] = []
         self.interrupt: BaseException | None = None
@@ -196,11 +196,41 @@ class BackwardCapture:
                 node.note = reason
                 needs_in.update(e.dst for e in w.out_edges.get(nid, ()))
         for nid, node in enumerate(w.nodes):
+            if node.kind == "param":
+                self._hook_param(s, nid)
             if node.kind != "op" or node.note is not None:
                 continue
             hook = self._make_hook(s, nid, nid in needs_in)
             s.handles.append(w.wrappers[nid]._register_post_hook(hook))
             node.hooked = True
+
+    def _hook_param(self, s: _Session, nid: int) -> None:
+        """A parameter hook records the gradient this backward adds to ``param.grad``.
+
+        A leaf hook receives the sum over every use of the parameter, after the
+        user's own hooks (registered earlier, they run first), whatever grad
+        nodes it passed through, hookable or not. It returns None: the
+        gradient is never changed.
+        """
+        named = self._param_names.get(s.walk.wrappers[nid].node_ptr())
+        if named is None or named[1].stop_gradient:
+            return
+        node = s.walk.nodes[nid]
+        with_stats = self.grad_stats
+
+        def hook(grad):
+            t = time.perf_counter()
+            try:
+                node.grad = stats.grad_meta(grad, with_stats)
+            except Exception as exc:
+                s.errors.append(exc)
+            except BaseException as exc:  # Ctrl-C: re-raised when the backward returns
+                if s.interrupt is None:
+                    s.interrupt = exc
+            s.hook_seconds += time.perf_counter() - t
+            return None
+
+        s.handles.append(named[1].register_hook(hook))
 
     def _make_hook(self, s: _Session, nid: int, want_in: bool):
         with_stats = self.grad_stats
@@ -295,6 +325,8 @@ class BackwardCapture:
             # is its only incoming gradient.
             if in_count.get(e.dst) == 1 and e.dst in s.in_meta:
                 e.grad = s.in_meta[e.dst]
+            elif in_count.get(e.dst) == 1 and w.nodes[e.dst].grad is not None:
+                e.grad = w.nodes[e.dst].grad  # a parameter used once: its total is this edge's
             elif w.nodes[e.dst].kind == "param":
                 leaf = w.nodes[e.dst]
                 e.grad = GradMeta(shape=leaf.shape, dtype=leaf.dtype)

@@ -8,7 +8,7 @@ from typing import Any, Mapping
 
 from ..escape import dot_attrs, dot_html_table, dot_label, dot_quote
 from ..graph import BackwardGraph, Node
-from ..text import edge_lines, layer_name, node_lines, node_tooltip
+from ..text import NOT_OBSERVED, edge_lines, layer_name, node_lines, node_tooltip
 
 __all__ = ["to_dot", "dot_parts", "STYLE"]
 
@@ -107,7 +107,9 @@ def dot_parts(
         text = edge_lines(e.grad, stats)
         if text:
             attrs["label"] = "\n".join(text)
-        if e.grad is not None and e.grad.nonfinite:
+        if e.grad is None:
+            attrs.update({"style": "dashed", "fontcolor": "#777777"})
+        elif e.grad.nonfinite:
             attrs.update({"color": "#d00000", "fontcolor": "#d00000", "penwidth": "2"})
         attrs.update(edge_style.get((keys[e.src], keys[e.dst]), {}))
         label = attrs.pop("label", None)
@@ -166,7 +168,7 @@ def _legend(stats: bool) -> str:
         ("#e6e6e6", "input leaf"),
         ("#ff6b6b", "NaN/Inf gradient"),
     )]
-    rows.append(({}, "dashed: no gradient data"))
+    rows.append(({}, f"dashed: gradient {NOT_OBSERVED} (the node takes no hook)"))
     rows.append(({}, "edge: grad shape dtype" + (", |g| = L2 norm" if stats else "")))
     return f'legend [shape=box, style="rounded", color="#bbbbbb", fontsize="9", label={dot_html_table("legend", rows)}]'
 
