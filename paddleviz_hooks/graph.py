@@ -47,11 +47,14 @@ def op_display_name(grad_node_name: str) -> str:
     Example:
         >>> op_display_name("CrossEntropyWithSoftmaxGradNode")
         'CrossEntropyWithSoftmax'
+        >>> op_display_name("GradNodePyLayer__Twice")
+        'PyLayer:Twice'
     """
     name = grad_node_name
     if name.startswith("GradNodePyLayer_"):
         inner = name[len("GradNodePyLayer_"):]
-        return "PyLayer:" + inner.split("_")[0] if inner else "PyLayer"
+        head = inner.split("_")[0] or inner.strip("_")  # a class named _Twice keeps its name
+        return "PyLayer:" + head if head else "PyLayer"
     if name == "GradNodeAccumulation":
         return "Accumulation"
     for suffix in ("GradNodeFinal", "GradNode", "GradNodeCompat"):
