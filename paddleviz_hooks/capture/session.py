@@ -240,16 +240,18 @@ class BackwardCapture:
         def hook(outs, ins):
             t = time.perf_counter()
             try:
+                batch = stats.StatsBatch()  # one host transfer for this node's gradients
                 produced = stats.flat_tensors(outs)
                 for e, g in zip(out_edges, produced):
-                    e.grad = stats.grad_meta(g, with_stats)
+                    e.grad = stats.grad_meta(g, with_stats, batch)
                 if root_edge is not None or want_in:
                     received = stats.flat_tensors(ins)
                     if len(received) == 1:
-                        m = stats.grad_meta(received[0], with_stats)
+                        m = stats.grad_meta(received[0], with_stats, batch)
                         if root_edge is not None:
                             root_edge.grad = m
                         s.in_meta[nid] = m
+                batch.resolve()
             except Exception as exc:  # a raising hook would abort backward
                 s.errors.append(exc)
             except BaseException as exc:  # Ctrl-C: re-raised when the backward returns
