@@ -17,7 +17,7 @@ What it shows, per run (a folder holding ``step_*.json`` files):
 * the per-layer gradient norm over all steps as a small inline SVG chart.
 
 Everything that comes from graphs (layer, op and parameter names) is escaped
-with :func:`~paddleviz_hooks.render.quoting.html_escape`; the data block is
+with :func:`~paddleviz_hooks.escape.html_escape`; the data block is
 JSON with ``<``, ``>`` and ``&`` written as ``\\u003c`` etc., so no text can end
 the script element.
 """
