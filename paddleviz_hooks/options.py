@@ -90,6 +90,7 @@ class RecorderOptions:
     cooldown: int = 100
     queue_size: int = 4
     render_timeout: float = 60.0
+    close_timeout: float = 120.0
     verbose: int = 1
 
     @property
@@ -119,6 +120,7 @@ class RecorderOptions:
         cooldown: Any = 100,
         queue_size: Any = 4,
         render_timeout: Any = 60.0,
+        close_timeout: Any = 120.0,
         verbose: Any = 1,
     ) -> "RecorderOptions":
         """Check every option; raises ``TypeError``/``ValueError`` naming the first bad one."""
@@ -177,6 +179,8 @@ class RecorderOptions:
             queue_size=_int("queue_size", queue_size, 1, allow_none=False),
             render_timeout=_number("render_timeout", render_timeout, "a positive number of seconds",
                                    lambda v: 0 < v < math.inf),
+            close_timeout=_number("close_timeout", close_timeout, "a number of seconds >= 0",
+                                  lambda v: 0 <= v < math.inf),
             verbose=verbose,
         )
 

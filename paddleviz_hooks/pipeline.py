@@ -1,18 +1,26 @@
 """The pipeline from a captured graph to files and VisualDL records.
 
-The training thread only hands a captured graph over (:meth:`CapturePipeline.submit`);
-a background thread compares it with the previous capture, draws it and
-writes it. Jobs wait in a bounded queue; when it is full a new job is dropped
-(with one warning) instead of blocking training. Exceptions in a job become
-warnings (one per kind); a worker thread that died is restarted once.
+The training thread only hands a captured graph over (:meth:`CapturePipeline.submit`).
+Two background threads do the rest. The data thread writes every capture's
+JSON, DOT, diff JSON, summary text and scalars at once, never waiting behind
+drawing, and queues the drawing. The drawing thread works through that
+backlog, triggered captures first;
+beyond ``queue_size`` a waiting drawing keeps only the path of its JSON, so
+memory stays bounded however far drawing lags. ``close()`` draws the backlog
+within ``close_timeout`` and names what is left, with the command that draws
+it later. Exceptions in a job become warnings (one per kind); a worker thread
+that died is restarted once.
 """
 
 from __future__ import annotations
 
+import heapq
+import os
 import queue
+import shutil
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .diff import GraphDiff, diff_graphs
@@ -34,7 +42,7 @@ class BackgroundWorker:
 
     Args:
         handler: called with each job, in submission order.
-        queue_size: jobs that may wait; more are dropped.
+        queue_size: jobs that may wait; more are dropped (0: no limit).
         name: thread name (shows in stack dumps).
         warn: how to report problems (default: ``warnings.warn`` once per cause).
 
@@ -144,8 +152,22 @@ class CaptureJob:
     trigger: str
 
 
+@dataclass(order=True)
+class _Drawing:
+    """A capture waiting to be drawn; triggered captures sort first."""
+
+    priority: int
+    step: int
+    trigger: str = field(compare=False)
+    graph: BackwardGraph | None = field(compare=False)  # None: reload from `path`
+    path: str = field(compare=False)
+    prev: BackwardGraph | None = field(compare=False)
+    prev_path: str | None = field(compare=False)
+    diff: GraphDiff | None = field(compare=False)
+
+
 class CapturePipeline:
-    """Diffs, draws and writes captured graphs in a background thread.
+    """Writes each capture's data at once and draws it when there is time.
 
     Args:
         options: the recorder's options (formats, sizes, timeouts, VisualDL).
@@ -162,17 +184,62 @@ class CapturePipeline:
         self._warn = warn
         self._use_visualdl = options.visualdl
         self._sink = None
-        self._prev: BackwardGraph | None = None
-        self.worker = BackgroundWorker(self._process, queue_size=options.queue_size, warn=warn)
+        self._prev: tuple[BackwardGraph, str] | None = None
+        self._backlog: list[_Drawing] = []
+        self._lock = threading.Lock()
+        #: steps whose data (JSON, text, scalars) was written
+        self.written: list[int] = []
+        #: steps whose pictures were drawn
+        self.drawn: list[int] = []
+        #: steps still undrawn when close() gave up
+        self.undrawn_at_close: list[int] = []
+        self.worker = BackgroundWorker(self._process, queue_size=0, warn=warn)
+        self._wake = threading.Condition(self._lock)
+        self._closing_at: float | None = None  # set by close(): draw until then, then stop
+        self._drawer: threading.Thread | None = None
+        self._drawing = 0  # drawings under way (0 or 1)
+        self._sink_lock = threading.Lock()  # the data thread and the drawing thread both log
 
     def submit(self, job: CaptureJob) -> bool:
-        """Queue a capture; False when it was dropped (the queue was full)."""
+        """Hand a capture over; False only when the background thread is gone for good."""
         return self.worker.submit(job, what=f"the capture of step {job.step}")
 
+    @property
+    def idle(self) -> bool:
+        """No drawing waiting or under way, and no capture waiting to be written."""
+        with self._lock:
+            return not self._backlog and not self._drawing and self.worker.pending == 0
+
+    @property
+    def undrawn(self) -> list[int]:
+        """Captured steps whose pictures are still waiting."""
+        with self._lock:
+            return sorted(d.step for d in self._backlog)
+
     def close(self) -> None:
-        """Finish queued captures, then close the VisualDL writer."""
-        self.worker.close(timeout=max(60.0, 4 * self.options.render_timeout))
-        sink, self._sink = self._sink, None
+        """Write what is queued, draw the backlog within ``close_timeout``, close VisualDL."""
+        deadline = time.monotonic() + self.options.close_timeout
+        self.worker.close(timeout=max(60.0, self.options.close_timeout))  # data is never cut short
+        with self._lock:
+            self._closing_at = deadline
+            self._wake.notify_all()
+        if self._drawer is not None:
+            # the drawing under way may run up to render_timeout past the deadline
+            self._drawer.join(max(0.0, deadline - time.monotonic()) + self.options.render_timeout + 5)
+        left = self.undrawn_at_close = self.undrawn
+        if left:
+            formats = [f for f in ("png", "svg") if f in self.options.formats]
+            self._warn("undrawn", (
+                f"{len(left)} captured step(s) were not drawn within close_timeout="
+                f"{self.options.close_timeout:g} s: {', '.join(map(str, left[:10]))}"
+                f"{' ...' if len(left) > 10 else ''}; their data is saved. Draw one later with "
+                f"`paddleviz-hooks render {self.files.path(left[0], 'json')} -o "
+                f"{self.files.path(left[0], formats[0] if formats else 'png')}`"))
+        with self._lock:
+            self._backlog.clear()
+        shutil.rmtree(self._spool_dir(), ignore_errors=True)
+        with self._sink_lock:
+            sink, self._sink = self._sink, None
         if sink is not None:
             try:
                 sink.close()
@@ -180,44 +247,109 @@ class CapturePipeline:
                 self._warn("vdl-close", f"closing the VisualDL writer failed: {exc!r}")
 
     # ------------------------------------------------------- worker thread
+    def _spool_dir(self) -> str:
+        return os.path.join(self.files.directory, ".pending")
+
+    def _json_path(self, graph: BackwardGraph, step: int) -> str:
+        """Where the graph's JSON is: the step file, or a spool file when json is not kept."""
+        if "json" in self.options.formats:
+            return self.files.write(step, "json", graph.to_json())
+        os.makedirs(self._spool_dir(), exist_ok=True)
+        path = os.path.join(self._spool_dir(), f"step_{int(step):06d}.json")
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(graph.to_json())
+        return path
+
     def _process(self, job: CaptureJob) -> None:
+        """Data first: JSON, DOT, diff JSON, summary text and scalars; then queue the drawing."""
         opts, files = self.options, self.files
         graph, step, trigger = job.graph, job.step, job.trigger
-        prev, self._prev = self._prev, graph
+        prev = self._prev
         diff = None
         if prev is not None:
             try:
-                diff = diff_graphs(prev, graph)
+                diff = diff_graphs(prev[0], graph)
             except Exception as exc:
                 self._warn("diff", f"comparing with the previous capture failed: {exc!r}")
-        title = f"step {step}" + ("" if trigger == "scheduled" else f" - trigger: {trigger}")
-        t = opts.render_timeout
-        if "json" in opts.formats:
-            files.write(step, "json", graph.to_json())
+        path = self._json_path(graph, step)
+        self._prev = (graph, path)
         if "dot" in opts.formats:
-            files.write(step, "dot", to_dot(graph, title=title))
+            files.write(step, "dot", to_dot(graph, title=_title(step, trigger)))
+        if diff is not None and diff.structure_changed and "json" in opts.formats:
+            files.write(step, "json", diff.to_json(), suffix="diff")
+        self._log_data(graph, diff, step, trigger)
+        self.written.append(step)
+        if not {"png", "svg"} & set(opts.formats) and not opts.visualdl:
+            return
+        keep = len(self._backlog) < opts.queue_size  # beyond: wait on disk as the JSON
+        drawing = _Drawing(0 if trigger != "scheduled" else 1, step, trigger,
+                           graph if keep else None, path,
+                           prev[0] if (keep and prev is not None) else None,
+                           prev[1] if prev is not None else None,
+                           diff if (diff is not None and diff.structure_changed) else None)
+        with self._lock:
+            heapq.heappush(self._backlog, drawing)
+            self._wake.notify()
+            if self._drawer is None or not self._drawer.is_alive():
+                self._drawer = threading.Thread(target=self._draw_loop, name="paddleviz-hooks-drawing",
+                                                daemon=True)
+                self._drawer.start()
+
+    def _draw_loop(self) -> None:
+        """The drawing thread: triggered captures first, until close() says stop."""
+        while True:
+            with self._lock:
+                while not self._backlog and self._closing_at is None:
+                    self._wake.wait()
+                if not self._backlog or (self._closing_at is not None and time.monotonic() >= self._closing_at):
+                    return
+                d = heapq.heappop(self._backlog)
+                self._drawing += 1
+            try:
+                graph = d.graph or BackwardGraph.from_json(open(d.path, encoding="utf-8").read())
+                self._draw(d, graph)
+                self.drawn.append(d.step)
+            except Exception as exc:  # keep drawing the others
+                self._warn(f"draw-{type(exc).__name__}", f"step {d.step} could not be drawn: {exc}")
+            finally:
+                with self._lock:
+                    self._drawing -= 1
+
+    def _draw(self, d: _Drawing, graph: BackwardGraph) -> None:
+        opts, files = self.options, self.files
+        step, trigger = d.step, d.trigger
+        title = _title(step, trigger)
+        deadline = time.monotonic() + opts.render_timeout  # bounds all drawing of this capture
+
+        def left() -> float:  # what is left of render_timeout for the next engine run
+            return round(max(0.001, deadline - time.monotonic()), 3)
+
         png = diff_png = None
         try:
             if "svg" in opts.formats:
-                files.write(step, "svg", render_svg(graph, timeout=t, title=title))
-            png = render_png(graph, max_px=opts.view_max_px, max_nodes=opts.view_max_nodes, timeout=t,
+                files.write(step, "svg", render_svg(graph, timeout=left(), title=title))
+            png = render_png(graph, max_px=opts.view_max_px, max_nodes=opts.view_max_nodes, timeout=left(),
                              title=title)
         except (EngineNotFound, RenderTimeout) as exc:
-            # JSON, DOT, text and scalars are still worth keeping
+            # JSON, DOT, text and scalars are already written
             self._warn(type(exc).__name__, f"step {step} was not drawn: {exc}")
-        if diff is not None and diff.structure_changed:
-            if "json" in opts.formats:
-                files.write(step, "json", diff.to_json(), suffix="diff")
-            if png is not None:
+        if png is not None and d.diff is not None:
+            prev = d.prev
+            if prev is None and d.prev_path is not None and os.path.exists(d.prev_path):
+                prev = BackwardGraph.from_json(open(d.prev_path, encoding="utf-8").read())
+            if prev is not None:
                 try:
-                    diff_png = render_diff_png(diff, graph, prev, max_px=opts.view_max_px,
-                                               max_nodes=opts.view_max_nodes, timeout=t)
+                    diff_png = render_diff_png(d.diff, graph, prev, max_px=opts.view_max_px,
+                                               max_nodes=opts.view_max_nodes, timeout=left())
                 except Exception as exc:
                     self._warn("diff-render", f"drawing the graph diff failed: {exc!r}")
-        self._log(graph, diff, step, trigger, png, diff_png)
+        self._log_pictures(step, trigger, png, diff_png)
 
-    def _log(self, graph: BackwardGraph, diff: GraphDiff | None, step: int, trigger: str,
-             png: bytes | None, diff_png: bytes | None) -> None:
+    def _log_pictures(self, step: int, trigger: str, png: bytes | None, diff_png: bytes | None) -> None:
+        with self._sink_lock:
+            self._log_pictures_locked(step, trigger, png, diff_png)
+
+    def _log_pictures_locked(self, step: int, trigger: str, png: bytes | None, diff_png: bytes | None) -> None:
         files, formats = self.files, self.options.formats
         sink = self._visualdl()
         if sink is None:
@@ -239,6 +371,16 @@ class CapturePipeline:
             if "png" in formats:
                 files.write(step, "png", encode_like_visualdl(diff_array), suffix="diff")
             sink.image("structure_change", diff_array, step)
+        sink.flush()
+
+    def _log_data(self, graph: BackwardGraph, diff: GraphDiff | None, step: int, trigger: str) -> None:
+        with self._sink_lock:
+            self._log_data_locked(graph, diff, step, trigger)
+
+    def _log_data_locked(self, graph: BackwardGraph, diff: GraphDiff | None, step: int, trigger: str) -> None:
+        sink = self._visualdl()
+        if sink is None:
+            return
         text = graph_summary(graph)
         if trigger != "scheduled":
             note = graph.meta.get("trigger_note")
@@ -269,3 +411,7 @@ class CapturePipeline:
                 self._warn("vdl", f"VisualDL is not importable ({exc}); images are kept on disk only. "
                                   "pip install visualdl")
         return self._sink
+
+
+def _title(step: int, trigger: str) -> str:
+    return f"step {step}" + ("" if trigger == "scheduled" else f" - trigger: {trigger}")

@@ -68,9 +68,13 @@ class BackwardGraphRecorder:
         on_structure_change: capture a step whose graph structure differs
             from the last capture. Default False.
         cooldown: minimum steps between two captures of one trigger. Default 100.
-        queue_size: captures that may wait for the background renderer; more
-            are dropped with one warning. Default 4.
-        render_timeout: seconds before a Graphviz run is killed. Default 60.
+        queue_size: drawings that wait in memory for the background renderer;
+            more wait on disk as their JSON (nothing is dropped). Default 4.
+        render_timeout: seconds all drawing of one capture may take before the
+            Graphviz run is killed (its data is kept). Default 60.
+        close_timeout: seconds :meth:`close` spends drawing captures still
+            waiting; what is left is named, with the command that draws it
+            from its saved JSON. Default 120.
         verbose: 0 silent, 1 prints where the files go and trigger notices.
             Default 1.
 
@@ -124,6 +128,7 @@ class BackwardGraphRecorder:
         cooldown: int = 100,
         queue_size: int = 4,
         render_timeout: float = 60.0,
+        close_timeout: float = 120.0,
         verbose: int = 1,
     ) -> None:
         if model is not None and not isinstance(model, paddle.nn.Layer):
@@ -134,14 +139,16 @@ class BackwardGraphRecorder:
             formats=formats, visualdl=visualdl, run_name=run_name, ranks=ranks,
             on_nonfinite=on_nonfinite, on_grad_spike=on_grad_spike,
             on_structure_change=on_structure_change, cooldown=cooldown, queue_size=queue_size,
-            render_timeout=render_timeout, verbose=verbose,
+            render_timeout=render_timeout, close_timeout=close_timeout, verbose=verbose,
         )
         self.model = model
         self.global_step = 0
         #: steps whose capture was handed to the pipeline, in order
         self.captured_steps: list[int] = []
-        #: steps captured while the renderer was busy: nothing of them was written
+        #: steps captured but not written (only if the background thread died twice)
         self.dropped_steps: list[int] = []
+        #: steps whose data is saved but whose pictures were not drawn by close()
+        self.undrawn_steps: list[int] = []
         #: step -> what captured it (``"scheduled"`` or a trigger name)
         self.triggers: dict[int, str] = {}
         #: the folder this rank writes to (set when the recorder opens)
@@ -221,6 +228,10 @@ class BackwardGraphRecorder:
         pipeline, self._pipeline = self._pipeline, None
         if pipeline is not None:
             pipeline.close()
+            self.undrawn_steps = pipeline.undrawn_at_close
+            if self.options.verbose and self.captured_steps:
+                print(f"[paddleviz-hooks] {len(pipeline.written)} steps captured, {len(pipeline.drawn)} drawn, "
+                      f"{len(self.undrawn_steps)} left undrawn (data saved in {os.path.abspath(self.run_dir)})")
         self._open = self._active = False
 
     def __enter__(self) -> "BackwardGraphRecorder":

@@ -73,9 +73,10 @@ def _soak(tmp_path, steps: int):
     samples: dict[int, tuple[float, int]] = {}
 
     def idle():
-        w = cb.recorder.pipeline.worker if cb.recorder.pipeline else None
+        pipe = cb.recorder.pipeline
+        w = pipe.worker if pipe else None
         deadline = time.monotonic() + 120
-        while w is not None and w.done + w.failed < len(cb.captured_steps):
+        while w is not None and (w.done + w.failed < len(cb.captured_steps) or not pipe.idle):
             assert time.monotonic() < deadline, "renderer stuck"
             time.sleep(0.002)
 
