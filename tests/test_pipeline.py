@@ -1,0 +1,115 @@
+"""The capture pipeline: data first, drawings in priority order, nothing lost."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import paddle
+import paddle.nn as nn
+
+from paddleviz_hooks import BackwardGraphCallback, BackwardGraphRecorder
+from paddleviz_hooks.pipeline import CapturePipeline
+
+from _fitkit import (
+    Recorder,
+    assert_same_run,
+    mlp,
+    ours,
+    recorded_warnings,
+    run_fit,
+    step_files,
+    text_records,
+    vdl_records,
+)
+
+STEPS = 40
+
+
+class Branch(nn.Layer):
+    """An MLP that switches a branch on at step 25 (a structure change)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.extra, self.head = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 3)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        h = paddle.tanh(self.body(x))
+        if self.calls >= 25:
+            h = h + self.extra(h)
+        return self.head(h)
+
+
+def test_every_step_fast_model_tiny_queue_loses_nothing(tmp_path, monkeypatch):
+    """every=2 for 40 steps, queue_size=1, drawing slower than training, a trigger mid-run:
+    every step's JSON, summary and scalars are written, the triggered step is drawn
+    before the scheduled backlog, and after close() every step has its picture."""
+    base = run_fit(Branch, [], steps=STEPS)
+    order = []
+    gate = threading.Event()
+    real = CapturePipeline._draw
+
+    def slow(self, d, graph):
+        gate.wait(30)
+        order.append(d.step)
+        return real(self, d, graph)
+
+    monkeypatch.setattr(CapturePipeline, "_draw", slow)
+    cb = BackwardGraphCallback(str(tmp_path), every=2, queue_size=1, on_structure_change=True, cooldown=0,
+                               verbose=0, view_max_px=300, formats=("json", "png"))
+    with recorded_warnings() as got:
+        res = run_fit(Branch, [cb], steps=STEPS,
+                      recorder=Recorder(on_step=lambda s: gate.set() if s == STEPS else None))
+    assert_same_run(res, base)
+    assert ours(got) == []
+    assert cb.captured_steps == sorted([1, 25, *range(2, STEPS + 1, 2)]) and cb.dropped_steps == []
+    assert cb.triggers[25] == "structure_change"
+    run_dir = tmp_path / "backward_graph"
+    assert step_files(run_dir, "json") == cb.captured_steps
+    assert step_files(run_dir, "png") == cb.captured_steps
+    assert (run_dir / "step_000025_diff.json").exists() and (run_dir / "step_000025_diff.png").exists()
+    reader = vdl_records(run_dir)
+    assert sorted(text_records(reader, "summary")) == cb.captured_steps
+    assert [r.id for r in reader.get_data("scalar", "backward_graph/nodes")] == cb.captured_steps
+    # the first drawing had started before the gate opened; then the trigger jumps the queue
+    assert order[:2] == [1, 25], order[:4]
+    assert not (run_dir / ".pending").exists()
+
+
+def test_close_timeout_names_what_is_left_with_the_command(tmp_path, monkeypatch, capsys):
+    gate = threading.Event()
+    real = CapturePipeline._draw
+
+    def blocked(self, d, graph):
+        gate.wait(5)
+        return real(self, d, graph)
+
+    monkeypatch.setattr(CapturePipeline, "_draw", blocked)
+    net = mlp()
+    x, y = paddle.randn([4, 8]), paddle.randint(0, 3, [4, 1])
+    rec = BackwardGraphRecorder(str(tmp_path), net, every=1, close_timeout=0, render_timeout=5, verbose=1,
+                                visualdl=False, formats=("json", "png"))
+    with recorded_warnings() as got:
+        for step in range(1, 6):
+            with rec.step(step):
+                nn.functional.cross_entropy(net(x), y).backward()
+        rec.close()
+    gate.set()
+    msgs = ours(got)
+    assert len(msgs) == 1 and "not drawn within close_timeout=0 s" in msgs[0], msgs
+    assert "paddleviz-hooks render" in msgs[0] and "step_000002.json" in msgs[0]
+    assert rec.undrawn_steps and set(rec.undrawn_steps) <= {2, 3, 4, 5}
+    assert step_files(tmp_path / "backward_graph", "json") == [1, 2, 3, 4, 5]
+    out = capsys.readouterr().out
+    assert "5 steps captured" in out and f"{len(rec.undrawn_steps)} left undrawn" in out
+
+
+def test_formats_decide_every_file(tmp_path):
+    """formats=("json",): no PNG, not even of a diff; the diff JSON is written."""
+    cb = BackwardGraphCallback(str(tmp_path), steps=[1, 30], verbose=0, visualdl=False, formats=("json",))
+    run_fit(Branch, [cb], steps=STEPS)
+    names = sorted(p.name for p in (tmp_path / "backward_graph").iterdir())
+    assert names == ["step_000001.json", "step_000030.json", "step_000030_diff.json"]
+    assert np.isfinite(cb.captured_steps).all()
