@@ -113,3 +113,41 @@ def test_formats_decide_every_file(tmp_path):
     names = sorted(p.name for p in (tmp_path / "backward_graph").iterdir())
     assert names == ["step_000001.json", "step_000030.json", "step_000030_diff.json"]
     assert np.isfinite(cb.captured_steps).all()
+
+
+def test_engine_runs_once_per_capture_in_steady_state(tmp_path, monkeypatch):
+    """A `dot` shim first on PATH counts layout-engine runs: with the structure unchanged,
+    each capture's viewing PNG costs one run (its size and collapse plan is reused)."""
+    import os
+    import shutil
+
+    import pytest
+
+    real = shutil.which("dot")
+    if real is None:
+        pytest.skip("needs Graphviz dot")
+    shim_dir, counter = tmp_path / "shim", tmp_path / "runs.txt"
+    shim_dir.mkdir()
+    shim = shim_dir / "dot"
+    shim.write_text(f"#!/bin/sh\necho run >> {counter}\nexec {real} \"$@\"\n")
+    shim.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{shim_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("PADDLEVIZ_ENGINE", "dot")
+
+    def runs() -> int:
+        return len(counter.read_text().splitlines()) if counter.exists() else 0
+
+    per_capture = []
+    net = nn.Sequential(nn.Linear(8, 23), nn.Tanh(), nn.Linear(23, 3))  # a structure no other test draws
+    x, y = paddle.randn([4, 8]), paddle.randint(0, 3, [4, 1])
+    with BackwardGraphRecorder(str(tmp_path / "log"), net, every=1, verbose=0, visualdl=False,
+                               formats=("json", "png")) as rec:
+        for step in range(1, 7):
+            before = runs()
+            with rec.step(step):
+                nn.functional.cross_entropy(net(x), y).backward()
+            while not rec.pipeline.idle or len(rec.pipeline.drawn) < step:
+                threading.Event().wait(0.01)
+            per_capture.append(runs() - before)
+    assert per_capture[0] >= 2  # the first capture tries arrangements
+    assert per_capture[1:] == [1] * 5, per_capture

@@ -17,6 +17,8 @@ import math
 import os
 import re
 import struct
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -176,14 +178,29 @@ def _wrapped(source: str, plain: str, rankdir: str, bands: int) -> str | None:
     if not cuts:
         return None
     band = {n: sum(1 for c in cuts if p > c) for n, p in pos.items()}
+    return _cut(source, lambda a, b: a in band and b in band and band[a] != band[b])
+
+
+def _cut(source: str, crosses: Callable[[str, str], bool]) -> str:
+    """``source`` with every edge for which ``crosses(tail, head)`` no longer constraining ranks."""
     out = []
     for line in source.split("\n"):
         m = _EDGE_LINE.match(line)
-        if m and m.group(2) in band and m.group(3) in band and band[m.group(2)] != band[m.group(3)]:
+        if m and crosses(m.group(2), m.group(3)):
             rest = m.group(4)
             line = f"{m.group(1)}{m.group(2)} -> {m.group(3)} [constraint=false{', ' if rest else ''}{rest}]"
         out.append(line)
     return "\n".join(out)
+
+
+def _cut_edges(source: str) -> frozenset[tuple[str, str]]:
+    """The edges a wrapped source cut (to wrap the same structure again without a layout)."""
+    found = set()
+    for line in source.split("\n"):
+        m = _EDGE_LINE.match(line)
+        if m and m.group(4).startswith("constraint=false"):
+            found.add((m.group(2), m.group(3)))
+    return frozenset(found)
 
 
 def _plan_png(
@@ -345,14 +362,28 @@ def render_png(
     if options.get("dpi") is not None:
         return run_engine(to_dot(g, **options), "png", timeout=timeout)
     rankdir = options.pop("rankdir", None)
-    can_collapse = auto_collapse and not explicit and any(
-        n.kind == "op" and n.layer is not None for n in g.nodes
-    )
-    plan = _plan_png(lambda rd: to_dot(g, rankdir=rd, **options), max_px, rankdir, timeout,
-                     wrap_only_if_legible=can_collapse)
-    drawn = g
-    if plan.dpi < LEGIBLE_DPI and can_collapse:
-        plan, drawn = _auto_collapse(graph, g, plan, max_px, options, keep, rankdir, timeout)
+    key = _plan_key(graph, max_px, rankdir, auto_collapse, explicit, options, keep)
+    cached = _PLANS.get(key)
+    if cached is not None:  # same structure as an earlier drawing: reuse its decisions
+        drawn = collapse_graph(graph, depth=cached.depth, **keep) if cached.collapsed else g
+        opts = _with_note(options, drawn, graph) if cached.collapsed else options
+        source = to_dot(drawn, rankdir=cached.rankdir, **opts)
+        if cached.cuts:
+            source = _cut(source, lambda a, b: (a, b) in cached.cuts)
+        plan = _Plan(source, cached.width, cached.height, cached.dpi, cached.rankdir, cached.bands)
+    else:
+        can_collapse = auto_collapse and not explicit and any(
+            n.kind == "op" and n.layer is not None for n in g.nodes
+        )
+        plan = _plan_png(lambda rd: to_dot(g, rankdir=rd, **options), max_px, rankdir, timeout,
+                         wrap_only_if_legible=can_collapse)
+        drawn = g
+        if plan.dpi < LEGIBLE_DPI and can_collapse:
+            plan, drawn = _auto_collapse(graph, g, plan, max_px, options, keep, rankdir, timeout)
+        collapsed = drawn is not g
+        _PLANS.put(key, _Decision(collapsed, drawn.meta.get("collapse", {}).get("depth") if collapsed else None,
+                                  plan.rankdir, plan.dpi, plan.width, plan.height, plan.bands,
+                                  _cut_edges(plan.source) if plan.bands > 1 else frozenset()))
     pad = _pad_args(plan)
     if info is not None:
         info.update(
@@ -360,7 +391,60 @@ def render_png(
             collapsed_depth=drawn.meta.get("collapse", {}).get("depth") if drawn is not graph else None,
             dpi=round(plan.dpi, 3), rankdir=plan.rankdir, bands=plan.bands, padded=bool(pad),
         )
-    return run_engine(plan.source, "png", args=(f"-Gdpi={plan.dpi:.3f}", *pad), timeout=timeout)
+    # -Gsize caps the bitmap at max_px even when labels of a reused plan grew a little
+    cap = (max_px - 1) / plan.dpi - 2 * _PAD_IN
+    return run_engine(plan.source, "png", args=(f"-Gdpi={plan.dpi:.3f}", f"-Gsize={cap:.3f},{cap:.3f}", *pad),
+                      timeout=timeout)
+
+
+@dataclass(frozen=True)
+class _Decision:
+    """What :func:`render_png` chose for one graph structure."""
+
+    collapsed: bool
+    depth: int | None
+    rankdir: str
+    dpi: float
+    width: float
+    height: float
+    bands: int
+    cuts: frozenset[tuple[str, str]]  # edges cut to wrap a strip into bands
+
+
+class _PlanCache:
+    """Size and collapse decisions by graph structure, so a capture whose structure
+    equals an earlier one is laid out once instead of once per arrangement tried."""
+
+    def __init__(self, size: int = 64) -> None:
+        self._items: OrderedDict[Any, _Decision] = OrderedDict()
+        self._size = size
+        self._lock = threading.Lock()
+
+    def get(self, key: Any) -> _Decision | None:
+        with self._lock:
+            d = self._items.get(key)
+            if d is not None:
+                self._items.move_to_end(key)
+            return d
+
+    def put(self, key: Any, decision: _Decision) -> None:
+        with self._lock:
+            self._items[key] = decision
+            self._items.move_to_end(key)
+            while len(self._items) > self._size:
+                self._items.popitem(last=False)
+
+
+_PLANS = _PlanCache()
+
+
+def _plan_key(graph: BackwardGraph, max_px: int, rankdir: str | None, auto_collapse: bool, explicit: bool,
+              options: dict[str, Any], keep: dict[str, Any]) -> Any:
+    """Structure (node keys, edges, layers) plus every option but the title."""
+    structure = (tuple(n.key or f"#{n.id}" for n in graph.nodes), tuple((e.src, e.dst) for e in graph.edges),
+                 tuple(sorted(graph.layers.items())))
+    opts = tuple(sorted((k, repr(v)) for k, v in {**options, **keep}.items() if k != "title"))
+    return hash((structure, max_px, rankdir, auto_collapse, explicit, opts))
 
 
 def _auto_collapse(
