@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Iterable
 
 from .escape import safe_filename
@@ -83,7 +83,7 @@ class RecorderOptions:
     formats: tuple[str, ...] = FORMATS
     visualdl: bool = True
     run_name: str = "backward_graph"
-    ranks: frozenset[int] | str = frozenset({0})
+    ranks: frozenset[int] | str | int = 0  # checked: a frozenset of ints, or "all"
     on_nonfinite: bool = False
     on_grad_spike: float | None = None
     on_structure_change: bool = False
@@ -99,31 +99,22 @@ class RecorderOptions:
         return self.on_nonfinite or self.on_grad_spike is not None or self.on_structure_change
 
     @classmethod
-    def check(
-        cls,
-        log_dir: Any = "vdl_log",
-        every: Any = None,
-        steps: Any = None,
-        *,
-        capture_first: Any = True,
-        max_captures: Any = None,
-        grad_stats: Any = True,
-        view_max_nodes: Any = None,
-        view_max_px: Any = 2000,
-        formats: Any = FORMATS,
-        visualdl: Any = True,
-        run_name: Any = "backward_graph",
-        ranks: Any = 0,
-        on_nonfinite: Any = False,
-        on_grad_spike: Any = None,
-        on_structure_change: Any = False,
-        cooldown: Any = 100,
-        queue_size: Any = 4,
-        render_timeout: Any = 60.0,
-        close_timeout: Any = 120.0,
-        verbose: Any = 1,
-    ) -> "RecorderOptions":
-        """Check every option; raises ``TypeError``/``ValueError`` naming the first bad one."""
+    def check(cls, log_dir: Any = "vdl_log", every: Any = None, steps: Any = None, **options: Any) -> "RecorderOptions":
+        """Check every option; raises ``TypeError``/``ValueError`` naming the first bad one.
+
+        Options not given take the defaults of the fields above.
+        """
+        known = {f.name for f in fields(cls)} - {"log_dir", "every", "steps"}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise TypeError(f"unknown option {unknown[0]!r}; the options are: {', '.join(sorted(known))}")
+        o = {f.name: f.default for f in fields(cls) if f.name in known}
+        o.update(options)
+        capture_first, max_captures, grad_stats = o["capture_first"], o["max_captures"], o["grad_stats"]
+        view_max_nodes, view_max_px, formats, visualdl = o["view_max_nodes"], o["view_max_px"], o["formats"], o["visualdl"]
+        run_name, ranks, on_nonfinite, on_grad_spike = o["run_name"], o["ranks"], o["on_nonfinite"], o["on_grad_spike"]
+        on_structure_change, cooldown, queue_size = o["on_structure_change"], o["cooldown"], o["queue_size"]
+        render_timeout, close_timeout, verbose = o["render_timeout"], o["close_timeout"], o["verbose"]
         if not isinstance(log_dir, (str, os.PathLike)) or not os.fspath(log_dir):
             raise TypeError(f"log_dir must be a non-empty path (str or os.PathLike), got {log_dir!r}")
         if every is not None and steps is not None:
