@@ -379,7 +379,9 @@ def test_dashboard_viewer_in_chromium(server, trained, tmp_path):
 
     def viewer_ready(page, not_src: str | None = None):
         v = page.evaluate(VIEWER_JS)
-        if v and v["complete"] and v["w"] > 0 and v["step"] is not None and v["src"] != not_src:
+        # shown_w > 0: laid out on screen too, not only decoded
+        if (v and v["complete"] and v["w"] > 0 and v.get("shown_w", 0) > 0 and v["step"] is not None
+                and v["src"] != not_src):
             return v
         return None
 
