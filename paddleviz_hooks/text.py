@@ -215,8 +215,9 @@ def node_tooltip(node: Node) -> str:
 
 def collapse_note(collapsed: BackwardGraph, full: BackwardGraph) -> str:
     """The title note of a drawing that was collapsed to stay legible."""
-    depth = collapsed.meta.get("collapse", {}).get("depth")
-    return (f"collapsed to layer depth {depth}: {len(collapsed.nodes)} of "
+    info = collapsed.meta.get("collapse", {})
+    folded = ", repeated layers folded" if info.get("fold_repeats") else ""
+    return (f"collapsed to layer depth {info.get('depth')}{folded}: {len(collapsed.nodes)} of "
             f"{len(full.nodes)} nodes (the SVG has every op)")
 
 
