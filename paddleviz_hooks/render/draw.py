@@ -29,7 +29,7 @@ from ..text import collapse_note
 from .dot import to_dot
 from .engine import run_engine
 
-__all__ = ["render_png", "fit_png", "render_svg", "render_to_file", "layout_size", "png_size", "prepare",
+__all__ = ["clear_plan_cache", "render_png", "fit_png", "render_svg", "render_to_file", "layout_size", "png_size", "prepare",
            "LEGIBLE_DPI", "VIEW_MAX_PX"]
 
 VIEW_MAX_PX = 2000
@@ -447,6 +447,13 @@ class _PlanCache:
 
 
 _PLANS = _PlanCache()
+
+
+def clear_plan_cache() -> None:
+    """Forget the size and collapse plans reused by :func:`render_png` (benchmarks use it
+    to time a first drawing)."""
+    global _PLANS
+    _PLANS = _PlanCache()
 
 
 def _plan_key(graph: BackwardGraph, max_px: int, rankdir: str | None, auto_collapse: bool, explicit: bool,
