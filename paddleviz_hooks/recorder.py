@@ -201,7 +201,10 @@ class BackwardGraphRecorder:
             self._warn("dir", f"cannot write to {run_dir!r} ({exc.strerror or exc}); backward graphs "
                               "will not be saved or logged. Pass a writable log_dir")
         else:
-            display = opts.run_name if rank == 0 else f"{opts.run_name}/rank_{rank}"
+            # named "<log dir>/<run_name>" in the dashboard: two experiments sharing a
+            # --logdir with the default run_name stay two runs
+            display = "/".join(x for x in (os.path.basename(os.path.abspath(opts.log_dir)), opts.run_name,
+                                           f"rank_{rank}" if rank else "") if x)
             self._pipeline = CapturePipeline(opts, files, display, self._warn)
             if opts.verbose:
                 print(f"[paddleviz-hooks] backward graphs -> {os.path.abspath(run_dir)}")

@@ -45,7 +45,8 @@ CHROMIUM_ARGS = [
     "--disable-component-update",
     "--disable-sync",
 ]
-RUN = "backward_graph"  # our run's name in the dashboard (the callback's run_name)
+RUN = "backward_graph"  # our run's folder under the log dir (the callback's run_name)
+SHOWN = "vdl_log/backward_graph"  # its name in the dashboard: "<log dir>/<run_name>"
 PAGE_TAG = re.compile(r"^backward_graph/p(\d{3})$")
 
 
@@ -229,7 +230,7 @@ def our_pages(tags: list[str], pattern: re.Pattern) -> list[str]:
 def served_steps(server: VisualDLServer, kind: str, tags: list[str]) -> list[int]:
     steps = []
     for tag in tags:
-        steps += [rec["step"] for rec in server.api(f"{kind}/list", run=RUN, tag=tag)]
+        steps += [rec["step"] for rec in server.api(f"{kind}/list", run=SHOWN, tag=tag)]
     return steps
 
 
@@ -239,7 +240,7 @@ def served_steps(server: VisualDLServer, kind: str, tags: list[str]) -> list[int
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """8 steps (64 samples, batch 16, 2 epochs), capture every 2nd step and step 1."""
-    log_dir = tmp_path_factory.mktemp("vdl_log")
+    log_dir = tmp_path_factory.mktemp("m") / "vdl_log"
     t0 = time.perf_counter()
     cb = train(log_dir, every=2, epochs=2)
     print(f"fit with capture: {time.perf_counter() - t0:.1f} s, captured {cb.captured_steps}")
@@ -273,12 +274,12 @@ def test_files_on_disk(trained):
 
 def test_both_runs_listed(server, trained):
     runs = server.api("runs")
-    assert RUN in runs, runs
-    others = [r for r in runs if r != RUN]
+    assert SHOWN in runs, runs
+    others = [r for r in runs if r != SHOWN]
     assert len(others) == 1, f"expected our run and paddle's VisualDL run, got {runs}"
     scalars = server.tags("scalar")
     assert {"train/loss", "train/acc"} <= set(scalars[others[0]]), scalars
-    assert "backward_graph/nodes" in scalars[RUN], scalars[RUN]
+    assert "backward_graph/nodes" in scalars[SHOWN], scalars[SHOWN]
     # our steps are numbered like paddle's train/* scalars
     _, cb = trained
     loss_steps = [s for _, s, _ in server.api("scalar/list", run=others[0], tag="train/loss")]
@@ -289,13 +290,13 @@ def test_both_runs_listed(server, trained):
 def test_images_served_byte_identical(server, trained):
     log_dir, cb = trained
     image_tags = server.tags("image")
-    assert list(image_tags) == [RUN], f"only our run logs images: {image_tags}"
-    pages = our_pages(image_tags[RUN], PAGE_TAG)
-    assert pages == ["backward_graph/p000"], image_tags[RUN]
-    listed = server.api("image/list", run=RUN, tag=pages[0])
+    assert list(image_tags) == [SHOWN], f"only our run logs images: {image_tags}"
+    pages = our_pages(image_tags[SHOWN], PAGE_TAG)
+    assert pages == ["backward_graph/p000"], image_tags[SHOWN]
+    listed = server.api("image/list", run=SHOWN, tag=pages[0])
     assert [rec["step"] for rec in listed] == cb.captured_steps
     for index, rec in enumerate(listed):
-        served = server.raw("image/image", run=RUN, tag=pages[0], index=index)
+        served = server.raw("image/image", run=SHOWN, tag=pages[0], index=index)
         on_disk = step_file(log_dir / RUN, rec["step"], "png").read_bytes()
         assert served == on_disk, f"step {rec['step']}: served {len(served)} bytes differ from the file ({len(on_disk)})"
 
@@ -303,16 +304,16 @@ def test_images_served_byte_identical(server, trained):
 def test_text_and_scalars(server, trained):
     log_dir, cb = trained
     text_tags = server.tags("text")
-    pages = our_pages(text_tags[RUN], re.compile(r"^summary/p(\d{3})$"))
+    pages = our_pages(text_tags[SHOWN], re.compile(r"^summary/p(\d{3})$"))
     assert pages == ["summary/p000"], text_tags
-    listed = server.api("text/list", run=RUN, tag=pages[0])
+    listed = server.api("text/list", run=SHOWN, tag=pages[0])
     assert [rec["step"] for rec in listed] == cb.captured_steps
     for index, rec in enumerate(listed):
-        text = server.raw("text/text", run=RUN, tag=pages[0], index=index).decode("utf-8")
+        text = server.raw("text/text", run=SHOWN, tag=pages[0], index=index).decode("utf-8")
         graph = json.loads(step_file(log_dir / RUN, rec["step"], "json").read_text())
         assert f"step {rec['step']}" in text, text
         assert f"{len(graph['nodes'])} nodes" in text, text
-    nodes = server.api("scalar/list", run=RUN, tag="backward_graph/nodes")
+    nodes = server.api("scalar/list", run=SHOWN, tag="backward_graph/nodes")
     assert [s for _, s, _ in nodes] == cb.captured_steps
     for _, step, value in nodes:
         graph = json.loads(step_file(log_dir / RUN, step, "json").read_text())
@@ -321,19 +322,18 @@ def test_text_and_scalars(server, trained):
 
 def test_paged_tags_keep_every_capture(tmp_path):
     """VisualDL keeps 10 samples per tag: 12 captures must span p000 and p001, none lost."""
-    # rendering (~0.3 s a capture here) is slower than these training steps:
-    # a queue for all 12 keeps any capture from being dropped
-    cb = train(tmp_path, every=1, epochs=3, with_paddle_visualdl=False, queue_size=16)
+    log_dir = tmp_path / "vdl_log"  # shown as SHOWN
+    cb = train(log_dir, every=1, epochs=3, with_paddle_visualdl=False)
     assert cb.captured_steps == list(range(1, 13)), (cb.captured_steps, cb.dropped_steps)
-    with VisualDLServer(tmp_path, tmp_path / "visualdl.log") as srv:
-        image_tags = wait_until(lambda: srv.tags("image").get(RUN), 30, "our image tags")
+    with VisualDLServer(log_dir, tmp_path / "visualdl.log") as srv:
+        image_tags = wait_until(lambda: srv.tags("image").get(SHOWN), 30, "our image tags")
         pages = our_pages(image_tags, PAGE_TAG)
         assert pages == ["backward_graph/p000", "backward_graph/p001"], image_tags
         assert served_steps(srv, "image", pages) == cb.captured_steps
-        text_pages = our_pages(srv.tags("text")[RUN], re.compile(r"^summary/p(\d{3})$"))
+        text_pages = our_pages(srv.tags("text")[SHOWN], re.compile(r"^summary/p(\d{3})$"))
         assert served_steps(srv, "text", text_pages) == cb.captured_steps
-        last = srv.raw("image/image", run=RUN, tag=pages[1], index=1)
-        assert last == step_file(tmp_path / RUN, 12, "png").read_bytes()
+        last = srv.raw("image/image", run=SHOWN, tag=pages[1], index=1)
+        assert last == step_file(log_dir / RUN, 12, "png").read_bytes()
 
 
 # --------------------------------------------------------------------------
@@ -440,3 +440,29 @@ def test_dashboard_viewer_in_chromium(server, trained, tmp_path):
     for shot in shots:
         assert shot.stat().st_size > 10_000, f"{shot} looks empty"
         shutil.copy(shot, TEST_OUTPUT / shot.name)
+
+
+@pytest.mark.browser
+def test_two_experiments_under_one_logdir_are_two_runs(tmp_path):
+    """exp_a/backward_graph and exp_b/backward_graph, both with the default run_name, under
+    one --logdir: the dashboard lists two runs, each with its own records."""
+    from paddleviz_hooks import BackwardGraphRecorder
+
+    root = tmp_path / "logs"
+    for exp in ("exp_a", "exp_b"):
+        net = paddle.nn.Sequential(paddle.nn.Linear(4, 3), paddle.nn.ReLU(), paddle.nn.Linear(3, 2))
+        with BackwardGraphRecorder(str(root / exp), net, every=1, verbose=0, view_max_px=300,
+                                   formats=("json", "png")) as rec:
+            for step in range(1, 3 if exp == "exp_a" else 4):
+                with rec.step(step):
+                    net(paddle.randn([2, 4])).sum().backward()
+    with VisualDLServer(root, tmp_path / "visualdl.log") as srv:
+        wait_until(lambda: len(srv.api("runs")) >= 2, 30, "two runs in /app/api/runs")
+        runs = srv.api("runs")
+        assert len(runs) == 2 and len(set(runs)) == 2, runs
+        images = srv.tags("image")
+        steps = {}
+        for run in runs:
+            assert "backward_graph/p000" in images[run], images
+            steps[run] = [r["step"] for r in srv.api("image/list", run=run, tag="backward_graph/p000")]
+        assert sorted(map(len, steps.values())) == [2, 3], steps

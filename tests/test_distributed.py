@@ -295,7 +295,8 @@ def test_dashboard_shows_each_rank_as_a_run(launched, tmp_path):
                 pass
             time.sleep(0.25)
         assert runs is not None, f"visualdl did not come up:\n{_tail(tmp_path / 'visualdl.log')}"
-        assert sorted(runs) == ["backward_graph", "backward_graph/rank_1"], runs
+        # named "<log dir>/<run_name>[/rank_K]"
+        assert sorted(runs) == ["all/backward_graph", "all/backward_graph/rank_1"], runs
         for run in runs:
             listed = json.loads(get("/app/api/image/list", run=run, tag="backward_graph/p000")[1])["data"]
             assert [rec["step"] for rec in listed] == EXPECTED_STEPS, (run, listed)
