@@ -21,6 +21,19 @@ which whole layers are single boxes (``Node(kind="layer")``):
 * ``max_nodes``: the deepest depth whose drawing has at most this many nodes
   is picked automatically.
 
+Each call of a layer is its own box: a ``relu`` called twice in a block is
+two boxes (``BackwardGraph.calls``, the layer-call tree of the forward, says
+which call of every enclosing layer an op belongs to), and only layers
+called once are folded. The result never draws a path the captured graph
+does not have: a box is kept only when each node that receives a gradient
+from outside it reaches, inside the captured graph, each node that sends one
+out of it; a box that fails is opened one level deeper (a fold into its
+blocks, a layer into its sublayers and own ops). So the collapsed graph is
+acyclic whenever the captured one is, and box A reaches box B only if some
+node of A reaches some node of B. A parameter joins a box only when every op
+that feeds it is in that box (a weight shared by several calls or layers
+stays a node of its own).
+
 Nodes outside every box (the root, loss ops outside the model, ops of a layer
 above the cut depth, input leaves) stay as they are. Edges between boxes keep
 their gradient metadata; parallel edges between the same two nodes with the
@@ -38,7 +51,7 @@ from typing import Iterable
 
 from .graph import BackwardGraph, Edge, Node, merge_grad_metas
 
-__all__ = ["collapse_graph", "layer_depths", "CONTAINER_TYPES"]
+__all__ = ["collapse_graph", "collapse_with_map", "layer_depths", "CONTAINER_TYPES"]
 
 #: Layer classes that only hold other layers and never run themselves; they
 #: do not count as a depth level.
@@ -132,6 +145,46 @@ def _node_path(node: Node, graph: BackwardGraph) -> str | None:
 
 
 # --------------------------------------------------------------------------
+# layer calls
+# --------------------------------------------------------------------------
+class _Calls:
+    """Which call of each enclosing layer made a node (``BackwardGraph.calls``)."""
+
+    def __init__(self, graph: BackwardGraph, paths: list[str | None]) -> None:
+        self.tree = graph.calls
+        self._chains: dict[tuple[str, int], dict[str, int]] = {}
+        self.node: list[dict[str, int]] = []
+        self.seen: dict[str, set[int]] = defaultdict(set)  # layer path -> calls that made nodes
+        for n, p in zip(graph.nodes, paths):
+            chain = self.chain(p, n.call) if n.kind == "op" and p is not None else {}
+            self.node.append(chain)
+            for q, c in chain.items():
+                self.seen[q].add(c)
+
+    def chain(self, path: str, call: int) -> dict[str, int]:
+        """Layer path -> call index, for the call ``path#call`` and every call it ran inside."""
+        found = self._chains.get((path, call))
+        if found is None:
+            found = {path: call}
+            name = f"{path}#{call}"
+            while name in self.tree and len(found) < 1000:
+                name = self.tree[name]
+                p, _, c = name.rpartition("#")
+                found.setdefault(p, int(c))
+            self._chains[(path, call)] = found
+        return found
+
+    def of(self, i: int, path: str) -> int:
+        """The call of layer ``path`` that node ``i`` belongs to (0 when unknown)."""
+        return self.node[i].get(path, 0)
+
+    def count(self, path: str) -> int:
+        """How many calls of ``path`` the graph shows (up to the last one seen)."""
+        seen = self.seen.get(path)
+        return max(seen) + 1 if seen else 1
+
+
+# --------------------------------------------------------------------------
 # repeated blocks
 # --------------------------------------------------------------------------
 def _signature(graph: BackwardGraph, path: str, members: list[int], paths: list[str | None]) -> tuple:
@@ -163,9 +216,12 @@ def _signature(graph: BackwardGraph, path: str, members: list[int], paths: list[
 
 
 def _find_folds(
-    graph: BackwardGraph, lay: _Layers, paths: list[str | None], boxes: list[str | None]
+    graph: BackwardGraph, lay: _Layers, paths: list[str | None], boxes: list["_Box | None"], calls: _Calls
 ) -> dict[str, tuple[str, list[str]]]:
-    """Runs of identical consecutive siblings: member path -> (fold label, members)."""
+    """Runs of identical consecutive siblings: member path -> (fold label, members).
+
+    Only layers called once are folded: the calls of one layer stay apart.
+    """
     subtree: dict[str, list[int]] = defaultdict(list)
     for i, p in enumerate(paths):
         if p is None:
@@ -176,9 +232,9 @@ def _find_folds(
     siblings: dict[str, list[tuple[int, str]]] = defaultdict(list)
     for path, members in subtree.items():
         m = _INDEX.match(path)
-        if m is None or lay.is_container(path):
+        if m is None or lay.is_container(path) or len(calls.seen.get(path, ())) > 1:
             continue
-        if any(boxes[i] is not None and not _inside(boxes[i], path) for i in members):
+        if any(boxes[i] is not None and not _inside(boxes[i][0], path) for i in members):
             continue
         siblings[m.group(1)].append((int(m.group(2)), path))
     folds: dict[str, tuple[str, list[str]]] = {}
@@ -213,31 +269,159 @@ def _find_folds(
 
 
 # --------------------------------------------------------------------------
+# boxes
+# --------------------------------------------------------------------------
+#: A box: (layer path or fold label, call of that layer; -1 for a fold).
+_Box = tuple
+
+
+class _Assign:
+    """The box of every node, and how to open a box that would mislead."""
+
+    def __init__(self, graph: BackwardGraph, lay: _Layers, paths: list[str | None], calls: _Calls,
+                 folds: dict[str, tuple[str, list[str]]]) -> None:
+        self.graph, self.lay, self.paths, self.calls = graph, lay, paths, calls
+        self.fold_of = {label: members for label, members in folds.values()}
+        self.preds: list[list[int]] = [[] for _ in graph.nodes]
+        self.succs: list[list[int]] = [[] for _ in graph.nodes]
+        for e in graph.edges:
+            self.preds[e.dst].append(e.src)
+            self.succs[e.src].append(e.dst)
+
+    def layer_box(self, i: int, path: str) -> _Box:
+        return (path, self.calls.of(i, path))
+
+    def holds(self, box: _Box, path: str) -> bool:
+        """Whether layer ``path`` lies inside ``box``."""
+        members = self.fold_of.get(box[0]) if box[1] < 0 else None
+        if members is not None:
+            return any(_inside(path, m) for m in members)
+        return _inside(path, box[0])
+
+    def param_box(self, i: int, boxes: list[_Box | None]) -> _Box | None:
+        """A parameter joins the box of the ops that use it when they are all
+        in one box that holds its layer; one used by several calls of its
+        layer (an unrolled cell) or by other layers stays its own node."""
+        path = self.paths[i]
+        if path is None:
+            return None
+        found = {boxes[j] for j in self.preds[i]}
+        if len(found) != 1:
+            return None
+        box = found.pop()
+        return box if box is not None and self.holds(box, path) else None
+
+    def open(self, box: _Box, members: list[int], boxes: list[_Box | None]) -> None:
+        """Replace ``box`` by the boxes one level deeper (a fold by its blocks)."""
+        path, call = box
+        ops = [i for i in members if self.graph.nodes[i].kind != "param"]
+        for i in ops:
+            p = self.paths[i]
+            if call < 0:  # a fold: its blocks
+                boxes[i] = next((self.layer_box(i, m) for m in self.fold_of[path] if _inside(p, m)), None)
+                continue
+            deeper = [q for q in _prefixes(p) if len(q) > len(path) and _inside(q, path)
+                      and not self.lay.is_container(q)] if p is not None else []
+            boxes[i] = self.layer_box(i, deeper[0]) if deeper else None
+        for i in members:
+            if self.graph.nodes[i].kind == "param":
+                boxes[i] = self.param_box(i, boxes)
+
+
+def _reach(graph: BackwardGraph, succs: list[list[int]]) -> list[int] | None:
+    """Per node, the set of nodes it reaches (itself included) as an int bitset;
+    None when the graph has a cycle."""
+    order = graph.topo_order()
+    if len(order) != len(graph.nodes):
+        return None
+    reach = [0] * len(graph.nodes)
+    for v in reversed(order):
+        r = 1 << v
+        for w in succs[v]:
+            r |= reach[w]
+        reach[v] = r
+    return reach
+
+
+def _keep_honest(assign: _Assign, boxes: list[_Box | None]) -> int:
+    """Open boxes until the collapsed graph draws no false path.
+
+    A box is kept when each of its entry nodes (fed from outside it) reaches
+    each of its exit nodes (feeding outside it) in the captured graph. Then
+    every path between boxes is a path between their nodes, so the collapsed
+    graph is acyclic when the captured one is, and box A reaches box B only
+    if some node of A reaches some node of B. A box that fails is opened one
+    level deeper and its parts are checked in turn.
+
+    Returns:
+        How many boxes were opened.
+    """
+    members: dict[_Box, list[int]] = defaultdict(list)
+    for i, b in enumerate(boxes):
+        if b is not None:
+            members[b].append(i)
+    todo = {b for b, ms in members.items() if len(ms) > 1}
+    if not todo:
+        return 0
+    reach = _reach(assign.graph, assign.succs)
+    if reach is None:
+        return 0
+    opened = 0
+    while todo:
+        box = todo.pop()
+        ms = members[box]
+        inside = set(ms)
+        exits = 0
+        for i in ms:
+            if any(j not in inside for j in assign.succs[i]):
+                exits |= 1 << i
+        if all(reach[i] & exits == exits for i in ms if any(j not in inside for j in assign.preds[i])):
+            continue
+        opened += 1
+        del members[box]
+        assign.open(box, ms, boxes)
+        for i in ms:
+            b = boxes[i]
+            if b is not None:
+                members[b].append(i)  # a part may join a box of the same call (calls unknown)
+                if len(members[b]) > 1:
+                    todo.add(b)
+    return opened
+
+
+# --------------------------------------------------------------------------
 # one collapse
 # --------------------------------------------------------------------------
 def _collapse_once(
     graph: BackwardGraph, lay: _Layers, depth: int | None, by_type: frozenset[str], fold_repeats: bool
-) -> BackwardGraph:
+) -> tuple[BackwardGraph, list[int], int]:
+    """The collapsed graph, the new id of every node, and how many boxes were opened."""
     paths = [_node_path(n, graph) for n in graph.nodes]
-    boxes = [lay.box(p, depth, by_type) for p in paths]
-    if fold_repeats:
-        folds = _find_folds(graph, lay, paths, boxes)
-        if folds:
-            for i, p in enumerate(paths):
-                if p is None:
-                    continue
-                for pre in _prefixes(p)[1:]:
-                    if pre in folds:
-                        boxes[i] = folds[pre][0]
-                        break
-    else:
-        folds = {}
-    fold_info = {label: members for label, members in folds.values()}
+    calls = _Calls(graph, paths)
+    boxes: list[_Box | None] = [None] * len(graph.nodes)
+    for i, (n, p) in enumerate(zip(graph.nodes, paths)):
+        if n.kind != "param":
+            b = lay.box(p, depth, by_type)
+            boxes[i] = None if b is None else (b, calls.of(i, b))
+    folds = _find_folds(graph, lay, paths, boxes, calls) if fold_repeats else {}
+    for i, p in enumerate(paths):
+        if p is None or not folds or graph.nodes[i].kind == "param":
+            continue
+        for pre in _prefixes(p)[1:]:
+            if pre in folds:
+                boxes[i] = (folds[pre][0], -1)
+                break
+    assign = _Assign(graph, lay, paths, calls, folds)
+    for i, n in enumerate(graph.nodes):
+        if n.kind == "param":
+            boxes[i] = assign.param_box(i, boxes)
+    opened = _keep_honest(assign, boxes)
+    fold_info = assign.fold_of
 
     # new nodes, in the order of their first member
     new_nodes: list[Node] = []
     new_id: list[int] = [0] * len(graph.nodes)
-    box_id: dict[str, int] = {}
+    box_id: dict[_Box, int] = {}
     members: dict[int, list[Node]] = defaultdict(list)
     for n, box in zip(graph.nodes, boxes):
         if box is None:
@@ -247,10 +431,13 @@ def _collapse_once(
         bid = box_id.get(box)
         if bid is None:
             bid = box_id[box] = len(new_nodes)
-            count = len(fold_info.get(box, ())) or 1
-            kind = lay.types.get(fold_info[box][0] if box in fold_info else box, "")
-            new_nodes.append(Node(bid, "layer", kind or "layer", layer=box, count=count,
-                                  key="layer:" + (box or "<top>")))
+            path, call = box
+            folded = fold_info.get(path) if call < 0 else None
+            kind = lay.types.get(folded[0] if folded else path, "")
+            total = 1 if folded else calls.count(path)
+            new_nodes.append(Node(bid, "layer", kind or "layer", layer=path, count=len(folded or ()) or 1,
+                                  call=max(call, 0), calls=max(total, call + 1),
+                                  key="layer:" + (path or "<top>") + (f"#{call}" if call > 0 else "")))
         new_id[n.id] = bid
         members[bid].append(n)
 
@@ -290,15 +477,14 @@ def _collapse_once(
         box.norm = math.sqrt(sq) if known else None
         box.hooked = bool(ops) and all(n.hooked for n in ops)
         box.unhooked = sum(1 for n in ops if not n.hooked)
-        calls = {n.call for n in ops}
-        box.call = min(calls) if calls else 0
 
     return BackwardGraph(
         nodes=new_nodes,
         edges=new_edges,
         layers=dict(graph.layers),
         meta=dict(graph.meta),
-    )
+        calls=dict(graph.calls),
+    ), new_id, opened
 
 
 def _check(depth, by_type, fold_repeats, max_nodes) -> frozenset[str]:
@@ -351,13 +537,15 @@ def collapse_graph(
 
     Returns:
         A new :class:`BackwardGraph`. Boxes are ``Node(kind="layer",
-        name=<layer class>, layer=<path>, ops=<op nodes inside>, count=N,
-        params=P, unhooked=<ops without gradient data>, norm=<L2 norm of the
+        name=<layer class>, layer=<path>, call=<call index>, calls=<calls of
+        that layer>, ops=<op nodes inside>, count=N, params=P,
+        unhooked=<ops without gradient data>, norm=<L2 norm of the
         parameter gradients inside>)``; folded boxes have
         ``layer="layers.0-5"`` and ``count=6``. Boxes carry numbers only;
         :func:`paddleviz_hooks.text.box_lines` words them.
-        ``meta["collapse"]`` records the options, the depth used and the node
-        count before and after. Without any option, an unchanged copy.
+        ``meta["collapse"]`` records the options, the depth used, the node
+        count before and after and how many boxes were opened to keep the
+        drawing honest. Without any option, an unchanged copy.
 
     Raises:
         ValueError: ``depth`` or ``max_nodes`` out of range.
@@ -373,6 +561,37 @@ def collapse_graph(
         >>> [n.layer for n in small.nodes if n.kind == "layer"]
         ['layers.0-2']
     """
+    return collapse_with_map(graph, depth=depth, by_type=by_type, fold_repeats=fold_repeats,
+                             max_nodes=max_nodes)[0]
+
+
+def collapse_with_map(
+    graph: BackwardGraph,
+    *,
+    depth: int | None = None,
+    by_type: Iterable[str] | str = (),
+    fold_repeats: bool = False,
+    max_nodes: int | None = None,
+) -> tuple[BackwardGraph, list[int]]:
+    """:func:`collapse_graph`, and where each node of ``graph`` went.
+
+    Args:
+        graph, depth, by_type, fold_repeats, max_nodes: as for
+            :func:`collapse_graph`.
+
+    Returns:
+        ``(collapsed, node_of)``: ``collapsed.nodes[node_of[i]]`` is the box
+        (or the copy) that holds ``graph.nodes[i]``.
+
+    Example:
+        >>> from paddleviz_hooks.graph import BackwardGraph, Edge, Node
+        >>> g = BackwardGraph([Node(0, "root", "loss"), Node(1, "op", "ExpGradNode", "Exp", layer="f"),
+        ...                    Node(2, "op", "TanhGradNode", "Tanh", layer="f")],
+        ...                   [Edge(0, 1), Edge(1, 2)], layers={"": "Net", "f": "Act"})
+        >>> small, node_of = collapse_with_map(g, depth=1)
+        >>> node_of, [n.kind for n in small.nodes]
+        ([0, 1, 1], ['root', 'layer'])
+    """
     types = _check(depth, by_type, fold_repeats, max_nodes)
     lay = _Layers(graph)
     if max_nodes is None:
@@ -383,7 +602,7 @@ def collapse_graph(
         candidates = ([None] if depth is None else []) + list(range(start, -1, -1))
     result = None
     for d in candidates:
-        result = _collapse_once(graph, lay, d, types, fold_repeats)
+        result, node_of, opened = _collapse_once(graph, lay, d, types, fold_repeats)
         chosen = d
         if max_nodes is None or len(result.nodes) <= max_nodes:
             break
@@ -396,5 +615,6 @@ def collapse_graph(
         "fits": max_nodes is None or len(result.nodes) <= max_nodes,
         "nodes_before": len(graph.nodes),
         "nodes_after": len(result.nodes),
+        "opened": opened,  # boxes opened so that no false path is drawn
     }
-    return result
+    return result, node_of

@@ -137,6 +137,9 @@ class Node:
         count: for ``kind == "layer"`` (a collapsed box, see
             ``paddleviz_hooks.collapse``): how many identical sibling
             layers it stands for (``"x N"``); 1 otherwise.
+        calls: for a box of one call of a layer called several times in
+            this graph, how many calls it had (the box is call ``call + 1``
+            of ``calls``); 1 otherwise.
         ops: for a box, the op nodes folded into it.
         unhooked: for a box, how many of those carry no gradient data.
         params: for a box, the parameter leaves folded into it.
@@ -163,6 +166,7 @@ class Node:
     note: str | None = None
     key: str = ""
     count: int = 1
+    calls: int = 1
     ops: int = 0
     unhooked: int = 0
     params: int = 0
@@ -195,7 +199,7 @@ class Node:
         return cls(**d)
 
 
-_NODE_BOX_DEFAULTS = {"count": 1, "ops": 0, "unhooked": 0, "params": 0, "norm": None, "nonfinite": 0,
+_NODE_BOX_DEFAULTS = {"count": 1, "calls": 1, "ops": 0, "unhooked": 0, "params": 0, "norm": None, "nonfinite": 0,
                       "grad": None}
 
 
@@ -235,6 +239,11 @@ class BackwardGraph:
         nodes: node list; ``nodes[i].id == i``.
         edges: gradient-flow edges.
         layers: dotted layer path -> layer class name, for every layer seen.
+        calls: the layer-call tree of the forward: ``"path#call"`` -> the
+            ``"path#call"`` it ran inside (``"layer1.0.relu#1"`` ->
+            ``"layer1.0#0"``), for the calls that made nodes of this graph
+            and their ancestors; the top call has no entry. Empty when
+            unknown (no layer given, graphs saved by older versions).
         meta: free-form capture facts: ``step``, ``entry`` (``"backward"`` or
             ``"grad"``), ``grad_stats``, ``capture_ms``, ``trigger``...
 
@@ -259,6 +268,7 @@ class BackwardGraph:
     edges: list[Edge] = field(default_factory=list)
     layers: dict[str, str] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
+    calls: dict[str, str] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ queries
     def node_by_key(self) -> dict[str, Node]:
@@ -442,7 +452,7 @@ class BackwardGraph:
 
     # ------------------------------------------------------------ conversions
     def to_dict(self) -> dict[str, Any]:
-        return {
+        d = {
             "format": "paddleviz-hooks/backward-graph",
             "version": FORMAT_VERSION,
             "meta": _meta_to_json(self.meta),
@@ -450,6 +460,9 @@ class BackwardGraph:
             "nodes": [n.to_dict() for n in self.nodes],
             "edges": [e.to_dict() for e in self.edges],
         }
+        if self.calls:  # written only when known, like the box fields
+            d["calls"] = self.calls
+        return d
 
     def to_json(self, indent: int | None = None) -> str:
         """Serialize losslessly; ``from_json(g.to_json()) == g``."""
@@ -473,6 +486,7 @@ class BackwardGraph:
                 edges=[Edge.from_dict(e) for e in d["edges"]],
                 layers=dict(d.get("layers", {})),
                 meta=_meta_from_json(dict(d.get("meta", {}))),
+                calls=dict(d.get("calls", {})),
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"malformed backward graph JSON: {exc!r}") from None

@@ -184,9 +184,20 @@ def node_lines(node: Node) -> list[str]:
     return [node.op]
 
 
+def call_of(call: int, calls: int) -> str:
+    """Which call of a layer called several times a box stands for.
+
+    Example:
+        >>> call_of(1, 2), call_of(0, 1)
+        (' (call 2 of 2)', '')
+    """
+    return f" (call {call + 1} of {calls})" if calls > 1 else ""
+
+
 def box_lines(node: Node) -> list[str]:
-    """Label of a collapsed layer box: path, class (x N), op and parameter count, norm."""
-    path = layer_name(node.layer) if node.layer is not None else ""
+    """Label of a collapsed layer box: path (call k of n), class (x N), op and
+    parameter count, norm."""
+    path = layer_name(node.layer) + call_of(node.call, node.calls) if node.layer is not None else ""
     kind = node.name + (f" x{node.count}" if node.count > 1 else "")
     lines = [path, kind] if path else [kind]
     per = node.ops // node.count if node.count > 1 and node.ops % node.count == 0 else None

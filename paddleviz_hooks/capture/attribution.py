@@ -19,6 +19,13 @@ class LayerAttribution:
     nodes for layers runs lazily, when a backward is actually captured.
     Inner layers finish first, so processing records in order lets the
     innermost layer claim a node before its parents.
+
+    The hooks also keep a stack of the layer calls under way, so each call
+    knows the call it ran inside: ``parents`` maps ``"path#call"`` to the
+    parent's ``"path#call"`` (the layer-call tree of the forward). A call's
+    index is given when it ends (only calls whose outputs carry gradient are
+    counted), so a call still under way is an unnamed frame that its
+    children point to and that is named when it ends.
     """
 
     MAX_RECORDS = 20000  # forwards without a backward must not pile up
@@ -30,8 +37,12 @@ class LayerAttribution:
         # (path, call, output grad node wrappers, input node addresses); the
         # wrappers keep those nodes alive so their addresses are not reused.
         self._records: list[tuple[str, int, list[Any], set[int]]] = []
-        self._stack: list[set[int]] = []
+        # one frame per layer call under way: [input node addresses, "path#call"
+        # once the call has ended, the frame of the call it runs inside]
+        self._stack: list[list[Any]] = []
         self._calls: dict[str, int] = {}
+        self._links: list[tuple[str, list[Any] | None]] = []  # ("path#call", parent frame)
+        self.parents: dict[str, str] = {}
         self._handles: list[Any] = []
 
     def install(self) -> None:
@@ -57,6 +68,28 @@ class LayerAttribution:
         self._records.clear()
         self._stack.clear()
         self._calls.clear()
+        self._links.clear()
+        self.parents.clear()
+
+    def call_parents(self, used: set[str]) -> dict[str, str]:
+        """The branches of the layer-call tree that hold the calls in ``used``.
+
+        Args:
+            used: ``"path#call"`` of the calls that made the nodes of a graph.
+
+        Returns:
+            ``"path#call"`` -> parent ``"path#call"``, for those calls and
+            every call they ran inside.
+        """
+        if self._records or self._links:
+            self._resolve()
+        tree: dict[str, str] = {}
+        for name in used:
+            while name in self.parents and name not in tree:
+                parent = self.parents[name]
+                tree[name] = parent
+                name = parent
+        return tree
 
     def lookup(self, ptr: int) -> tuple[str, int] | None:
         if self._records:
@@ -64,29 +97,33 @@ class LayerAttribution:
         return self.owner.get(ptr)
 
     def _pre(self, layer, args, kwargs):
+        frame: list[Any] = [set(), None, self._stack[-1] if self._stack else None]
+        self._stack.append(frame)
         try:
-            stops = set()
             for t in tensors_in((args, kwargs)):
                 gf = grad_fn(t)
                 if gf is not None:
-                    stops.add(gf.node_ptr())
-            self._stack.append(stops)
+                    frame[0].add(gf.node_ptr())
         except Exception:  # never break the forward
-            self._stack.append(set())
+            frame[0] = set()
         return None
 
     def _make_post(self, path: str):
         def post(layer, args, kwargs, outputs):
-            stops = self._stack.pop() if self._stack else set()
+            frame = self._stack.pop() if self._stack else [set(), None, None]
             try:
                 outs = [grad_fn(t) for t in tensors_in(outputs)]
                 outs = [g for g in outs if g is not None]
                 if outs:
                     call = self._calls.get(path, 0)
                     self._calls[path] = call + 1
+                    frame[1] = f"{path}#{call}"
                     if len(self._records) >= self.MAX_RECORDS:
                         del self._records[: self.MAX_RECORDS // 2]
-                    self._records.append((path, call, outs, stops))
+                    if len(self._links) >= self.MAX_RECORDS:
+                        del self._links[: self.MAX_RECORDS // 2]
+                    self._records.append((path, call, outs, frame[0]))
+                    self._links.append((frame[1], frame[2]))
             except Exception:
                 pass
             return None
@@ -97,6 +134,18 @@ class LayerAttribution:
         for path, call, outs, stops in self._records:
             self._claim(outs, stops, (path, call))
         self._records.clear()
+        pending = []
+        for name, parent in self._links:
+            # a parent whose outputs carried no gradient has no call index:
+            # the child hangs under the nearest counted ancestor; a parent
+            # still under way (a backward inside a forward) is named later
+            while parent is not None and parent[1] is None and not any(parent is f for f in self._stack):
+                parent = parent[2]
+            if parent is not None and parent[1] is None:
+                pending.append((name, parent))
+            elif parent is not None:
+                self.parents[name] = parent[1]
+        self._links[:] = pending
 
     def _claim(self, todo: list[Any], stops: set[int], where: tuple[str, int]) -> None:
         seen: set[int] = set()

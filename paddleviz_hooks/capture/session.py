@@ -51,6 +51,7 @@ class _Session:
         self.prepare_seconds = time.perf_counter() - t0
         self.loss: float | None = None
         self.trigger: str | None = None
+        self.calls: dict[str, str] = {}  # layer-call tree of the walked nodes
 
 
 class BackwardCapture:
@@ -176,6 +177,9 @@ class BackwardCapture:
                 return None
             s = _Session(self, walk(), entry, t0)
             s.trigger = trigger
+            if self._attribution is not None:
+                s.calls = self._attribution.call_parents(
+                    {f"{n.layer}#{n.call}" for n in s.walk.nodes if n.layer is not None})
             if len(roots) == 1 and roots[0].size == 1:
                 s.loss = float(roots[0])
             self._hook_all(s)
@@ -336,6 +340,7 @@ class BackwardCapture:
             nodes=w.nodes,
             edges=w.edges,
             layers=dict(self._attribution.types) if self._attribution is not None else {},
+            calls=s.calls,
             meta={"entry": s.entry, "grad_stats": self.grad_stats, **self.meta},
         )
         if s.loss is not None:
