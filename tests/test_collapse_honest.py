@@ -286,3 +286,65 @@ def test_folds_keep_identical_blocks_and_never_merge_calls(graphs):
     c2 = collapse_graph(g, depth=2)
     for i in range(4):
         assert sorted(b.call for b in _boxes(c2, f"blocks.{i}.drop")) == [0, 1]
+
+
+# --------------------------------------------------------------------------
+# reading order of the viewing PNG
+# --------------------------------------------------------------------------
+def _drawn_layout(graph: BackwardGraph, monkeypatch) -> tuple[BackwardGraph, dict, list[tuple[int, int]]]:
+    """The drawing render_png chose: the drawn graph, node id -> (depth from the top,
+    x) in inches, and the edges as drawn."""
+    import paddleviz_hooks.render.draw as draw
+    from paddleviz_hooks.render.engine import run_engine
+
+    sources = []
+    real = draw.run_engine
+
+    def spy(source, fmt, **kw):
+        sources.append((fmt, source))
+        return real(source, fmt, **kw)
+
+    monkeypatch.setattr(draw, "run_engine", spy)
+    draw.clear_plan_cache()
+    info: dict = {}
+    draw.render_png(graph, info=info)
+    fmt, source = sources[-1]
+    assert fmt == "png" and info["rankdir"] == "TB"
+    drawn = collapse_graph(graph, depth=info["collapsed_depth"]) if info["collapsed_depth"] is not None else graph
+    assert len(drawn.nodes) == info["nodes"]
+    plain = run_engine(source, "plain").decode()
+    height = float(plain.split("\n", 1)[0].split()[3])
+    pos, edges = {}, []
+    for line in plain.split("\n"):
+        p = line.split()
+        if p and p[0] == "node" and p[1].startswith("n"):
+            pos[int(p[1][1:])] = (height - float(p[3]), float(p[2]))
+        elif p and p[0] == "edge":
+            edges.append((int(p[1][1:]), int(p[2][1:])))
+    return drawn, pos, edges
+
+
+@pytest.mark.parametrize("name, block", [("vit", r"blocks\.(\d+)"), ("resnet18", r"layer(\d\.\d)")])
+def test_viewing_png_reads_in_model_order(name, block, graphs, monkeypatch):
+    """Blocks do not interleave: each is a column (or a stretch of one) in which the
+    gradient flows down, and they follow one another as the gradient flows (for a
+    wrapped drawing: newspaper columns, left to right)."""
+    import re
+
+    g = _graph(graphs, name)
+    drawn, pos, edges = _drawn_layout(g, monkeypatch)
+    of: dict[int, str] = {}
+    for n in drawn.nodes:
+        m = re.match(block, n.layer or "")
+        if m:
+            of[n.id] = m.group(1)
+    for src, dst in edges:  # inside a block the gradient flows down the page
+        if of.get(src) is not None and of.get(src) == of.get(dst):
+            assert pos[dst][0] > pos[src][0], (drawn.nodes[src].layer, drawn.nodes[dst].layer)
+    blocks = sorted(set(of.values()), reverse=True)  # gradient order: the last block first
+    assert len(blocks) >= 4
+    box = {b: [pos[i] for i in of if of[i] == b] for b in blocks}
+    for a, b in zip(blocks, blocks[1:]):
+        a_right, b_left = max(x for _, x in box[a]), min(x for _, x in box[b])
+        above = max(y for y, _ in box[a]) < min(y for y, _ in box[b])
+        assert a_right < b_left or above, f"block {b} is not after block {a} in reading order"

@@ -138,33 +138,89 @@ def _cluster_members(source: str, innermost: bool = False) -> list[set[str]]:
     return clusters
 
 
-def _wrapped(source: str, plain: str, rankdir: str, bands: int) -> str | None:
+def _plain_nodes(plain: str, rankdir: str) -> dict[str, tuple[float, float]]:
+    """Node name -> (distance along the rank axis from its start, position
+    across it) in Graphviz ``plain`` output; the legend is left out."""
+    lines = plain.split("\n")
+    gh = float(lines[0].split()[3])
+    pos: dict[str, tuple[float, float]] = {}
+    for line in lines[1:]:
+        parts = line.split()
+        if len(parts) > 3 and parts[0] == "node" and parts[1] != "legend":
+            x, y = float(parts[2]), float(parts[3])
+            # TB: distance from the top; LR: from the left
+            pos[parts[1].strip('"')] = (gh - y, x) if rankdir == "TB" else (x, gh - y)
+    return pos
+
+
+def _reads_in_order(plain: str, rankdir: str, band: dict[str, int]) -> bool:
+    """Whether a wrapped layout reads like newspaper columns.
+
+    The bands stand side by side in gradient order (left to right for TB,
+    top to bottom for LR) without overlapping; inside a band every edge
+    points down (right); every edge that crosses bands leads into the next
+    band, entering it in its first quarter, above (left of) where it left
+    the band before. Otherwise the wrapped drawing would scatter the blocks or
+    snake edges across the page.
+    """
+    pos = _plain_nodes(plain, rankdir)
+    k = max(band.values(), default=0) + 1
+    along: list[list[float]] = [[] for _ in range(k)]
+    across: list[list[float]] = [[] for _ in range(k)]
+    for n, b in band.items():
+        if n in pos:
+            along[b].append(pos[n][0])
+            across[b].append(pos[n][1])
+    if any(not a for a in along):
+        return False
+    for b in range(k - 1):  # side by side, in order
+        if max(across[b]) >= min(across[b + 1]):
+            return False
+
+    def rel(n: str) -> float:
+        a = along[band[n]]
+        return (pos[n][0] - min(a)) / max(max(a) - min(a), 1e-6)
+
+    for line in plain.split("\n"):
+        parts = line.split()
+        if len(parts) < 3 or parts[0] != "edge":
+            continue
+        tail, head = parts[1].strip('"'), parts[2].strip('"')
+        if tail not in band or head not in band or tail not in pos or head not in pos:
+            continue
+        if band[head] == band[tail]:
+            if pos[head][0] <= pos[tail][0]:
+                return False
+        elif band[head] != band[tail] + 1 or rel(head) > 0.25 or rel(head) > rel(tail):
+            return False
+    return True
+
+
+def _wrapped(source: str, plain: str, rankdir: str, bands: int) -> tuple[str, dict[str, int]] | None:
     """``source`` with its rank axis cut into up to ``bands`` columns (rows for LR).
 
     Edges that cross from one band into the next stop constraining the
     ranks, so every band starts again at the top (left): a long chain is
     drawn like newspaper columns instead of one tall strip. Cuts go between
     ranks and never through an innermost layer cluster (one layer's own
-    ops); containers such as ``Sequential`` or the model may be split, since
-    otherwise a chain of containers (LeNet) can never wrap. None when no such
-    cut exists.
+    ops) or a layer short enough to fit in one band (a block); longer
+    containers such as ``Sequential`` or the model may be split, since
+    otherwise a chain of containers (LeNet) can never wrap. Returns the
+    wrapped source and the band of each node, or None when no such cut
+    exists.
     """
-    lines = plain.split("\n")
-    head = lines[0].split()
-    gh = float(head[3])
-    pos: dict[str, float] = {}
-    for line in lines[1:]:
-        parts = line.split()
-        if len(parts) > 3 and parts[0] == "node" and parts[1] != "legend":
-            # TB: distance from the top; LR: from the left
-            pos[parts[1].strip('"')] = gh - float(parts[3]) if rankdir == "TB" else float(parts[2])
+    pos = {n: p[0] for n, p in _plain_nodes(plain, rankdir).items()}
     if len(pos) < 2:
         return None
     lo, hi = min(pos.values()), max(pos.values())
     extents = []
-    for members in _cluster_members(source, innermost=True):
+    inner = _cluster_members(source, innermost=True)
+    for members in _cluster_members(source):
         ps = [pos[n] for n in members if n in pos]
-        if ps and max(ps) - min(ps) < 0.9 * (hi - lo):  # model-wide frames may be cut
+        # a layer's own ops stay together (model-wide frames may be cut), and
+        # so does any layer (a block) short enough to fit in one band
+        limit = 0.9 if members in inner else 1.0 / bands
+        if ps and max(ps) - min(ps) < limit * (hi - lo):
             extents.append((min(ps), max(ps)))
     ranks = sorted(set(round(p, 3) for p in pos.values()))
     allowed = [
@@ -181,7 +237,7 @@ def _wrapped(source: str, plain: str, rankdir: str, bands: int) -> str | None:
     if not cuts:
         return None
     band = {n: sum(1 for c in cuts if p > c) for n, p in pos.items()}
-    return _cut(source, lambda a, b: a in band and b in band and band[a] != band[b])
+    return _cut(source, lambda a, b: a in band and b in band and band[a] != band[b]), band
 
 
 def _cut(source: str, crosses: Callable[[str, str], bool]) -> str:
@@ -237,13 +293,17 @@ def _plan_png(
         k1 = max(2, round(math.sqrt(ratio)))
         k2 = int(math.sqrt(ratio * VIEW_ASPECT))
         for k in sorted({k1, k2} - {0, 1})[:2]:
-            wsrc = _wrapped(source, plain, rd, k)
-            if wsrc is None or any(wsrc == p.source for p in plans):
+            wrapped = _wrapped(source, plain, rd, k)
+            if wrapped is None or any(wrapped[0] == p.source for p in plans):
                 continue
+            wsrc, band = wrapped
             try:
-                ww, wh = layout_size(wsrc, timeout=timeout)
+                wplain = run_engine(wsrc, "plain", timeout=timeout).decode("utf-8", "replace")
             except RuntimeError:  # Graphviz 2.43 can fail to route such edges
                 continue
+            if not _reads_in_order(wplain, rd, band):
+                continue  # scattered blocks or snaking edges: better collapse further
+            ww, wh = (float(v) for v in wplain.split("\n", 1)[0].split()[2:4])
             plans.append(_Plan(wsrc, ww, wh, _dpi_for(ww, wh, max_px), rd, k))
     best_dpi = max(p.dpi for p in plans)
     near = [p for p in plans if p.dpi >= best_dpi / 1.15]
