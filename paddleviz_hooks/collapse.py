@@ -151,28 +151,16 @@ class _Calls:
     """Which call of each enclosing layer made a node (``BackwardGraph.calls``)."""
 
     def __init__(self, graph: BackwardGraph, paths: list[str | None]) -> None:
-        self.tree = graph.calls
-        self._chains: dict[tuple[str, int], dict[str, int]] = {}
+        chains: dict[tuple[str, int], dict[str, int]] = {}
         self.node: list[dict[str, int]] = []
         self.seen: dict[str, set[int]] = defaultdict(set)  # layer path -> calls that made nodes
         for n, p in zip(graph.nodes, paths):
-            chain = self.chain(p, n.call) if n.kind == "op" and p is not None else {}
+            chain = {}
+            if n.kind == "op" and p is not None:
+                chain = chains.get((p, n.call)) or chains.setdefault((p, n.call), graph.call_chain(p, n.call))
             self.node.append(chain)
             for q, c in chain.items():
                 self.seen[q].add(c)
-
-    def chain(self, path: str, call: int) -> dict[str, int]:
-        """Layer path -> call index, for the call ``path#call`` and every call it ran inside."""
-        found = self._chains.get((path, call))
-        if found is None:
-            found = {path: call}
-            name = f"{path}#{call}"
-            while name in self.tree and len(found) < 1000:
-                name = self.tree[name]
-                p, _, c = name.rpartition("#")
-                found.setdefault(p, int(c))
-            self._chains[(path, call)] = found
-        return found
 
     def of(self, i: int, path: str) -> int:
         """The call of layer ``path`` that node ``i`` belongs to (0 when unknown)."""

@@ -316,6 +316,32 @@ class BackwardGraph:
                 found[n.param] = merge_grad_metas(metas)
         return found
 
+    def call_chain(self, layer: str, call: int = 0) -> dict[str, int]:
+        """Which call of each enclosing layer the call ``layer#call`` ran inside.
+
+        Args:
+            layer: a layer path (``Node.layer``).
+            call: its call index (``Node.call``).
+
+        Returns:
+            layer path -> call index, for ``layer`` and every call it ran
+            inside as far as ``calls`` knows (just ``{layer: call}`` without it).
+
+        Example:
+            >>> g = BackwardGraph(calls={"block.relu#1": "block#0", "block#0": "#0"})
+            >>> g.call_chain("block.relu", 1)
+            {'block.relu': 1, 'block': 0, '': 0}
+        """
+        chain = {layer: call}
+        name = f"{layer}#{call}"
+        while name in self.calls and len(chain) < 1000:  # a malformed tree cannot loop
+            name = self.calls[name]
+            path, _, index = name.rpartition("#")
+            if not index.isdigit():
+                break
+            chain.setdefault(path, int(index))
+        return chain
+
     def topo_order(self) -> list[int]:
         """Node ids in gradient-flow order (every node after all producers)."""
         indeg = [0] * len(self.nodes)

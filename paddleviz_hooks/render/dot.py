@@ -8,7 +8,7 @@ from typing import Any, Mapping
 
 from ..escape import dot_attrs, dot_html_table, dot_label, dot_quote
 from ..graph import BackwardGraph, Node
-from ..text import NOT_OBSERVED, edge_lines, layer_name, node_lines, node_tooltip
+from ..text import NOT_OBSERVED, call_of, edge_lines, layer_name, node_lines, node_tooltip
 
 __all__ = ["to_dot", "dot_parts", "STYLE"]
 
@@ -89,17 +89,23 @@ def dot_parts(
         attrs.update(node_style.get(n.key, {}))
         return f"n{n.id} [label={dot_label(*lines)}, {dot_attrs(attrs)}]"
 
-    by_layer: dict[str | None, list[Node]] = defaultdict(list)
+    # one frame per call of a layer: (layer path, call) -> its nodes
+    by_layer: dict[tuple[str, int] | None, list[Node]] = defaultdict(list)
+    chains: dict[tuple[str, int], dict[str, int]] = {}
     for n in graph.nodes:
-        if clusters and n.kind == "layer":
-            # a box sits in the cluster of its parent layer, not in a frame of its own
-            parent = n.layer.rsplit(".", 1)[0] if n.layer and "." in n.layer else ("" if n.layer else None)
-            by_layer[parent].append(n)
+        if not clusters or n.kind not in ("op", "layer") or n.layer is None or (n.kind == "layer" and not n.layer):
+            by_layer[None].append(n)
             continue
-        by_layer[n.layer if (clusters and n.kind in ("op", "layer")) else None].append(n)
+        chain = chains.get((n.layer, n.call)) or chains.setdefault((n.layer, n.call),
+                                                                   graph.call_chain(n.layer, n.call))
+        path = n.layer
+        if n.kind == "layer":
+            # a box sits in the frame of its parent layer, not in a frame of its own
+            path = n.layer.rsplit(".", 1)[0] if "." in n.layer else ""
+        by_layer[(path, chain.get(path, 0))].append(n)
     body.extend(node_stmt(n) for n in by_layer.pop(None, []))
     if by_layer:
-        body.extend(_cluster_lines(graph, by_layer, node_stmt))
+        body.extend(_cluster_lines(graph, by_layer, chains, node_stmt))
 
     keys = {n.id: n.key for n in graph.nodes}
     for e in graph.edges:
@@ -124,39 +130,45 @@ def dot_parts(
     return graph_attr, body
 
 
-def _cluster_lines(graph: BackwardGraph, by_layer: dict[str | None, list[Node]], node_stmt) -> list[str]:
-    """Nested clusters following the dotted layer paths."""
-    children: dict[str, set[str]] = defaultdict(set)
-    paths = set(by_layer)
-    for p in list(paths):
+def _cluster_lines(graph: BackwardGraph, by_layer: dict[tuple[str, int], list[Node]],
+                   chains: dict[tuple[str, int], dict[str, int]], node_stmt) -> list[str]:
+    """Nested clusters following the dotted layer paths, one per call of a layer."""
+    children: dict[tuple[str, int], set[tuple[str, int]]] = defaultdict(set)
+    calls: dict[str, int] = defaultdict(int)  # layer path -> calls drawn
+    keys = set(by_layer)
+    for p, c in list(keys):
+        chain = chains.get((p, c), {})
         parts = p.split(".") if p else []
-        # ancestors, up to the top layer ""
+        # ancestors, up to the top layer "", each in the call this one ran inside
         for i in range(len(parts), 0, -1):
             parent = ".".join(parts[: i - 1])
             child = ".".join(parts[:i])
             if child != parent:  # a path with an empty first part ("..", ".x") is its own parent
-                children[parent].add(child)
-            paths.add(parent)
+                children[(parent, chain.get(parent, 0))].add((child, chain.get(child, 0)))
+            keys.add((parent, chain.get(parent, 0)))
+    for p, c in keys | {k for ks in children.values() for k in ks}:
+        calls[p] = max(calls[p], c + 1)
     lines: list[str] = []
     counter = [0]
 
-    def emit(path: str, indent: str) -> None:
+    def emit(key: tuple[str, int], indent: str) -> None:
+        path, call = key
         counter[0] += 1
         kind = graph.layers.get(path, "")
         # `or path`: a layer named "..", "a." has an empty last part
         name = (path.rsplit(".", 1)[-1] or path) if path else (kind or "model")
-        label = f"{name} ({kind})" if kind and path else name
+        label = (f"{name} ({kind})" if kind and path else name) + call_of(call, calls[path])
         lines.append(f"{indent}subgraph cluster_{counter[0]} {{")
         lines.append(f"{indent}  label={dot_quote(label)}; tooltip={dot_quote(layer_name(path))};")
         lines.append(f"{indent}  style=\"rounded\"; color=\"#9aa7b8\"; fontsize=\"10\"; fontcolor=\"#44546a\";")
-        for n in by_layer.get(path, []):
+        for n in by_layer.get(key, []):
             lines.append(indent + "  " + node_stmt(n))
-        for child in sorted(children.get(path, ())):
+        for child in sorted(children.get(key, ())):
             emit(child, indent + "  ")
         lines.append(f"{indent}}}")
 
-    if "" in paths:
-        emit("", "")
+    for top in sorted(k for k in keys if k[0] == ""):
+        emit(top, "")
     return lines
 
 
