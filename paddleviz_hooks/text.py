@@ -124,13 +124,25 @@ def layer_name(path: str | None) -> str:
 def node_where(layer: str | None, call: int = 0) -> str:
     """``in encoder.layers.0 (call 2)``, ``outside the model``.
 
+    Args:
+        layer: the layer path (None: outside the model).
+        call: the call index, 0 for the first call (then not mentioned).
+
     Example:
         >>> node_where("block", 1), node_where(None)
-        ('in block (call 1)', 'outside the model')
+        ('in block (call 2)', 'outside the model')
     """
     if layer is None:
         return OUTSIDE_MODEL
-    return "in " + layer_name(layer) + (f" (call {call})" if call else "")
+    return "in " + layer_name(layer) + _call_suffix(call)
+
+
+def _call_suffix(call: int, calls: int = 1) -> str:
+    """`` (call 2 of 3)`` when the number of calls is known, `` (call 2)``
+    otherwise; nothing for the first of a single call."""
+    if calls > 1:
+        return call_of(call, calls)
+    return f" (call {call + 1})" if call else ""
 
 
 def describe_node(info: Node | dict[str, Any]) -> str:
@@ -151,7 +163,8 @@ def describe_node(info: Node | dict[str, Any]) -> str:
     if kind == "input":
         return "input leaf"
     if kind == "layer":  # a collapsed layer box
-        return f"layer {layer_name(get('layer'))} ({get('name') or '?'})"
+        return (f"layer {layer_name(get('layer'))} ({get('name') or '?'})"
+                + _call_suffix(get("call") or 0, get("calls") or 1))
     return f"{get('op') or '?'} {node_where(get('layer'), get('call') or 0)}"
 
 
@@ -215,7 +228,7 @@ def box_lines(node: Node) -> list[str]:
 
 def node_tooltip(node: Node) -> str:
     """Hover text: Paddle's grad node name, the layer (call), the key, why unhooked."""
-    tip = [node.name, "layer: " + (layer_name(node.layer) + (f" (call {node.call})" if node.call else "")
+    tip = [node.name, "layer: " + (layer_name(node.layer) + _call_suffix(node.call, node.calls)
                                    if node.layer is not None else OUTSIDE_MODEL), f"key: {node.key}"]
     if node.note:
         tip.append(node.note)

@@ -348,3 +348,20 @@ def test_viewing_png_reads_in_model_order(name, block, graphs, monkeypatch):
         a_right, b_left = max(x for _, x in box[a]), min(x for _, x in box[b])
         above = max(y for y, _ in box[a]) < min(y for y, _ in box[b])
         assert a_right < b_left or above, f"block {b} is not after block {a} in reading order"
+
+
+def test_collapsed_diff_keeps_calls_apart(graphs):
+    """Two steps of one model: the per-call boxes match by key, nothing is flagged."""
+    from paddleviz_hooks import diff_graphs
+    from paddleviz_hooks.render.diff import diff_to_dot
+
+    paddle.seed(1)
+    model = TinyResNet()
+    older, newer = (_capture(model, paddle.randn([2, 3, 8, 8])) for _ in range(2))
+    old_c, new_c = (collapse_graph(g, depth=3) for g in (older, newer))
+    keys = {n.key for n in new_c.nodes if n.kind == "layer"}
+    assert {"layer:layer1.0.relu", "layer:layer1.0.relu#1"} <= keys
+    d = diff_graphs(old_c, new_c)
+    assert not d.added_nodes and not d.removed_nodes and not d.added_edges and not d.removed_edges
+    dot = diff_to_dot(diff_graphs(older, newer), newer, older, depth=3)
+    assert "layer1.0.relu (call 2 of 2)" in dot and "layer1.0.relu (call 1 of 2)" in dot
