@@ -2,7 +2,10 @@
 
 Nodes are matched by their stable ``key`` (see
 :meth:`~paddleviz_hooks.graph.BackwardGraph.assign_keys`), edges by the pair
-of their end keys. No paddle here: diffs work on saved JSON files too.
+of their end keys. An op whose key changed only because an op was inserted
+right before it, in its own layer call, is still the same node: leftover
+removed and added ops of one layer and op that share a neighbour are paired
+(``GraphDiff.renamed``). No paddle here: diffs work on saved JSON files too.
 
 A diff holds numbers and keys; :func:`paddleviz_hooks.text.diff_summary`
 words it and :mod:`paddleviz_hooks.render.diff` draws it.
@@ -12,12 +15,13 @@ from __future__ import annotations
 
 import json
 import math
+from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
 from .graph import BackwardGraph, Node, float_from_json, float_to_json, merge_grad_metas, parse_json
 
-__all__ = ["GraphDiff", "diff_graphs", "node_norms", "norm_ratio", "DEFAULT_THRESHOLD"]
+__all__ = ["GraphDiff", "diff_graphs", "node_norms", "norm_ratio", "pair_leftovers", "DEFAULT_THRESHOLD"]
 
 DIFF_FORMAT = "paddleviz-hooks/graph-diff"
 DIFF_VERSION = 1
@@ -63,7 +67,10 @@ class GraphDiff:
     Attributes:
         older_step / newer_step: ``meta["step"]`` of the two graphs, if known.
         added_nodes / removed_nodes: node keys only in the newer / older graph.
-        added_edges / removed_edges: ``(src key, dst key)`` pairs.
+        added_edges / removed_edges: ``(src key, dst key)`` pairs (newer
+            keys for added edges, older keys for removed ones).
+        renamed: older key -> newer key of the nodes that are the same in
+            both graphs although their keys differ (see :func:`diff_graphs`).
         params_started / params_stopped: parameters that the gradient reaches
             only in the newer / only in the older graph.
         node_norm_ratios: key -> newer/older norm of the gradient the node
@@ -87,6 +94,7 @@ class GraphDiff:
     removed_nodes: list[str] = field(default_factory=list)
     added_edges: list[tuple[str, str]] = field(default_factory=list)
     removed_edges: list[tuple[str, str]] = field(default_factory=list)
+    renamed: dict[str, str] = field(default_factory=dict)
     params_started: list[str] = field(default_factory=list)
     params_stopped: list[str] = field(default_factory=list)
     node_norm_ratios: dict[str, float] = field(default_factory=dict)
@@ -145,6 +153,7 @@ class GraphDiff:
             "removed_nodes": list(self.removed_nodes),
             "added_edges": [list(e) for e in self.added_edges],
             "removed_edges": [list(e) for e in self.removed_edges],
+            "renamed": dict(self.renamed),
             "params_started": list(self.params_started),
             "params_stopped": list(self.params_stopped),
             "node_norm_ratios": {k: float_to_json(v) for k, v in self.node_norm_ratios.items()},
@@ -178,6 +187,7 @@ class GraphDiff:
                 removed_nodes=list(d["removed_nodes"]),
                 added_edges=[(str(s), str(t)) for s, t in d["added_edges"]],
                 removed_edges=[(str(s), str(t)) for s, t in d["removed_edges"]],
+                renamed={str(k): str(v) for k, v in d.get("renamed", {}).items()},
                 params_started=list(d["params_started"]),
                 params_stopped=list(d["params_stopped"]),
                 node_norm_ratios={k: float_from_json(v) for k, v in d["node_norm_ratios"].items()},
@@ -223,6 +233,83 @@ def _edge_keys(graph: BackwardGraph) -> list[tuple[str, str]]:
     return list(seen)
 
 
+def _neighbours(graph: BackwardGraph) -> dict[int, set[tuple[str, str]]]:
+    """Node id -> ``("in", key)`` of the nodes it receives gradient from, ``("out", key)`` of those it sends to."""
+    found: dict[int, set[tuple[str, str]]] = defaultdict(set)
+    for e in graph.edges:
+        found[e.src].add(("out", graph.nodes[e.dst].key))
+        found[e.dst].add(("in", graph.nodes[e.src].key))
+    return found
+
+
+def pair_leftovers(
+    older: BackwardGraph, newer: BackwardGraph, removed: list[Node], added: list[Node]
+) -> dict[str, str]:
+    """Removed and added ops that are one node under two keys: older key -> newer key.
+
+    An op's key changes when an op is inserted right before it in its own
+    layer call (its signature names its inputs there), or when its layer is
+    called once more earlier (its call index shifts). Such a removed op and
+    such an added op ran in the same layer with the same op name and keep
+    neighbours in common. Pairs are made greedily, most shared neighbours
+    first, then same call index, then gradient-flow order; each pair found
+    lets neighbours of the pair match next, until no pair is left. Ops with
+    no neighbour in common stay removed and added.
+
+    Args:
+        older / newer: the two graphs, with keys.
+        removed / added: nodes whose key is only in ``older`` / ``newer``,
+            each in its graph's gradient-flow order.
+
+    Returns:
+        Older key -> newer key for every pair.
+
+    Example:
+        >>> from paddleviz_hooks.graph import Edge
+        >>> def chain(*ops):  # a loss and a chain of ops in layer "block"
+        ...     nodes = [Node(0, "root", "loss", "loss")] + [
+        ...         Node(i + 1, "op", op + "GradNode", op, layer="block") for i, op in enumerate(ops)]
+        ...     g = BackwardGraph(nodes, [Edge(i, i + 1) for i in range(len(ops))])
+        ...     g.assign_keys()
+        ...     return g
+        >>> old, new = chain("Tanh", "Relu"), chain("Tanh", "Exp", "Relu")  # Exp put before Tanh
+        >>> tanh = lambda g: next(n for n in g.nodes if n.op == "Tanh")
+        >>> tanh(old).key == tanh(new).key  # its input changed: so did its key
+        False
+        >>> pair_leftovers(old, new, [tanh(old)], [n for n in new.nodes if n.op in ("Tanh", "Exp")]) == {
+        ...     tanh(old).key: tanh(new).key}
+        True
+    """
+    by_kind: dict[tuple, list[tuple[int, Node]]] = defaultdict(list)
+    for i, n in enumerate(added):
+        if n.kind == "op":
+            by_kind[(n.layer, n.op)].append((i, n))
+    free_old = {n.key: (i, n) for i, n in enumerate(removed) if n.kind == "op" and (n.layer, n.op) in by_kind}
+    if not free_old:
+        return {}
+    free_new = {n.key for _, group in by_kind.items() for _, n in group}
+    old_nb, new_nb = _neighbours(older), _neighbours(newer)
+    renamed: dict[str, str] = {}
+    while free_old:
+        pairs = []
+        for i, o in free_old.values():
+            mine = {(way, renamed.get(k, k)) for way, k in old_nb.get(o.id, ())}
+            for j, a in by_kind[(o.layer, o.op)]:
+                if a.key in free_new:
+                    shared = len(mine & new_nb.get(a.id, set()))
+                    if shared:
+                        pairs.append((-shared, o.call != a.call, i, j, o.key, a.key))
+        if not pairs:
+            break
+        pairs.sort()
+        for *_, ok, ak in pairs:
+            if ok in free_old and ak in free_new:
+                renamed[ok] = ak
+                del free_old[ok]
+                free_new.discard(ak)
+    return renamed
+
+
 def _ensure_keys(graph: BackwardGraph) -> None:
     if any(not n.key for n in graph.nodes):
         graph.assign_keys()
@@ -248,7 +335,10 @@ def diff_graphs(
 
     Returns:
         A :class:`GraphDiff`. Lists of keys are in the newer graph's
-        gradient-flow order (removed ones in the older graph's order).
+        gradient-flow order (removed ones in the older graph's order). Ops
+        whose key differs only because of what was put next to them are
+        paired by :func:`pair_leftovers` and are neither added nor removed
+        (``GraphDiff.renamed``); their edges and norms are compared as one node's.
 
     Raises:
         TypeError: an argument is not a :class:`BackwardGraph`.
@@ -284,13 +374,21 @@ def diff_graphs(
     new_keys = {n.key for n in new_nodes}
     added = [n for n in new_nodes if n.key not in old_keys]
     removed = [n for n in old_nodes if n.key not in new_keys]
+    renamed = pair_leftovers(older, newer, removed, added)
+    added = [n for n in added if n.key not in renamed.values()]
+    removed = [n for n in removed if n.key not in renamed]
+
+    def same(key: str) -> str:  # an older key in the newer graph's terms
+        return renamed.get(key, key)
 
     old_edges, new_edges = _edge_keys(older), _edge_keys(newer)
-    old_edge_set, new_edge_set = set(old_edges), set(new_edges)
+    old_as_new = {(same(a), same(b)) for a, b in old_edges}
+    new_edge_set = set(new_edges)
 
     old_params, new_params = older.params(), newer.params()
 
-    old_norms, new_norms = node_norms(older), node_norms(newer)
+    old_norms = {same(k): v for k, v in node_norms(older).items()}
+    new_norms = node_norms(newer)
     ratios = {}
     for n in new_nodes:
         r = norm_ratio(old_norms.get(n.key), new_norms.get(n.key))
@@ -306,10 +404,10 @@ def diff_graphs(
             layer_ratios[name] = r
 
     old_sites, new_sites = older.nonfinite_sites(), newer.nonfinite_sites()
-    old_site_keys = {n.key for n in old_sites}
+    old_site_keys = {same(n.key) for n in old_sites}
     new_site_keys = {n.key for n in new_sites}
     new_bad = [n for n in new_sites if n.key not in old_site_keys]
-    resolved = [n for n in old_sites if n.key not in new_site_keys]
+    resolved = [n for n in old_sites if same(n.key) not in new_site_keys]
     origin = None
     if new_sites:
         origin = {"key": new_sites[0].key, **_info(new_sites[0])}
@@ -324,8 +422,9 @@ def diff_graphs(
         newer_step=newer.meta.get("step"),
         added_nodes=[n.key for n in added],
         removed_nodes=[n.key for n in removed],
-        added_edges=[e for e in new_edges if e not in old_edge_set],
-        removed_edges=[e for e in old_edges if e not in new_edge_set],
+        added_edges=[e for e in new_edges if e not in old_as_new],
+        removed_edges=[e for e in old_edges if (same(e[0]), same(e[1])) not in new_edge_set],
+        renamed=renamed,
         params_started=[p for p in new_params if p not in old_params],
         params_stopped=[p for p in old_params if p not in new_params],
         node_norm_ratios=ratios,

@@ -30,6 +30,7 @@ __all__ = [
     "fmt_num",
     "fmt_ratio",
     "fmt_shape",
+    "ghost_lines",
     "graph_summary",
     "layer_name",
     "node_lines",
@@ -182,6 +183,23 @@ def node_lines(node: Node) -> list[str]:
     if node.kind == "layer":
         return box_lines(node)
     return [node.op]
+
+
+def ghost_lines(node: Node) -> list[str]:
+    """The label of a removed node drawn in a diff (a ghost): what it was, where, ``(removed)``.
+
+    A ghost sits outside the layer frames of the drawing, so an op names its
+    layer itself.
+
+    Example:
+        >>> ghost_lines(Node(7, "op", "AddGradNode", "Add", layer=""))
+        ['Add', 'in <top>', '(removed)']
+        >>> ghost_lines(Node(8, "op", "MeanGradNode", "Mean"))
+        ['Mean', 'outside the model', '(removed)']
+    """
+    if node.kind == "op":
+        return [node.op or "?", node_where(node.layer, node.call), "(removed)"]
+    return node_lines(node) + ["(removed)"]
 
 
 def box_lines(node: Node) -> list[str]:
