@@ -300,18 +300,23 @@ def _png(diff: GraphDiff, newer: BackwardGraph, older: BackwardGraph, options: d
     new layer is a green box and a removed one a ghost box.
     """
     opts = dict(options)
+    given = opts.pop("info", None)
+    info = given if isinstance(given, dict) else {}
     collapse = {k: opts[k] for k in _COLLAPSE_KEYS if k in opts}
     d, n, o = _collapsed(diff, newer, older, opts)
-    info: dict[str, Any] = {}
     data = render_png(n, info=info, **_diff_options(d, n, o, dict(opts)))
     if info.get("collapsed_depth") is None:
+        info.update(collapsed_depth=n.meta.get("collapse", {}).get("depth") if n is not newer else None,
+                    folded=bool(collapse.get("fold_repeats")))
         return data
     collapse.update(depth=info["collapsed_depth"], max_nodes=None,
-                    fold_repeats=bool(info.get("folded") or collapse.get("fold_repeats")))
+                    fold_repeats=bool(info["folded"] or collapse.get("fold_repeats")))
     d, n, o = _collapsed(diff, newer, older, {**opts, **collapse})
     styled = _diff_options(d, n, o, dict(opts))
     styled["title"] += " - " + collapse_note(n, newer)
-    return render_png(n, auto_collapse=False, **styled)
+    data = render_png(n, auto_collapse=False, info=info, **styled)
+    info.update(collapsed_depth=collapse["depth"], folded=collapse["fold_repeats"])
+    return data
 
 
 def render_diff_png(
@@ -322,7 +327,9 @@ def render_diff_png(
     Args:
         diff / newer / older: as for :func:`render_diff`.
         **options: ``max_px``, ``timeout``, collapse options (``max_nodes``
-            ...) and drawing options.
+            ...) and drawing options; ``info``: a dict filled as
+            :func:`render_png` fills it, where ``collapsed_depth`` and
+            ``folded`` say how both graphs were collapsed.
 
     Example:
         >>> import paddle, tempfile, os
