@@ -321,6 +321,9 @@ def diff_summary(diff: GraphDiff) -> str:
             lines.append(f"new ops: {_names(ops_added)};")
         if ops_removed:
             lines.append(f"ops gone: {_names(ops_removed)};")
+        if diff.renamed:
+            lines.append(f"{plural(len(diff.renamed), 'op')} kept under a new key "
+                         "(an input in its layer or its call index changed);")
     if diff.params_started:
         lines.append(f"parameters now receiving gradient: {_names(diff.params_started)};")
     if diff.params_stopped:

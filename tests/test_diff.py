@@ -6,6 +6,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -363,6 +364,9 @@ def test_diff_dot_marks_added_and_ghosts_removed(odd):
     ghosts = [l for l in src.splitlines() if l.strip().startswith("ghost") and "->" not in l]
     assert len(ghosts) == len(EXTRA_NODES)
     assert all("(removed)" in l and "dashed" in l for l in ghosts)
+    # a ghost names what it was and where (never an internal id): "Matmul\nin extra\n(removed)"
+    ops = [l for l in ghosts if "extra.weight" not in l and "extra.bias" not in l]
+    assert len(ops) == 2 and all(re.search(r'label="(Matmul|Add)\\nin extra\\n\(removed\)"', l) for l in ops), ops
     assert src.count('class="pvh-removed"') == len(EXTRA_NODES) + len(EXTRA_EDGES_ADDED)
     with pytest.raises(TypeError):
         diff_to_dot(odd[0], odd[2], odd[1])

@@ -13,7 +13,7 @@ import time
 import paddle
 import pytest
 
-from paddleviz_hooks import capture_backward
+from paddleviz_hooks import capture_backward, summarize
 from paddleviz_hooks.diff import diff_graphs
 from paddleviz_hooks.graph import BackwardGraph, Edge, Node
 from paddleviz_hooks.render.diff import diff_to_dot, render_diff, render_diff_png
@@ -136,6 +136,7 @@ def test_the_op_after_an_insertion_in_its_layer_call_is_the_same_node():
     assert relu0 != relu1
     d = diff_graphs(g0, g1)
     assert d.renamed[relu0] == relu1
+    assert "2 ops kept under a new key (an input in its layer or its call index changed);" in summarize(d)
     # the residual Add after the Relu too (its signature reaches three ops back)
     assert sorted(base(k) for k in d.renamed) == ["op:<top>[0]/Add", "op:<top>[0]/Relu"]
     assert relu1 in d.node_norm_ratios  # its gradient norm is still compared
