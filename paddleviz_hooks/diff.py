@@ -243,6 +243,8 @@ def _neighbours(graph: BackwardGraph) -> dict[int, set[tuple[str, str]]]:
 
 
 _GONE = "\0gone"  # what an op of a call that has no counterpart is matched with: nothing
+#: Calls of one layer aligned at most (older x newer); beyond, call indices are taken as they are.
+_ALIGN_LIMIT = 250_000
 
 
 def _calls(graph: BackwardGraph) -> dict[str, dict[int, list[Node]]]:
@@ -265,7 +267,8 @@ def align_calls(older: BackwardGraph, newer: BackwardGraph) -> dict[str, str]:
     left out: every call shares them); ties keep the call index. An op of an
     aligned call takes the key with the newer call index; an op of an older
     call left without a partner is mapped to a key no node has, so that it
-    shows as removed even when a newer call took its index.
+    shows as removed even when a newer call took its index. Layers called
+    more than about 500 times in both graphs are left as they are.
 
     Example:
         >>> from paddleviz_hooks.graph import Edge
@@ -283,7 +286,8 @@ def align_calls(older: BackwardGraph, newer: BackwardGraph) -> dict[str, str]:
         [('op:act[1]/Relu', 'op:act[2]/Relu')]
     """
     old_calls, new_calls = _calls(older), _calls(newer)
-    layers = sorted((p for p in old_calls.keys() & new_calls.keys() if len(old_calls[p]) != len(new_calls[p])),
+    layers = sorted((p for p in old_calls.keys() & new_calls.keys() if len(old_calls[p]) != len(new_calls[p])
+                     and len(old_calls[p]) * len(new_calls[p]) <= _ALIGN_LIMIT),
                     key=lambda p: (p.count(".") + bool(p), p))
     if not layers:
         return {}
@@ -371,27 +375,28 @@ def pair_leftovers(
         ...     tanh(old).key: tanh(new).key}
         True
     """
-    by_kind: dict[tuple, list[tuple[int, Node]]] = defaultdict(list)
-    for i, n in enumerate(added):
-        if n.kind == "op":
-            by_kind[(n.layer, n.op)].append((i, n))
-    free_old = {n.key: (i, n) for i, n in enumerate(removed) if n.kind == "op" and (n.layer, n.op) in by_kind}
-    if not free_old:
-        return {}
-    free_new = {n.key for _, group in by_kind.items() for _, n in group}
     old_nb, new_nb = _neighbours(older), _neighbours(newer)
+    # (layer, op, consumer key) -> added ops with that consumer: the only candidates worth scoring
+    by_consumer: dict[tuple, list[tuple[int, Node]]] = defaultdict(list)
+    for j, a in enumerate(added):
+        if a.kind == "op":
+            for way, k in new_nb.get(a.id, ()):
+                if way == "in":
+                    by_consumer[(a.layer, a.op, k)].append((j, a))
+    free_old = {n.key: (i, n) for i, n in enumerate(removed) if n.kind == "op"}
+    free_new = {a.key for group in by_consumer.values() for _, a in group}
     renamed: dict[str, str] = dict(known or {})
     found: dict[str, str] = {}
-    while free_old:
+    while free_old and free_new:
         pairs = []
         for i, o in free_old.values():
             mine = {(way, renamed.get(k, k)) for way, k in old_nb.get(o.id, ())}
-            for j, a in by_kind[(o.layer, o.op)]:
-                if a.key in free_new:
-                    shared = mine & new_nb.get(a.id, set())
-                    consumers = sum(1 for way, _ in shared if way == "in")
-                    if consumers:
-                        pairs.append(((-consumers, -len(shared), o.call != a.call), i, j, o.key, a.key))
+            candidates = {j: a for way, k in mine if way == "in"
+                          for j, a in by_consumer.get((o.layer, o.op, k), ()) if a.key in free_new}
+            for j, a in candidates.items():
+                shared = mine & new_nb.get(a.id, set())
+                consumers = sum(1 for way, _ in shared if way == "in")
+                pairs.append(((-consumers, -len(shared), o.call != a.call), i, j, o.key, a.key))
         if not pairs:
             break
         pairs.sort()
@@ -412,7 +417,9 @@ def pair_leftovers(
 
 
 def _ensure_keys(graph: BackwardGraph) -> None:
-    if any(not n.key for n in graph.nodes):
+    """Keys for a graph without them, or saved with keys of an older kind (not a collapsed one:
+    its boxes have keys of their own)."""
+    if not graph.keys_current() and not any(n.kind == "layer" for n in graph.nodes):
         graph.assign_keys()
 
 

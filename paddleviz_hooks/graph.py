@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable
@@ -427,6 +428,15 @@ class BackwardGraph:
                 n.key = f"{base}#{seen[base]}"
             seen[base] += 1
 
+    def keys_current(self) -> bool:
+        """Whether every node has a key of the kind :meth:`assign_keys` gives now.
+
+        Graphs saved by versions before op keys carried a signature (``#0``
+        instead of ``#df082a``) need :meth:`assign_keys` before they can be
+        compared with new captures.
+        """
+        return all(n.key and (n.kind != "op" or _SIGNED_KEY.search(n.key)) for n in self.nodes)
+
     def _children(self) -> dict[int, list[Edge]]:
         """Node id -> edges leaving it (its inputs in the forward pass), in slot order."""
         children: dict[int, list[Edge]] = defaultdict(list)
@@ -533,6 +543,9 @@ class BackwardGraph:
             f"BackwardGraph({len(self.nodes)} nodes, {len(self.edges)} edges, "
             f"step={self.meta.get('step')})"
         )
+
+
+_SIGNED_KEY = re.compile(r"#[0-9a-f]{6}(\.\d+)?$")
 
 
 def _below(path: str, layer: str | None) -> bool:

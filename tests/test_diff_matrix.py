@@ -340,3 +340,21 @@ def test_assign_keys_is_cheap_on_10000_nodes():
     took = time.perf_counter() - t
     assert len({n.key for n in g.nodes}) == len(g.nodes)
     assert took < 1.0, f"assign_keys took {took:.2f} s for {len(g.nodes)} nodes"
+
+
+def test_graphs_saved_with_old_keys_are_keyed_again():
+    """A graph saved before keys had signatures (``#0``) compares with a new capture."""
+    paddle.seed(16)
+    model = Body()
+    g0, g1 = capture(model, paddle.randn([2, 4]), lambda on: None)
+    old = BackwardGraph.from_json(g0.to_json())
+    counts: dict = {}
+    for n in old.nodes:
+        if n.kind == "op":
+            b = base(n.key)
+            n.key = f"{b}#{counts.setdefault(b, 0)}"
+            counts[b] += 1
+    assert not old.keys_current() and g1.keys_current()
+    d = diff_graphs(old, g1)
+    assert not d.structure_changed and d.renamed == {}
+    assert [n.key for n in old.nodes] == [n.key for n in g0.nodes]
