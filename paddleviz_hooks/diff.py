@@ -4,8 +4,9 @@ Nodes are matched by their stable ``key`` (see
 :meth:`~paddleviz_hooks.graph.BackwardGraph.assign_keys`), edges by the pair
 of their end keys. An op whose key changed only because an op was inserted
 right before it, in its own layer call, is still the same node: leftover
-removed and added ops of one layer and op that share a neighbour are paired,
-and so are the calls of a layer called once more or less (``GraphDiff.renamed``). No paddle here: diffs work on saved JSON files too.
+removed and added ops of one layer and op that share a consumer are paired,
+and so are the calls of a layer called once more or less
+(``GraphDiff.renamed``). No paddle here: diffs work on saved JSON files too.
 
 A diff holds numbers and keys; :func:`paddleviz_hooks.text.diff_summary`
 words it and :mod:`paddleviz_hooks.render.diff` draws it.
@@ -21,7 +22,8 @@ from typing import Any
 
 from .graph import BackwardGraph, Node, float_from_json, float_to_json, merge_grad_metas, parse_json
 
-__all__ = ["GraphDiff", "diff_graphs", "node_norms", "norm_ratio", "align_calls", "pair_leftovers", "DEFAULT_THRESHOLD"]
+__all__ = ["GraphDiff", "diff_graphs", "node_norms", "norm_ratio", "align_calls", "pair_leftovers",
+           "DEFAULT_THRESHOLD"]
 
 DIFF_FORMAT = "paddleviz-hooks/graph-diff"
 DIFF_VERSION = 1
@@ -295,10 +297,9 @@ def align_calls(older: BackwardGraph, newer: BackwardGraph) -> dict[str, str]:
     shifts: dict[str, str] = {}
 
     def outside(nb: dict[int, set[tuple[str, str]]], ops: list[Node], layer: str, tr) -> set[tuple[str, str]]:
-        keys = {n.key for n in ops}
-        inner = "op:" + (layer or "<top>") + "["
-        return {(way, tr(k)) for n in ops for way, k in nb.get(n.id, ())
-                if k not in keys and not k.startswith(("param:", inner))}
+        """Neighbours of a call's ops outside the layer and its sublayers (their call indices shift too)."""
+        inner = ("param:", "op:" + (layer or "<top>") + "[") + (("op:" + layer + ".",) if layer else ())
+        return {(way, tr(k)) for n in ops for way, k in nb.get(n.id, ()) if not k.startswith(inner)}
 
     for layer in layers:
         olds, news = sorted(old_calls[layer]), sorted(new_calls[layer])
