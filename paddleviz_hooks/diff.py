@@ -2,7 +2,11 @@
 
 Nodes are matched by their stable ``key`` (see
 :meth:`~paddleviz_hooks.graph.BackwardGraph.assign_keys`), edges by the pair
-of their end keys. No paddle here: diffs work on saved JSON files too.
+of their end keys. An op whose key changed only because an op was inserted
+right before it, in its own layer call, is still the same node: leftover
+removed and added ops of one layer and op that share a consumer are paired,
+and so are the calls of a layer called once more or less
+(``GraphDiff.renamed``). No paddle here: diffs work on saved JSON files too.
 
 A diff holds numbers and keys; :func:`paddleviz_hooks.text.diff_summary`
 words it and :mod:`paddleviz_hooks.render.diff` draws it.
@@ -12,12 +16,14 @@ from __future__ import annotations
 
 import json
 import math
+from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
 from .graph import BackwardGraph, Node, float_from_json, float_to_json, merge_grad_metas, parse_json
 
-__all__ = ["GraphDiff", "diff_graphs", "node_norms", "norm_ratio", "DEFAULT_THRESHOLD"]
+__all__ = ["GraphDiff", "diff_graphs", "node_norms", "norm_ratio", "align_calls", "pair_leftovers",
+           "DEFAULT_THRESHOLD"]
 
 DIFF_FORMAT = "paddleviz-hooks/graph-diff"
 DIFF_VERSION = 1
@@ -63,7 +69,10 @@ class GraphDiff:
     Attributes:
         older_step / newer_step: ``meta["step"]`` of the two graphs, if known.
         added_nodes / removed_nodes: node keys only in the newer / older graph.
-        added_edges / removed_edges: ``(src key, dst key)`` pairs.
+        added_edges / removed_edges: ``(src key, dst key)`` pairs (newer
+            keys for added edges, older keys for removed ones).
+        renamed: older key -> newer key of the nodes that are the same in
+            both graphs although their keys differ (see :func:`diff_graphs`).
         params_started / params_stopped: parameters that the gradient reaches
             only in the newer / only in the older graph.
         node_norm_ratios: key -> newer/older norm of the gradient the node
@@ -87,6 +96,7 @@ class GraphDiff:
     removed_nodes: list[str] = field(default_factory=list)
     added_edges: list[tuple[str, str]] = field(default_factory=list)
     removed_edges: list[tuple[str, str]] = field(default_factory=list)
+    renamed: dict[str, str] = field(default_factory=dict)
     params_started: list[str] = field(default_factory=list)
     params_stopped: list[str] = field(default_factory=list)
     node_norm_ratios: dict[str, float] = field(default_factory=dict)
@@ -145,6 +155,7 @@ class GraphDiff:
             "removed_nodes": list(self.removed_nodes),
             "added_edges": [list(e) for e in self.added_edges],
             "removed_edges": [list(e) for e in self.removed_edges],
+            "renamed": dict(self.renamed),
             "params_started": list(self.params_started),
             "params_stopped": list(self.params_stopped),
             "node_norm_ratios": {k: float_to_json(v) for k, v in self.node_norm_ratios.items()},
@@ -178,6 +189,7 @@ class GraphDiff:
                 removed_nodes=list(d["removed_nodes"]),
                 added_edges=[(str(s), str(t)) for s, t in d["added_edges"]],
                 removed_edges=[(str(s), str(t)) for s, t in d["removed_edges"]],
+                renamed={str(k): str(v) for k, v in d.get("renamed", {}).items()},
                 params_started=list(d["params_started"]),
                 params_stopped=list(d["params_stopped"]),
                 node_norm_ratios={k: float_from_json(v) for k, v in d["node_norm_ratios"].items()},
@@ -223,8 +235,192 @@ def _edge_keys(graph: BackwardGraph) -> list[tuple[str, str]]:
     return list(seen)
 
 
+def _neighbours(graph: BackwardGraph) -> dict[int, set[tuple[str, str]]]:
+    """Node id -> ``("in", key)`` of the nodes it receives gradient from, ``("out", key)`` of those it sends to."""
+    found: dict[int, set[tuple[str, str]]] = defaultdict(set)
+    for e in graph.edges:
+        found[e.src].add(("out", graph.nodes[e.dst].key))
+        found[e.dst].add(("in", graph.nodes[e.src].key))
+    return found
+
+
+_GONE = "\0gone"  # what an op of a call that has no counterpart is matched with: nothing
+#: Calls of one layer aligned at most (older x newer); beyond, call indices are taken as they are.
+_ALIGN_LIMIT = 250_000
+
+
+def _calls(graph: BackwardGraph) -> dict[str, dict[int, list[Node]]]:
+    """Layer path -> call index -> its op nodes."""
+    found: dict[str, dict[int, list[Node]]] = defaultdict(lambda: defaultdict(list))
+    for n in graph.nodes:
+        if n.kind == "op" and n.layer is not None:
+            found[n.layer][n.call].append(n)
+    return found
+
+
+def align_calls(older: BackwardGraph, newer: BackwardGraph) -> dict[str, str]:
+    """Older op key -> newer op key for layers called a different number of times.
+
+    A layer called once more (or less) before its other calls shifts their
+    call index, and with it every key of their ops. For each such layer
+    (shallowest first, so a block's calls are aligned before its
+    sublayers'), the calls of both graphs are aligned in order, each pair
+    scored by the neighbours outside the layer its ops share (parameters
+    left out: every call shares them); ties keep the call index. An op of an
+    aligned call takes the key with the newer call index; an op of an older
+    call left without a partner is mapped to a key no node has, so that it
+    shows as removed even when a newer call took its index. Layers called
+    more than about 500 times in both graphs are left as they are.
+
+    Example:
+        >>> from paddleviz_hooks.graph import Edge
+        >>> def chain(*ops):  # the loss, then each op feeding the one before (gradient-flow order)
+        ...     nodes = [Node(0, "root", "loss", "loss")] + [
+        ...         Node(i + 1, "op", "", op, layer=layer, call=call) for i, (op, layer, call) in enumerate(ops)]
+        ...     g = BackwardGraph(nodes, [Edge(i, i + 1) for i in range(len(ops))])
+        ...     g.assign_keys()
+        ...     return g
+        >>> relu = lambda call: ("Relu", "act", call)
+        >>> old = chain(("Mean", "", 0), relu(1), ("Tanh", "", 0), relu(0), ("Exp", "", 0))
+        >>> new = chain(("Mean", "", 0), relu(2), ("Tanh", "", 0), relu(1), relu(0), ("Exp", "", 0))  # act twice
+        >>> shifts = align_calls(old, new)
+        >>> sorted((k.split("#")[0], v.split("#")[0]) for k, v in shifts.items() if k != v)
+        [('op:act[1]/Relu', 'op:act[2]/Relu')]
+    """
+    old_calls, new_calls = _calls(older), _calls(newer)
+    layers = sorted((p for p in old_calls.keys() & new_calls.keys() if len(old_calls[p]) != len(new_calls[p])
+                     and len(old_calls[p]) * len(new_calls[p]) <= _ALIGN_LIMIT),
+                    key=lambda p: (p.count(".") + bool(p), p))
+    if not layers:
+        return {}
+    old_nb, new_nb = _neighbours(older), _neighbours(newer)
+    shifts: dict[str, str] = {}
+
+    def outside(nb: dict[int, set[tuple[str, str]]], ops: list[Node], layer: str, tr) -> set[tuple[str, str]]:
+        """Neighbours of a call's ops outside the layer and its sublayers (their call indices shift too)."""
+        inner = ("param:", "op:" + (layer or "<top>") + "[") + (("op:" + layer + ".",) if layer else ())
+        return {(way, tr(k)) for n in ops for way, k in nb.get(n.id, ()) if not k.startswith(inner)}
+
+    for layer in layers:
+        olds, news = sorted(old_calls[layer]), sorted(new_calls[layer])
+        octx = [outside(old_nb, old_calls[layer][c], layer, lambda k: shifts.get(k, k)) for c in olds]
+        nctx = [outside(new_nb, new_calls[layer][c], layer, lambda k: k) for c in news]
+        m, n = len(olds), len(news)
+        # best[i][j]: (shared neighbours, calls keeping their index) aligning olds[i:] with news[j:]
+        best = [[(0, 0)] * (n + 1) for _ in range(m + 1)]
+        for i in range(m - 1, -1, -1):
+            for j in range(n - 1, -1, -1):
+                b = best[i + 1][j + 1]
+                best[i][j] = max((b[0] + len(octx[i] & nctx[j]), b[1] + (olds[i] == news[j])),
+                                 best[i][j + 1], best[i + 1][j])
+        i = j = 0
+        while i < m:
+            b = best[i + 1][j + 1] if j < n else None
+            if b is not None and best[i][j] == (b[0] + len(octx[i] & nctx[j]), b[1] + (olds[i] == news[j])):
+                target, j = news[j], j + 1
+            elif j < n and best[i][j] == best[i][j + 1]:
+                j += 1
+                continue
+            else:
+                target = None
+            scope = "op:" + (layer or "<top>")
+            for op in old_calls[layer][olds[i]]:
+                rest = op.key.split("]/", 1)[1]
+                shifts[op.key] = _GONE + op.key if target is None else f"{scope}[{target}]/{rest}"
+            i += 1
+    return shifts
+
+
+def pair_leftovers(
+    older: BackwardGraph, newer: BackwardGraph, removed: list[Node], added: list[Node],
+    known: dict[str, str] | None = None,
+) -> dict[str, str]:
+    """Removed and added ops that are one node under two keys: older key -> newer key.
+
+    An op's key changes when an op is inserted right before it in its own
+    layer call (its signature names its inputs there), or when its layer is
+    called once more earlier (its call index shifts). Such a removed op and
+    such an added op ran in the same layer with the same op name and keep
+    their consumers (the nodes they receive gradient from); the inserted op
+    took over their inputs, so shared inputs alone prove nothing. In
+    rounds, the pairs in which each side shares more consumers with the
+    other than with any other candidate are made (then more neighbours of
+    any kind, then the same call index); when there is none, the one best
+    pair (then gradient-flow order). Each pair lets the nodes it feeds match
+    in the next round, until no pair is left. Ops sharing no consumer stay
+    removed and added.
+
+    Args:
+        older / newer: the two graphs, with keys.
+        removed / added: nodes whose key is only in ``older`` / ``newer``,
+            each in its graph's gradient-flow order.
+        known: older key -> newer key of nodes already paired otherwise
+            (:func:`align_calls`), used to compare neighbours.
+
+    Returns:
+        Older key -> newer key for every pair found here.
+
+    Example:
+        >>> from paddleviz_hooks.graph import Edge
+        >>> def chain(*ops):  # a loss and a chain of ops in layer "block"
+        ...     nodes = [Node(0, "root", "loss", "loss")] + [
+        ...         Node(i + 1, "op", op + "GradNode", op, layer="block") for i, op in enumerate(ops)]
+        ...     g = BackwardGraph(nodes, [Edge(i, i + 1) for i in range(len(ops))])
+        ...     g.assign_keys()
+        ...     return g
+        >>> old, new = chain("Tanh", "Relu"), chain("Tanh", "Exp", "Relu")  # Exp put before Tanh
+        >>> tanh = lambda g: next(n for n in g.nodes if n.op == "Tanh")
+        >>> tanh(old).key == tanh(new).key  # its input changed: so did its key
+        False
+        >>> pair_leftovers(old, new, [tanh(old)], [n for n in new.nodes if n.op in ("Tanh", "Exp")]) == {
+        ...     tanh(old).key: tanh(new).key}
+        True
+    """
+    old_nb, new_nb = _neighbours(older), _neighbours(newer)
+    # (layer, op, consumer key) -> added ops with that consumer: the only candidates worth scoring
+    by_consumer: dict[tuple, list[tuple[int, Node]]] = defaultdict(list)
+    for j, a in enumerate(added):
+        if a.kind == "op":
+            for way, k in new_nb.get(a.id, ()):
+                if way == "in":
+                    by_consumer[(a.layer, a.op, k)].append((j, a))
+    free_old = {n.key: (i, n) for i, n in enumerate(removed) if n.kind == "op"}
+    free_new = {a.key for group in by_consumer.values() for _, a in group}
+    renamed: dict[str, str] = dict(known or {})
+    found: dict[str, str] = {}
+    while free_old and free_new:
+        pairs = []
+        for i, o in free_old.values():
+            mine = {(way, renamed.get(k, k)) for way, k in old_nb.get(o.id, ())}
+            candidates = {j: a for way, k in mine if way == "in"
+                          for j, a in by_consumer.get((o.layer, o.op, k), ()) if a.key in free_new}
+            for j, a in candidates.items():
+                shared = mine & new_nb.get(a.id, set())
+                consumers = sum(1 for way, _ in shared if way == "in")
+                pairs.append(((-consumers, -len(shared), o.call != a.call), i, j, o.key, a.key))
+        if not pairs:
+            break
+        pairs.sort()
+        best_old: dict[str, list] = {}
+        best_new: dict[str, list] = {}
+        for score, _, _, ok, ak in pairs:
+            for best, mine_key, other in ((best_old, ok, ak), (best_new, ak, ok)):
+                if mine_key not in best or best[mine_key][0] == score:
+                    best.setdefault(mine_key, [score]).append(other)
+        # pairs each side prefers over all others first; a tie is settled one pair at a time,
+        # so that the pairs it allows weigh in on the rest
+        sure = [(ok, ak) for *_, ok, ak in pairs if best_old[ok][1:] == [ak] and best_new[ak][1:] == [ok]]
+        for ok, ak in sure or [pairs[0][-2:]]:
+            renamed[ok] = found[ok] = ak
+            del free_old[ok]
+            free_new.discard(ak)
+    return found
+
+
 def _ensure_keys(graph: BackwardGraph) -> None:
-    if any(not n.key for n in graph.nodes):
+    """Keys for a graph without them, or saved with keys of an older kind (not a collapsed one:
+    its boxes have keys of their own)."""
+    if not graph.keys_current() and not any(n.kind == "layer" for n in graph.nodes):
         graph.assign_keys()
 
 
@@ -248,7 +444,12 @@ def diff_graphs(
 
     Returns:
         A :class:`GraphDiff`. Lists of keys are in the newer graph's
-        gradient-flow order (removed ones in the older graph's order).
+        gradient-flow order (removed ones in the older graph's order). Ops
+        whose key differs only because of what was put next to them (a call
+        of their layer added before them: :func:`align_calls`; an op put
+        right before them in their layer call: :func:`pair_leftovers`) are
+        neither added nor removed (``GraphDiff.renamed``); their edges and
+        norms are compared as one node's.
 
     Raises:
         TypeError: an argument is not a :class:`BackwardGraph`.
@@ -280,17 +481,28 @@ def diff_graphs(
         return [g.nodes[i] for i in g.topo_order()]
 
     old_nodes, new_nodes = ordered(older), ordered(newer)
-    old_keys = {n.key for n in old_nodes}
+    renamed = align_calls(older, newer)
+
+    def same(key: str) -> str:  # an older key in the newer graph's terms
+        return renamed.get(key, key)
+
+    old_keys = {same(n.key) for n in old_nodes}
     new_keys = {n.key for n in new_nodes}
     added = [n for n in new_nodes if n.key not in old_keys]
-    removed = [n for n in old_nodes if n.key not in new_keys]
+    removed = [n for n in old_nodes if same(n.key) not in new_keys]
+    paired = pair_leftovers(older, newer, removed, added, renamed)
+    renamed.update(paired)
+    added = [n for n in added if n.key not in paired.values()]
+    removed = [n for n in removed if n.key not in paired]
 
     old_edges, new_edges = _edge_keys(older), _edge_keys(newer)
-    old_edge_set, new_edge_set = set(old_edges), set(new_edges)
+    old_as_new = {(same(a), same(b)) for a, b in old_edges}
+    new_edge_set = set(new_edges)
 
     old_params, new_params = older.params(), newer.params()
 
-    old_norms, new_norms = node_norms(older), node_norms(newer)
+    old_norms = {same(k): v for k, v in node_norms(older).items()}
+    new_norms = node_norms(newer)
     ratios = {}
     for n in new_nodes:
         r = norm_ratio(old_norms.get(n.key), new_norms.get(n.key))
@@ -306,10 +518,10 @@ def diff_graphs(
             layer_ratios[name] = r
 
     old_sites, new_sites = older.nonfinite_sites(), newer.nonfinite_sites()
-    old_site_keys = {n.key for n in old_sites}
+    old_site_keys = {same(n.key) for n in old_sites}
     new_site_keys = {n.key for n in new_sites}
     new_bad = [n for n in new_sites if n.key not in old_site_keys]
-    resolved = [n for n in old_sites if n.key not in new_site_keys]
+    resolved = [n for n in old_sites if same(n.key) not in new_site_keys]
     origin = None
     if new_sites:
         origin = {"key": new_sites[0].key, **_info(new_sites[0])}
@@ -324,8 +536,9 @@ def diff_graphs(
         newer_step=newer.meta.get("step"),
         added_nodes=[n.key for n in added],
         removed_nodes=[n.key for n in removed],
-        added_edges=[e for e in new_edges if e not in old_edge_set],
-        removed_edges=[e for e in old_edges if e not in new_edge_set],
+        added_edges=[e for e in new_edges if e not in old_as_new],
+        removed_edges=[e for e in old_edges if (same(e[0]), same(e[1])) not in new_edge_set],
+        renamed={k: v for k, v in renamed.items() if k != v and not v.startswith(_GONE)},
         params_started=[p for p in new_params if p not in old_params],
         params_stopped=[p for p in old_params if p not in new_params],
         node_norm_ratios=ratios,

@@ -11,8 +11,10 @@ leaves (parameters, inputs) are sinks.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import re
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable
@@ -257,7 +259,7 @@ class BackwardGraph:
         ...            Node(2, "param", "GradNodeAccumulation", "Parameter", param="fc.weight")],
         ...     edges=[Edge(0, 1), Edge(1, 2, grad=GradMeta((3, 2), "float32", norm=2.0))])
         >>> g.assign_keys(); [n.key for n in g.nodes]
-        ['root#0', 'op:?[0]/Matmul#0', 'param:fc.weight']
+        ['root#0', 'op:?[0]/Matmul#cea5c0', 'param:fc.weight']
         >>> g.global_grad_norm()
         2.0
         >>> BackwardGraph.from_json(g.to_json()) == g
@@ -426,42 +428,92 @@ class BackwardGraph:
     def assign_keys(self) -> None:
         """Give every node a key that is stable across steps and processes.
 
-        Keys are built from what does not change between two runs of the same
-        code path: the layer path and call index, the op name and the node's
-        position among nodes with the same layer call and op, the parameter
-        name for parameter leaves. Memory addresses never enter a key.
-
-        Positions count in depth-first pre-order from the roots, following
-        each node's inputs in slot order. Breadth-first order would depend on
-        the distance to the loss, so ops inserted on one branch (a block
-        that runs only on some steps) would renumber same-named ops on the
-        other branches; depth-first order only changes where branching
-        itself changes.
+        An op's key is ``op:<layer>[<call>]/<Op>#<signature>``: the layer path
+        and call index that ran it, its op name, and six hex digits naming
+        its local structure. The signature is a hash (the same in every
+        process) of the op and, in slot order, its inputs as far as they lie
+        inside its own layer: the parameters it consumes (named relative to
+        the layer, so sibling blocks ``layers.0``, ``layers.1`` get the same
+        signatures), ops of the same layer call (by their own signature, up
+        to three ops back) and ops of sublayers (by their relative path).
+        Inputs from outside the layer are left out. So ops inserted anywhere
+        else, before or after, in another layer or on another branch, change
+        no key; an op inserted right before an op of the same layer call
+        changes that op's key (the diff pairs such nodes again by their
+        neighbours, see :func:`paddleviz_hooks.diff.diff_graphs`). Only where
+        two nodes of one layer call share op and signature does a position
+        decide: ``.1``, ``.2``... in depth-first order from the roots.
+        Parameter leaves are ``param:<name>``; the root and input leaves are
+        numbered in depth-first order (``root#0``, ``input#0``). Memory
+        addresses never enter a key.
         """
-        seen: dict[tuple, int] = defaultdict(int)
-        for n in self._dfs_order():
+        children = self._children()
+        sigs = self._signatures(children)
+        seen: dict[str, int] = defaultdict(int)
+        for n in self._dfs_order(children):
             if n.kind == "param" and n.param is not None:
                 n.key = "param:" + n.param
                 continue
             if n.kind == "op":
                 scope = "?" if n.layer is None else (n.layer or "<top>")
-                group = (n.kind, scope, n.call, n.op)
-                base = f"op:{scope}[{n.call}]/{n.op}"
+                base = f"op:{scope}[{n.call}]/{n.op}#{sigs[n.id]}"
+                k = seen[base]
+                n.key = base if k == 0 else f"{base}.{k}"
             else:
-                group = (n.kind,)
                 base = n.kind
-            n.key = f"{base}#{seen[group]}"
-            seen[group] += 1
+                n.key = f"{base}#{seen[base]}"
+            seen[base] += 1
 
-    def _dfs_order(self) -> list[Node]:
-        """Nodes in depth-first pre-order from the sources (roots), inputs in slot order."""
+    def keys_current(self) -> bool:
+        """Whether every node has a key of the kind :meth:`assign_keys` gives now.
+
+        Graphs saved by versions before op keys carried a signature (``#0``
+        instead of ``#df082a``) need :meth:`assign_keys` before they can be
+        compared with new captures.
+        """
+        return all(n.key and (n.kind != "op" or _SIGNED_KEY.search(n.key)) for n in self.nodes)
+
+    def _children(self) -> dict[int, list[Edge]]:
+        """Node id -> edges leaving it (its inputs in the forward pass), in slot order."""
         children: dict[int, list[Edge]] = defaultdict(list)
-        has_in: set[int] = set()
         for e in self.edges:
             children[e.src].append(e)
-            has_in.add(e.dst)
         for outs in children.values():
             outs.sort(key=lambda e: e.slot)
+        return children
+
+    def _signatures(self, children: dict[int, list[Edge]], depth: int = 3) -> dict[int, str]:
+        """Op node id -> hash of its op and its inputs inside its own layer (see :meth:`assign_keys`)."""
+        ops = [n for n in self.nodes if n.kind == "op"]
+        fixed: dict[int, list[tuple]] = {}  # level-independent inputs, (slot, what)
+        local: dict[int, list[tuple[int, int]]] = {}  # inputs of the same layer call, (slot, id)
+        for n in ops:
+            layer, own, loc = n.layer, [], []
+            for e in children.get(n.id, ()):
+                c = self.nodes[e.dst]
+                if c.kind == "param" and c.param is not None:
+                    own.append((e.slot, "p", _relative(c.param, layer)))
+                elif c.kind == "op" and c.layer == layer and c.call == n.call:
+                    loc.append((e.slot, c.id))
+                elif c.kind == "op" and c.layer is not None and _below(c.layer, layer):
+                    own.append((e.slot, "b", _relative(c.layer, layer)))
+            fixed[n.id], local[n.id] = own, loc
+        sig = {n.id: n.op for n in ops}
+        for _ in range(depth):
+            sig = {
+                n.id: hashlib.blake2b(
+                    repr((n.op, fixed[n.id], [(slot, sig[c]) for slot, c in local[n.id]])).encode("utf-8"),
+                    digest_size=8,
+                ).hexdigest()
+                for n in ops
+            }
+        return {i: h[:6] for i, h in sig.items()}
+
+    def _dfs_order(self, children: dict[int, list[Edge]] | None = None) -> list[Node]:
+        """Nodes in depth-first pre-order from the sources (roots), inputs in slot order."""
+        if children is None:
+            children = self._children()
+        has_in = {e.dst for e in self.edges}
         starts = [n.id for n in self.nodes if n.id not in has_in]
         seen: set[int] = set()
         order: list[Node] = []
@@ -531,6 +583,21 @@ class BackwardGraph:
             f"BackwardGraph({len(self.nodes)} nodes, {len(self.edges)} edges, "
             f"step={self.meta.get('step')})"
         )
+
+
+_SIGNED_KEY = re.compile(r"#[0-9a-f]{6}(\.\d+)?$")
+
+
+def _below(path: str, layer: str | None) -> bool:
+    """Whether layer ``path`` is a sublayer of ``layer`` (None: outside the model, so any layer is)."""
+    return layer is None or (path != layer and (layer == "" or path.startswith(layer + ".")))
+
+
+def _relative(name: str, layer: str | None) -> str:
+    """A parameter or layer name relative to ``layer`` when it lies below it (``^`` marks one that does not)."""
+    if not layer:
+        return name
+    return name[len(layer) + 1:] if name.startswith(layer + ".") else "^" + name
 
 
 def parse_json(text: str | bytes) -> Any:

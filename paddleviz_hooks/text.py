@@ -30,6 +30,7 @@ __all__ = [
     "fmt_num",
     "fmt_ratio",
     "fmt_shape",
+    "ghost_lines",
     "graph_summary",
     "layer_name",
     "node_lines",
@@ -207,6 +208,23 @@ def call_of(call: int, calls: int) -> str:
     return f" (call {call + 1} of {calls})" if calls > 1 else ""
 
 
+def ghost_lines(node: Node) -> list[str]:
+    """The label of a removed node drawn in a diff (a ghost): what it was, where, ``(removed)``.
+
+    A ghost sits outside the layer frames of the drawing, so an op names its
+    layer itself.
+
+    Example:
+        >>> ghost_lines(Node(7, "op", "AddGradNode", "Add", layer=""))
+        ['Add', 'in <top>', '(removed)']
+        >>> ghost_lines(Node(8, "op", "MeanGradNode", "Mean"))
+        ['Mean', 'outside the model', '(removed)']
+    """
+    if node.kind == "op":
+        return [node.op or "?", node_where(node.layer, node.call), "(removed)"]
+    return node_lines(node) + ["(removed)"]
+
+
 def box_lines(node: Node) -> list[str]:
     """Label of a collapsed layer box: path (call k of n), class (x N), op and
     parameter count, norm."""
@@ -327,6 +345,9 @@ def diff_summary(diff: GraphDiff) -> str:
             lines.append(f"new ops: {_names(ops_added)};")
         if ops_removed:
             lines.append(f"ops gone: {_names(ops_removed)};")
+        if diff.renamed:
+            lines.append(f"{plural(len(diff.renamed), 'op')} kept under a new key "
+                         "(an input in its layer or its call index changed);")
     if diff.params_started:
         lines.append(f"parameters now receiving gradient: {_names(diff.params_started)};")
     if diff.params_stopped:

@@ -5,7 +5,7 @@ The picture is the newer graph drawn by :func:`~paddleviz_hooks.render.dot.dot_p
 
 * added nodes and edges: green, bold (``node_style`` / ``edge_style``);
 * removed nodes and edges: dashed grey ghosts taken from the older graph
-  (``extra_body``);
+  (``extra_body``), labelled with their op and layer;
 * a gradient whose norm changed more than ``diff.threshold`` times: the edge
   is coloured (orange up, blue down) and labelled ``x12.3``;
 * a second legend explaining the marks.
@@ -24,7 +24,7 @@ from ..collapse import collapse_graph
 from ..diff import GraphDiff, diff_graphs, norm_ratio
 from ..escape import dot_attrs, dot_html_table, dot_label
 from ..graph import BackwardGraph, merge_grad_metas
-from ..text import describe_node, edge_lines, fmt_num, fmt_ratio, node_lines
+from ..text import collapse_note, describe_node, edge_lines, fmt_num, fmt_ratio, ghost_lines
 from .dot import to_dot
 from .draw import render_png, render_svg
 
@@ -53,11 +53,14 @@ def _check(diff: Any, newer: Any, older: Any) -> None:
             raise TypeError(f"{name} must be a BackwardGraph, got {type(g).__name__}")
 
 
-def _edge_metas(graph: BackwardGraph) -> dict[tuple[str, str], Any]:
+def _edge_metas(graph: BackwardGraph, renamed: dict[str, str] | None = None) -> dict[tuple[str, str], Any]:
+    """(src key, dst key) -> gradient metadata; keys through ``renamed`` when given."""
+    renamed = renamed or {}
+    keys = [renamed.get(n.key, n.key) for n in graph.nodes]
     groups: dict[tuple[str, str], list] = {}
     for e in graph.edges:
         if e.grad is not None:
-            groups.setdefault((graph.nodes[e.src].key, graph.nodes[e.dst].key), []).append(e.grad)
+            groups.setdefault((keys[e.src], keys[e.dst]), []).append(e.grad)
     return {k: merge_grad_metas(v) for k, v in groups.items()}
 
 
@@ -81,7 +84,7 @@ def diff_styles(
     for pair in diff.added_edges:
         edge_style[pair] = dict(DIFF_STYLE["added_edge"])
 
-    old_metas, new_metas = _edge_metas(older), _edge_metas(newer)
+    old_metas, new_metas = _edge_metas(older, diff.renamed), _edge_metas(newer)
     added_edges = set(diff.added_edges)
     for pair, new in new_metas.items():
         old = old_metas.get(pair)
@@ -108,8 +111,9 @@ def diff_styles(
         ghost_ids[key] = gid
         attrs = dict(DIFF_STYLE["removed_node"])
         attrs["tooltip"] = f"removed: {describe_node(n)} | {n.name} | key: {n.key}"
-        extra.append(f"{gid} [label={dot_label(*node_lines(n), '(removed)')}, {dot_attrs(attrs)}]")
+        extra.append(f"{gid} [label={dot_label(*ghost_lines(n))}, {dot_attrs(attrs)}]")
     for src, dst in diff.removed_edges:
+        src, dst = diff.renamed.get(src, src), diff.renamed.get(dst, dst)
         a = new_ids.get(src) or ghost_ids.get(src)
         b = new_ids.get(dst) or ghost_ids.get(dst)
         if a is None or b is None:
@@ -269,23 +273,50 @@ def render_diff(
             raise FileNotFoundError(f"directory {directory!r} does not exist; create it first")
     if fmt == "json":
         data = diff.to_json(indent=1).encode("utf-8")
+    elif fmt == "png":
+        data = _png(diff, newer, older, options)
     else:
         opts = dict(options)
         diff, newer, older = _collapsed(diff, newer, older, opts)
         opts = _diff_options(diff, newer, older, opts)
+        opts.pop("max_px", None)
         if fmt == "dot":
             opts.pop("timeout", None)
-            opts.pop("max_px", None)
             data = to_dot(newer, **opts).encode("utf-8")
-        elif fmt == "svg":
-            opts.pop("max_px", None)
-            data = render_svg(newer, **opts)
         else:
-            data = render_png(newer, **opts)
+            data = render_svg(newer, **opts)
     if path is None:
         return data
     atomic_write(path, data)
     return path
+
+
+def _png(diff: GraphDiff, newer: BackwardGraph, older: BackwardGraph, options: dict[str, Any]) -> bytes:
+    """The viewing PNG of a diff drawing.
+
+    When :func:`render_png` collapses the newer graph to keep it legible,
+    the marks made for the ops would name nothing in the drawing: the diff
+    is taken again with both graphs collapsed to the depth it chose, so a
+    new layer is a green box and a removed one a ghost box.
+    """
+    opts = dict(options)
+    given = opts.pop("info", None)
+    info = given if isinstance(given, dict) else {}
+    collapse = {k: opts[k] for k in _COLLAPSE_KEYS if k in opts}
+    d, n, o = _collapsed(diff, newer, older, opts)
+    data = render_png(n, info=info, **_diff_options(d, n, o, dict(opts)))
+    if info.get("collapsed_depth") is None:
+        info.update(collapsed_depth=n.meta.get("collapse", {}).get("depth") if n is not newer else None,
+                    folded=bool(collapse.get("fold_repeats")))
+        return data
+    collapse.update(depth=info["collapsed_depth"], max_nodes=None,
+                    fold_repeats=bool(info["folded"] or collapse.get("fold_repeats")))
+    d, n, o = _collapsed(diff, newer, older, {**opts, **collapse})
+    styled = _diff_options(d, n, o, dict(opts))
+    styled["title"] += " - " + collapse_note(n, newer)
+    data = render_png(n, auto_collapse=False, info=info, **styled)
+    info.update(collapsed_depth=collapse["depth"], folded=collapse["fold_repeats"])
+    return data
 
 
 def render_diff_png(
@@ -296,7 +327,9 @@ def render_diff_png(
     Args:
         diff / newer / older: as for :func:`render_diff`.
         **options: ``max_px``, ``timeout``, collapse options (``max_nodes``
-            ...) and drawing options.
+            ...) and drawing options; ``info``: a dict filled as
+            :func:`render_png` fills it, where ``collapsed_depth`` and
+            ``folded`` say how both graphs were collapsed.
 
     Example:
         >>> import paddle, tempfile, os

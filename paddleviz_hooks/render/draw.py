@@ -389,7 +389,8 @@ def render_png(
         timeout: seconds per engine run before it is killed.
         auto_collapse: collapse an illegibly large graph (see above).
         info: a dict to fill with the decisions taken: ``nodes`` drawn,
-            ``collapsed_depth`` (None when not collapsed), ``dpi``,
+            ``collapsed_depth`` (None when not collapsed), ``folded`` (repeated
+            layers folded into one box), ``dpi``,
             ``rankdir``, ``bands`` (columns of a wrapped strip), ``padded``.
         **options: collapse options (``depth``, ``by_type``, ``fold_repeats``,
             ``max_nodes``) and drawing options (``stats``, ``clusters``,
@@ -459,6 +460,7 @@ def render_png(
         info.update(
             nodes=len(drawn.nodes),
             collapsed_depth=drawn.meta.get("collapse", {}).get("depth") if drawn is not graph else None,
+            folded=drawn is not graph and bool(drawn.meta.get("collapse", {}).get("fold_repeats")),
             dpi=round(plan.dpi, 3), rankdir=plan.rankdir, bands=plan.bands, padded=bool(pad),
         )
     # -Gsize caps the bitmap at max_px even when labels of a reused plan grew a little
