@@ -22,7 +22,7 @@ safely), and so is a ``Tensor[]`` input that takes no gradient (the integer
 
 from __future__ import annotations
 
-__all__ = ["hook_hazard", "MULTI_TENSOR_INPUT", "UNMEASURED", "NEVER_FIRES_PREFIXES"]
+__all__ = ["hook_hazard", "MULTI_TENSOR_INPUT", "UNMEASURED", "NEVER_FIRES_PREFIXES", "PROGRAM_OP_NOTE"]
 
 #: Measured: hooking these makes ``backward()`` raise (op cases in brackets).
 MULTI_TENSOR_INPUT = frozenset(
@@ -55,6 +55,12 @@ UNMEASURED = frozenset(
 #: ``paddle.jit.to_static``). Harmless, but the node would claim to be hooked
 #: and then report no gradient, so it is not hooked.
 NEVER_FIRES_PREFIXES = ("GradNodePyLayer_", "Dy2StGradNode")
+
+#: The note of an op inside a ``to_static`` program (``capture/static.py``
+#: opens the program behind a ``Dy2StGradNode``): it is a real op of the
+#: program, but the program runs as a whole and no gradient inside it can be
+#: seen.
+PROGRAM_OP_NOTE = "inside a compiled program: not observed"
 
 
 def hook_hazard(node_name: str) -> str | None:

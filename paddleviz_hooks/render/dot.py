@@ -7,7 +7,8 @@ from collections import defaultdict
 from typing import Any, Mapping
 
 from ..escape import dot_attrs, dot_html_table, dot_label, dot_quote
-from ..graph import BackwardGraph, Node
+from ..graph import BackwardGraph, Edge, Node
+from ..hazards import PROGRAM_OP_NOTE
 from ..text import NOT_OBSERVED, edge_lines, layer_name, node_lines, node_tooltip
 
 __all__ = ["to_dot", "dot_parts", "STYLE"]
@@ -104,10 +105,11 @@ def dot_parts(
     keys = {n.id: n.key for n in graph.nodes}
     for e in graph.edges:
         attrs: dict[str, str] = {}
-        text = edge_lines(e.grad, stats)
+        seen = _observed(graph, e)
+        text = edge_lines(e.grad, stats, seen)
         if text:
             attrs["label"] = "\n".join(text)
-        if e.grad is None:
+        if e.grad is None or not seen:
             attrs.update({"style": "dashed", "fontcolor": "#777777"})
         elif e.grad.nonfinite:
             attrs.update({"color": "#d00000", "fontcolor": "#d00000", "penwidth": "2"})
@@ -122,6 +124,16 @@ def dot_parts(
     if legend:
         body.append(_legend(stats))
     return graph_attr, body
+
+
+def _observed(graph: BackwardGraph, e: Edge) -> bool:
+    """False for a gradient with a known shape whose values no hook saw: one
+    that leaves an op inside a compiled program (or enters one) and carries
+    no statistics."""
+    if e.grad is None or e.grad.norm is not None or not graph.meta.get("grad_stats"):
+        return e.grad is not None
+    src, dst = graph.nodes[e.src], graph.nodes[e.dst]
+    return PROGRAM_OP_NOTE not in (src.note, dst.note)
 
 
 def _cluster_lines(graph: BackwardGraph, by_layer: dict[str | None, list[Node]], node_stmt) -> list[str]:

@@ -1,0 +1,324 @@
+"""``paddle.jit.to_static`` programs opened up: the ops behind a ``Dy2StGradNode``.
+
+Under ``to_static`` a whole compiled program is one ``Dy2StGradNode`` in the
+backward graph, and hooks on it never fire. Two things make it readable:
+
+* :class:`ProgramRuns` chains a recorder into Paddle's run hook
+  (``PartialProgramLayer.HOOKED_RUN_IMPL``, one slot, called for every
+  program run in both SOT and AST mode) for the duration of a capture. Each
+  run maps the ``Dy2StGradNode`` of its outputs to the program layer that ran
+  it, and remembers which grad nodes its inputs came from. The map is reset
+  after every backward (node addresses are reused).
+* :func:`describe_program` reads that layer's backward program (op names,
+  shapes, dtypes, which op feeds which, which op produces each input and
+  parameter gradient) into plain Python, cached per program;
+  :meth:`ProgramRuns.open` splices it into a :class:`~.gradnode.Walk` in
+  place of the node's direct edges: the node feeds the ops that receive
+  its output gradients, and the ops that produce input and parameter
+  gradients feed the node's ``next_functions``.
+
+Gradient values inside a program cannot be seen: its ops are drawn
+unhooked, with the note :data:`~paddleviz_hooks.hazards.PROGRAM_OP_NOTE`.
+Parameter gradients behind it are still exact: the capture's parameter hooks
+fire under ``to_static`` too.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ..graph import Edge, GradMeta, Node
+from ..hazards import PROGRAM_OP_NOTE
+from .gradnode import Walk, dtype_name, grad_fn, has_graph
+
+__all__ = ["ProgramRuns", "ProgramOps", "describe_program", "DY2ST_NODE"]
+
+#: Paddle's grad node class name for a ``to_static`` program.
+DY2ST_NODE = "Dy2StGradNode"
+
+
+def _partial_program_layer() -> Any:
+    """Paddle's ``PartialProgramLayer`` class, or None where it has no run hook."""
+    try:
+        from paddle.jit.dy2static.pir_partial_program import PartialProgramLayer
+    except Exception:
+        return None
+    return PartialProgramLayer if hasattr(PartialProgramLayer, "HOOKED_RUN_IMPL") else None
+
+
+# --------------------------------------------------------------------------
+# describing a backward program
+# --------------------------------------------------------------------------
+@dataclass
+class ProgramOps:
+    """A backward program as plain data (no Paddle objects).
+
+    Attributes:
+        ops: per op, (Paddle op name, program names of the parameters among
+            its operands).
+        edges: (producer op, consumer op, result index, shape, dtype): a
+            gradient computed by one op and used by another.
+        entries: (consumer op, output-gradient index, shape, dtype): where the
+            gradients the program receives (``output_grad_k``) go in.
+        exits: program value name (``input_grad_k``, ``param_grad_k``) ->
+            (producer op, result index).
+        input_grads: ``input_grad_k`` names, one per program input (None
+            where the input takes no gradient).
+        param_grads: parameter program name -> its ``param_grad_k`` name.
+    """
+
+    ops: list[tuple[str, tuple[str, ...]]] = field(default_factory=list)
+    edges: list[tuple[int, int, int, tuple[int, ...] | None, str | None]] = field(default_factory=list)
+    entries: list[tuple[int, int, tuple[int, ...] | None, str | None]] = field(default_factory=list)
+    exits: dict[str, tuple[int, int]] = field(default_factory=dict)
+    input_grads: list[str | None] = field(default_factory=list)
+    param_grads: dict[str, str] = field(default_factory=dict)
+
+
+_DESCRIBED: "weakref.WeakKeyDictionary[Any, tuple[int, ProgramOps]]" = weakref.WeakKeyDictionary()
+
+
+def _value_meta(v: Any) -> tuple[tuple[int, ...] | None, str | None]:
+    try:
+        return tuple(int(s) for s in v.shape), dtype_name(v.dtype)
+    except Exception:  # a vector or other non-dense value
+        return None, None
+
+
+def describe_program(ppl: Any) -> ProgramOps:
+    """The backward program run by a ``PartialProgramLayer``, cached per program.
+
+    Builtin ops (``builtin.combine``, ``builtin.split``, ``shadow_output``)
+    are looked through, not shown. Only ops a received gradient reaches are
+    kept: shape and constant ops that no gradient flows through are left out.
+
+    Args:
+        ppl: the ``PartialProgramLayer`` (from the run hook).
+
+    Returns:
+        A :class:`ProgramOps`.
+    """
+    program = ppl.train_program  # not .program: that one follows the train/eval flag
+    cached = _DESCRIBED.get(ppl)
+    if cached is not None and cached[0] == id(program):
+        return cached[1]
+    names = program.program_name_attr
+    block = program.backward_program.global_block()
+    arg_name = {v.id: k for k, v in block.kwargs().items()}
+    out = ProgramOps()
+    index: dict[int, int] = {}  # PIR op id -> our op index
+    reached: set[int] = set()
+    for op in block.ops:
+        name = op.name()
+        if name.startswith("builtin."):
+            if name == "builtin.shadow_output":
+                src = _producer(op.operands_source()[0], index)
+                if src is not None:
+                    out.exits[op.attrs().get("output_name", "")] = src
+            continue
+        grads: list[tuple[Any, int, int]] = []  # (value, producer, result index)
+        entries: list[tuple[Any, int]] = []
+        params: list[str] = []
+        for v in _sources(op.operands_source()):
+            d = v.get_defining_op()
+            if d is None:
+                arg = arg_name.get(v.id, "")
+                if arg.startswith("output_grad_"):
+                    entries.append((v, int(arg.rsplit("_", 1)[1])))
+                elif arg in names.get("fp", ()):
+                    params.append(arg)
+            elif d.id() in index and index[d.id()] in reached:
+                grads.append((v, index[d.id()], v.index()))
+        if not grads and not entries:
+            continue  # no received gradient flows through this op
+        i = len(out.ops)
+        index[op.id()] = i
+        reached.add(i)
+        out.ops.append((name, tuple(params)))
+        for v, k in entries:
+            out.entries.append((i, k, *_value_meta(v)))
+        for v, src, res in grads:
+            out.edges.append((src, i, res, *_value_meta(v)))
+    out.input_grads = [g if g != "Fake_var" else None for g in names.get("bx_g", ())]
+    out.param_grads = {p: g for p, g in zip(names.get("fp", ()), names.get("bp_g", ())) if g != "Fake_var"}
+    _DESCRIBED[ppl] = (id(program), out)
+    return out
+
+
+def _sources(values: list[Any]) -> list[Any]:
+    """Operands with ``builtin.combine``/``builtin.split`` looked through."""
+    flat: list[Any] = []
+    todo = list(values)
+    while todo:
+        v = todo.pop(0)
+        d = v.get_defining_op()
+        if d is not None and d.name() in ("builtin.combine", "builtin.split", "builtin.slice"):
+            todo[:0] = d.operands_source()
+        else:
+            flat.append(v)
+    return flat
+
+
+def _producer(v: Any, index: dict[int, int]) -> tuple[int, int] | None:
+    vs = _sources([v])
+    if len(vs) != 1:
+        return None
+    d = vs[0].get_defining_op()
+    if d is None or d.id() not in index:
+        return None
+    return index[d.id()], vs[0].index()
+
+
+# --------------------------------------------------------------------------
+# seeing program runs
+# --------------------------------------------------------------------------
+class ProgramRuns:
+    """Records, while installed, which program each ``Dy2StGradNode`` runs.
+
+    Args:
+        warn: ``warn(cause, message)``, called when recording a run fails
+            (the run itself always goes on).
+
+    Example:
+        >>> runs = ProgramRuns(lambda cause, msg: None)
+        >>> runs.install(); runs.remove()
+        >>> from paddle.jit.dy2static.pir_partial_program import PartialProgramLayer
+        >>> PartialProgramLayer.HOOKED_RUN_IMPL is None
+        True
+    """
+
+    def __init__(self, warn: Callable[[str, str], None]) -> None:
+        self._warn = warn
+        self._runs: dict[int, tuple[Any, list[int | None]]] = {}  # node address -> (ppl, input node addresses)
+        self._hook: Callable | None = None
+        self._prev: Callable | None = None
+        self._on = False
+
+    def install(self) -> None:
+        """Chain the recorder in front of whatever run hook is already there."""
+        cls = _partial_program_layer()
+        if cls is None or self._hook is not None:
+            return
+        prev = cls.HOOKED_RUN_IMPL
+
+        def hook(run, inputs, parameters, attrs):
+            outs = prev(run, inputs, parameters, attrs) if prev is not None else run(inputs, parameters, attrs)
+            if self._on:
+                try:
+                    self._record(run, inputs, outs)
+                except Exception as exc:  # never break the forward
+                    self._warn("to_static", f"a to_static program run could not be recorded: {exc!r}")
+            return outs
+
+        self._prev, self._hook, self._on = prev, hook, True
+        cls.HOOKED_RUN_IMPL = hook
+
+    def remove(self) -> None:
+        """Put the previous run hook back (ours only passes through if another was chained on top)."""
+        self._on = False
+        self._runs.clear()
+        cls = _partial_program_layer()
+        if cls is not None and self._hook is not None and cls.HOOKED_RUN_IMPL is self._hook:
+            cls.HOOKED_RUN_IMPL = self._prev
+        self._hook = self._prev = None
+
+    def reset(self) -> None:
+        """Forget the runs seen so far (after each backward: node addresses are reused)."""
+        self._runs.clear()
+
+    def _record(self, run: Any, inputs: Any, outs: Any) -> None:
+        ppl = getattr(run, "__self__", None)
+        if ppl is None:
+            return
+        in_ptrs = [grad_fn(t).node_ptr() if has_graph(t) else None for t in (inputs or ())]
+        for t in outs if isinstance(outs, (list, tuple)) else (outs,):
+            gf = grad_fn(t)
+            if gf is not None and gf.name() == DY2ST_NODE:
+                self._runs[gf.node_ptr()] = (ppl, in_ptrs)
+
+    # ------------------------------------------------------------ splicing
+    def open(self, walk: Walk) -> int:
+        """Splice the program ops of every recorded ``Dy2StGradNode`` into ``walk``.
+
+        Args:
+            walk: a fresh walk (wrappers still held).
+
+        Returns:
+            How many program nodes were opened.
+        """
+        opened = 0
+        for nid in range(len(walk.nodes)):
+            node = walk.nodes[nid]
+            if node.kind != "op" or node.name != DY2ST_NODE or walk.wrappers[nid] is None:
+                continue
+            run = self._runs.get(walk.wrappers[nid].node_ptr())
+            if run is None:
+                continue
+            try:
+                _splice(walk, nid, describe_program(run[0]), run[0], run[1])
+                opened += 1
+            except Exception as exc:
+                self._warn("to_static", f"a to_static program could not be opened; it stays one node: {exc!r}")
+        return opened
+
+
+def _splice(walk: Walk, nid: int, desc: ProgramOps, ppl: Any, in_ptrs: list[int | None]) -> None:
+    dy2st = walk.nodes[nid]
+    # which program gradient each of the node's next functions receives
+    wanted: dict[int, list[str]] = {}
+    for k, ptr in enumerate(in_ptrs):
+        if ptr is not None and k < len(desc.input_grads) and desc.input_grads[k] is not None:
+            wanted.setdefault(ptr, []).append(desc.input_grads[k])
+    layer_of_param: dict[str, str | None] = {}
+    for p in getattr(ppl, "_params", ()):
+        gf = grad_fn(p)
+        if gf is None:
+            continue
+        ptr = gf.node_ptr()
+        if p.name in desc.param_grads:
+            wanted.setdefault(ptr, []).append(desc.param_grads[p.name])
+        leaf = next((walk.nodes[e.dst] for e in walk.out_edges.get(nid, ())
+                     if walk.wrappers[e.dst] is not None and walk.wrappers[e.dst].node_ptr() == ptr), None)
+        if leaf is not None and leaf.param is not None and dy2st.layer is not None:
+            layer_of_param[p.name] = leaf.param.rsplit(".", 1)[0] if "." in leaf.param else ""
+
+    base = len(walk.nodes)
+    for name, params in desc.ops:
+        layers = {layer_of_param.get(p) for p in params} - {None}
+        node = Node(len(walk.nodes), "op", name, name.split(".", 1)[-1], note=PROGRAM_OP_NOTE)
+        if len(layers) == 1:
+            node.layer = layers.pop()
+        else:
+            node.layer, node.call = dy2st.layer, dy2st.call
+        walk.nodes.append(node)
+        walk.wrappers.append(None)
+        walk.out_edges[node.id] = []
+
+    def add(src: int, dst: int, slot: int, grad: GradMeta | None) -> Edge:
+        e = Edge(src, dst, slot, grad)
+        walk.edges.append(e)
+        walk.out_edges.setdefault(src, []).append(e)
+        return e
+
+    old = walk.out_edges.get(nid, [])
+    kept, dropped = [], set()
+    for e in old:
+        ptr = walk.wrappers[e.dst].node_ptr() if walk.wrappers[e.dst] is not None else None
+        producers = [desc.exits[g] for g in wanted.get(ptr, ()) if g in desc.exits]
+        if not producers:
+            kept.append(e)  # a gradient the program passes straight through, or not mapped
+            continue
+        dropped.add(id(e))
+        for op, res in producers:
+            add(base + op, e.dst, res, None)
+    walk.edges[:] = [e for e in walk.edges if id(e) not in dropped]
+    walk.out_edges[nid] = []
+    for slot, (op, k, shape, dtype) in enumerate(desc.entries):
+        add(nid, base + op, slot, GradMeta(shape, dtype))
+    for e in kept:
+        e.slot += len(desc.entries)
+        walk.out_edges[nid].append(e)
+    for src, dst, res, shape, dtype in desc.edges:
+        add(base + src, base + dst, res, GradMeta(shape, dtype))

@@ -1,0 +1,194 @@
+"""``paddle.jit.to_static`` models: the compiled program is opened, its numbers are exact.
+
+Under to_static the whole model is one ``Dy2StGradNode``. The capture opens it
+into the program's backward ops (drawn as not observed), connects them to the
+parameters they produce gradients for, keeps every parameter's gradient exact
+(the parameter hooks fire under to_static), shows NaN/Inf, changes no
+gradient and leaves Paddle's program run hook as it found it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import paddle
+import paddle.nn as nn
+import paddle.nn.functional as F
+import pytest
+from paddle.jit.dy2static.pir_partial_program import PartialProgramLayer
+
+from paddleviz_hooks import capture_backward, summarize
+from paddleviz_hooks.hazards import PROGRAM_OP_NOTE
+from paddleviz_hooks.render import to_dot
+
+MODES = {"sot": False, "full_graph": True}
+
+
+class ConvMLP(nn.Layer):
+    """Two convolutions, a BatchNorm, three Linears: well over SOT's 10-op minimum."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2D(3, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2D(4)
+        self.conv2 = nn.Conv2D(4, 4, 3, padding=1)
+        self.fc1 = nn.Linear(4 * 8 * 8, 16)
+        self.fc2 = nn.Linear(16, 16)
+        self.fc3 = nn.Linear(16, 3)
+
+    def forward(self, x):
+        h = F.relu(self.bn(self.conv(x)))
+        h = F.relu(self.conv2(h)) + h
+        h = paddle.tanh(self.fc1(h.flatten(1)))
+        h = F.gelu(self.fc2(h)) * h
+        return self.fc3(h)
+
+
+def _model(full_graph: bool):
+    paddle.seed(0)
+    net = ConvMLP()
+    return net, paddle.jit.to_static(net, full_graph=full_graph)
+
+
+def _input(nan: bool = False):
+    paddle.seed(1)
+    x = paddle.randn([2, 3, 8, 8])
+    if nan:
+        x[0, 0, 0, 0] = float("nan")
+    return x
+
+
+def _step(static, x):
+    out = static(x)
+    loss = (out * out).mean()
+    loss.backward()
+
+
+def _capture(net, static, x):
+    net.clear_gradients()
+    with capture_backward(net) as cap:
+        _step(static, x)
+    return cap.graph
+
+
+def _norm64(t) -> float:
+    return float(np.linalg.norm(t.numpy().astype("float64").ravel()))
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_program_opened_into_its_grad_ops(mode):
+    net, static = _model(MODES[mode])
+    g = _capture(net, static, _input())
+    ops = g.count_ops()
+    assert ops.get("Dy2St") == 1, ops  # the model ran as one program, also under capture
+    program = [n for n in g.nodes if n.note == PROGRAM_OP_NOTE]
+    assert program and all(n.kind == "op" and not n.hooked for n in program)
+    # at least one grad op per Linear and per Conv2D, each placed in its layer
+    assert sorted(n.layer for n in program if n.op == "matmul_grad") == ["fc1", "fc2", "fc3"]
+    assert sorted(n.layer for n in program if n.op == "conv2d_grad") == ["conv", "conv2"]
+    assert [n.layer for n in program if n.op == "batch_norm_grad"] == ["bn"]
+    trainable = {name for name, p in net.named_parameters() if not p.stop_gradient}
+    assert set(g.params()) == trainable
+    # every parameter gets its gradient from the program op that computes it
+    by_id = {n.id: n for n in g.nodes}
+    for e in g.edges:
+        dst = by_id[e.dst]
+        if dst.kind == "param":
+            src = by_id[e.src]
+            assert src.note == PROGRAM_OP_NOTE and src.layer == dst.param.rsplit(".", 1)[0], (src, dst)
+            assert e.grad is not None and e.grad.shape == dst.shape
+    # the Dy2St node feeds the program; the graph stays acyclic and connected
+    dy2st = next(n for n in g.nodes if n.op == "Dy2St")
+    assert {by_id[e.dst].op for e in g.edges if e.src == dy2st.id} == {"add_grad"}
+    assert len(g.topo_order()) == len(g.nodes)
+    reach, todo = {0}, [0]
+    out = g.out_edges()
+    while todo:
+        for e in out.get(todo.pop(), []):
+            if e.dst not in reach:
+                reach.add(e.dst)
+                todo.append(e.dst)
+    assert reach == set(by_id)
+    # inner edges carry the program's shapes and are drawn as not observed
+    inner = [e for e in g.edges if by_id[e.src].note == PROGRAM_OP_NOTE and by_id[e.dst].note == PROGRAM_OP_NOTE]
+    assert inner and all(e.grad.shape and e.grad.dtype == "float32" and e.grad.norm is None for e in inner)
+    dot = to_dot(g)
+    assert dot.count("not observed") >= len(inner) and "matmul_grad" in dot
+    assert f"{len(program)} ops {PROGRAM_OP_NOTE}" in summarize(g)
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_parameter_norms_behind_the_program_are_exact(mode):
+    net, static = _model(MODES[mode])
+    g = _capture(net, static, _input())
+    recorded = g.params()
+    want = {name: _norm64(p.grad) for name, p in net.named_parameters() if p.grad is not None}
+    assert set(recorded) == set(want)
+    for name, v in want.items():
+        assert math.isclose(recorded[name].norm, v, rel_tol=1e-5), (name, recorded[name].norm, v)
+    assert math.isclose(g.global_grad_norm(), math.sqrt(sum(v * v for v in want.values())), rel_tol=1e-5)
+    for layer, norm in g.layer_grad_norms().items():
+        mine = [v for n, v in want.items() if n.split(".")[0] == layer]
+        assert math.isclose(norm, math.sqrt(sum(v * v for v in mine)), rel_tol=1e-5), layer
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_nan_behind_the_program_is_reported(mode):
+    net, static = _model(MODES[mode])
+    g = _capture(net, static, _input(nan=True))
+    nans = {n: int(np.isnan(p.grad.numpy()).sum()) for n, p in net.named_parameters() if p.grad is not None}
+    assert sum(nans.values()) > 0
+    assert {n: m.nan for n, m in g.params().items()} == nans
+    assert g.nonfinite_count() > 0
+    # the graph shows the NaN leaving the program ops that produce those gradients
+    sites = g.nonfinite_sites()
+    assert sites and sites[0].note == PROGRAM_OP_NOTE
+    assert {n.op for n in sites} >= {"batch_norm_grad", "conv2d_grad"}
+    text = summarize(g)
+    assert "NaN/Inf gradients at" in text and "no NaN/Inf" not in text, text
+    assert "NaN:" in to_dot(g)
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_gradients_bit_identical_with_and_without_capture(mode):
+    net, static = _model(MODES[mode])
+    x = _input()
+    _step(static, x)  # compile once outside any capture
+    net.clear_gradients()
+    _step(static, x)
+    plain = {n: p.grad.numpy().copy() for n, p in net.named_parameters() if p.grad is not None}
+    g = _capture(net, static, x)
+    assert g.count_ops().get("Dy2St") == 1
+    captured = {n: p.grad.numpy() for n, p in net.named_parameters() if p.grad is not None}
+    assert plain.keys() == captured.keys()
+    for n in plain:
+        assert np.array_equal(plain[n], captured[n]), n
+
+
+def test_run_hook_restored_and_chained():
+    net, static = _model(False)
+    x = _input()
+    calls = []
+
+    def theirs(run, inputs, parameters, attrs):
+        calls.append(1)
+        return run(inputs, parameters, attrs)
+
+    PartialProgramLayer.HOOKED_RUN_IMPL = theirs
+    try:
+        g = _capture(net, static, x)
+        assert calls and PartialProgramLayer.HOOKED_RUN_IMPL is theirs
+        assert g.count_ops().get("matmul_grad") == 3
+    finally:
+        PartialProgramLayer.HOOKED_RUN_IMPL = None
+    with pytest.raises(ZeroDivisionError):
+        with capture_backward(net):
+            _step(static, x)
+            1 / 0
+    assert PartialProgramLayer.HOOKED_RUN_IMPL is None
+    # a later backward outside the block is not opened and nothing is left recording
+    with capture_backward(net) as cap:
+        pass
+    _step(static, x)
+    assert cap.graphs == []
