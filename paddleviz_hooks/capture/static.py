@@ -189,6 +189,8 @@ class ProgramRuns:
         True
     """
 
+    MAX_RUNS = 10000  # forwards without a backward must not pile up
+
     def __init__(self, warn: Callable[[str, str], None]) -> None:
         self._warn = warn
         self._runs: dict[int, tuple[Any, list[int | None]]] = {}  # node address -> (ppl, input node addresses)
@@ -232,6 +234,8 @@ class ProgramRuns:
         ppl = getattr(run, "__self__", None)
         if ppl is None:
             return
+        if len(self._runs) >= self.MAX_RUNS:
+            self._runs.clear()
         in_ptrs = [grad_fn(t).node_ptr() if has_graph(t) else None for t in (inputs or ())]
         for t in outs if isinstance(outs, (list, tuple)) else (outs,):
             gf = grad_fn(t)
@@ -266,6 +270,9 @@ class ProgramRuns:
 
 def _splice(walk: Walk, nid: int, desc: ProgramOps, ppl: Any, in_ptrs: list[int | None]) -> None:
     dy2st = walk.nodes[nid]
+    old = walk.out_edges.get(nid, [])
+    ptr_of = {id(e): walk.wrappers[e.dst].node_ptr() for e in old if walk.wrappers[e.dst] is not None}
+    next_node = {ptr_of[id(e)]: walk.nodes[e.dst] for e in old if id(e) in ptr_of}
     # which program gradient each of the node's next functions receives
     wanted: dict[int, list[str]] = {}
     for k, ptr in enumerate(in_ptrs):
@@ -279,8 +286,7 @@ def _splice(walk: Walk, nid: int, desc: ProgramOps, ppl: Any, in_ptrs: list[int 
         ptr = gf.node_ptr()
         if p.name in desc.param_grads:
             wanted.setdefault(ptr, []).append(desc.param_grads[p.name])
-        leaf = next((walk.nodes[e.dst] for e in walk.out_edges.get(nid, ())
-                     if walk.wrappers[e.dst] is not None and walk.wrappers[e.dst].node_ptr() == ptr), None)
+        leaf = next_node.get(ptr)
         if leaf is not None and leaf.param is not None and dy2st.layer is not None:
             layer_of_param[p.name] = leaf.param.rsplit(".", 1)[0] if "." in leaf.param else ""
 
@@ -302,11 +308,9 @@ def _splice(walk: Walk, nid: int, desc: ProgramOps, ppl: Any, in_ptrs: list[int 
         walk.out_edges.setdefault(src, []).append(e)
         return e
 
-    old = walk.out_edges.get(nid, [])
     kept, dropped = [], set()
     for e in old:
-        ptr = walk.wrappers[e.dst].node_ptr() if walk.wrappers[e.dst] is not None else None
-        producers = [desc.exits[g] for g in wanted.get(ptr, ()) if g in desc.exits]
+        producers = [desc.exits[g] for g in wanted.get(ptr_of.get(id(e)), ()) if g in desc.exits]
         if not producers:
             kept.append(e)  # a gradient the program passes straight through, or not mapped
             continue

@@ -122,18 +122,21 @@ def dot_parts(
     if extra_body:
         body.extend(extra_body)
     if legend:
-        body.append(_legend(stats))
+        body.append(_legend(stats, any(n.note == PROGRAM_OP_NOTE for n in graph.nodes)))
     return graph_attr, body
 
 
 def _observed(graph: BackwardGraph, e: Edge) -> bool:
     """False for a gradient with a known shape whose values no hook saw: one
-    that leaves an op inside a compiled program (or enters one) and carries
-    no statistics."""
+    that leaves or enters an op inside a compiled program (or a box of
+    unhooked ops only) and carries no statistics."""
     if e.grad is None or e.grad.norm is not None or not graph.meta.get("grad_stats"):
         return e.grad is not None
-    src, dst = graph.nodes[e.src], graph.nodes[e.dst]
-    return PROGRAM_OP_NOTE not in (src.note, dst.note)
+
+    def unseen(n: Node) -> bool:
+        return n.note == PROGRAM_OP_NOTE or (n.kind == "layer" and 0 < n.ops == n.unhooked)
+
+    return not (unseen(graph.nodes[e.src]) or unseen(graph.nodes[e.dst]))
 
 
 def _cluster_lines(graph: BackwardGraph, by_layer: dict[str | None, list[Node]], node_stmt) -> list[str]:
@@ -172,7 +175,7 @@ def _cluster_lines(graph: BackwardGraph, by_layer: dict[str | None, list[Node]],
     return lines
 
 
-def _legend(stats: bool) -> str:
+def _legend(stats: bool, compiled: bool = False) -> str:
     rows = [({"BGCOLOR": c}, t) for c, t in (
         ("#ffd966", "loss / root"),
         ("#dae8fc", "op (grad node)"),
@@ -181,6 +184,8 @@ def _legend(stats: bool) -> str:
         ("#ff6b6b", "NaN/Inf gradient"),
     )]
     rows.append(({}, f"dashed: gradient {NOT_OBSERVED} (the node takes no hook)"))
+    if compiled:
+        rows.append(({}, f"dashed *_grad op: {PROGRAM_OP_NOTE} (to_static)"))
     rows.append(({}, "edge: grad shape dtype" + (", |g| = L2 norm" if stats else "")))
     return f'legend [shape=box, style="rounded", color="#bbbbbb", fontsize="9", label={dot_html_table("legend", rows)}]'
 
