@@ -18,7 +18,8 @@ backward graph, and hooks on it never fire. Two things make it readable:
   gradients feed the node's ``next_functions``.
 
 Gradient values inside a program cannot be seen: its ops are drawn
-unhooked, with the note :data:`~paddleviz_hooks.hazards.PROGRAM_OP_NOTE`.
+unhooked, with the note :data:`~paddleviz_hooks.hazards.PROGRAM_OP_NOTE`
+(``hook_hazard`` of any ``dialect.op`` name).
 Parameter gradients behind it are still exact: the capture's parameter hooks
 fire under ``to_static`` too.
 """
@@ -30,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..graph import Edge, GradMeta, Node
-from ..hazards import PROGRAM_OP_NOTE
+from ..hazards import hook_hazard
 from .gradnode import Walk, dtype_name, grad_fn, has_graph
 
 __all__ = ["ProgramRuns", "ProgramOps", "describe_program", "DY2ST_NODE"]
@@ -293,7 +294,7 @@ def _splice(walk: Walk, nid: int, desc: ProgramOps, ppl: Any, in_ptrs: list[int 
     base = len(walk.nodes)
     for name, params in desc.ops:
         layers = {layer_of_param.get(p) for p in params} - {None}
-        node = Node(len(walk.nodes), "op", name, name.split(".", 1)[-1], note=PROGRAM_OP_NOTE)
+        node = Node(len(walk.nodes), "op", name, name.split(".", 1)[-1], note=hook_hazard(name))
         if len(layers) == 1:
             node.layer = layers.pop()
         else:
