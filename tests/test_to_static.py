@@ -192,3 +192,62 @@ def test_run_hook_restored_and_chained():
         pass
     _step(static, x)
     assert cap.graphs == []
+
+
+class Body(nn.Layer):
+    """Two outputs, an input that needs a gradient and a residual from that input."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.fc2 = nn.Linear(16, 16)
+        self.fc3 = nn.Linear(16, 8)
+
+    def forward(self, h):
+        a = F.gelu(self.fc1(h))
+        b = paddle.tanh(self.fc2(a)) * a
+        return F.relu(self.fc3(b)) + h, b.mean(axis=-1) * 2.0 + a.sum(axis=-1)
+
+
+class EagerAroundStatic(nn.Layer):
+    """An eager embedding and head around a to_static block."""
+
+    def __init__(self, full_graph: bool):
+        super().__init__()
+        self.emb = nn.Embedding(20, 8)
+        self.body = paddle.jit.to_static(Body(), full_graph=full_graph)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, ids):
+        c, d = self.body(self.emb(ids))
+        return self.head(c).mean() + d.mean()
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_program_inside_an_eager_model_connects_both_ways(mode):
+    paddle.seed(0)
+    net = EagerAroundStatic(MODES[mode])
+    ids = paddle.randint(0, 20, [2, 5])
+    net.clear_gradients()
+    with capture_backward(net) as cap:
+        net(ids).backward()
+    g = cap.graph
+    by_id = {n.id: n for n in g.nodes}
+    dy2st = next(n for n in g.nodes if n.op == "Dy2St")
+    assert dy2st.layer == "body"
+    # both program outputs receive a gradient from outside and hand it to the program
+    assert len([e for e in g.edges if e.dst == dy2st.id]) == 2
+    entries = [e for e in g.edges if e.src == dy2st.id]
+    assert len(entries) == 2 and all(by_id[e.dst].note == PROGRAM_OP_NOTE for e in entries)
+    # the program's input gradient goes on to the eager Embedding, observed there
+    into_emb = [e for e in g.edges if by_id[e.dst].op == "Embedding"]
+    assert len(into_emb) == 1 and by_id[into_emb[0].src].note == PROGRAM_OP_NOTE
+    assert into_emb[0].grad is not None and into_emb[0].grad.shape == (2, 5, 8) and into_emb[0].grad.norm > 0
+    program = [n for n in g.nodes if n.note == PROGRAM_OP_NOTE]
+    assert {n.layer for n in program} == {"body", "body.fc1", "body.fc2", "body.fc3"}
+    assert sorted(n.layer for n in program if n.op == "matmul_grad") == ["body.fc1", "body.fc2", "body.fc3"]
+    want = {n: _norm64(p.grad) for n, p in net.named_parameters() if p.grad is not None}
+    assert set(g.params()) == set(want) and len(want) == 9
+    for n, v in want.items():
+        assert math.isclose(g.params()[n].norm, v, rel_tol=1e-5), n
+    assert len(g.topo_order()) == len(g.nodes)
