@@ -18,7 +18,7 @@ import paddle.nn.functional as F
 import pytest
 from paddle.jit.dy2static.pir_partial_program import PartialProgramLayer
 
-from paddleviz_hooks import capture_backward, summarize
+from paddleviz_hooks import BackwardGraph, BackwardGraphRecorder, capture_backward, collapse_graph, diff_graphs, summarize
 from paddleviz_hooks.hazards import PROGRAM_OP_NOTE
 from paddleviz_hooks.render import to_dot
 
@@ -251,3 +251,65 @@ def test_program_inside_an_eager_model_connects_both_ways(mode):
     for n, v in want.items():
         assert math.isclose(g.params()[n].norm, v, rel_tol=1e-5), n
     assert len(g.topo_order()) == len(g.nodes)
+
+
+def test_recorder_steps_keep_the_opened_program_with_stable_keys(tmp_path):
+    net, static = _model(False)
+    opt = paddle.optimizer.SGD(parameters=net.parameters(), learning_rate=0.01)
+    x = _input()
+    with BackwardGraphRecorder(str(tmp_path), net, every=1, formats=("json",)) as rec:
+        for step in (1, 2):
+            with rec.step(step):
+                _step(static, x)
+            opt.step()
+            opt.clear_grad()
+    assert PartialProgramLayer.HOOKED_RUN_IMPL is None
+    graphs = [BackwardGraph.from_json((tmp_path / "backward_graph" / f"step_00000{i}.json").read_text())
+              for i in (1, 2)]
+    for g in graphs:
+        assert g.count_ops().get("matmul_grad") == 3 and g.count_ops().get("conv2d_grad") == 2
+    d = diff_graphs(*graphs)
+    assert not d.structure_changed and not d.added_nodes and not d.removed_nodes
+    boxes = collapse_graph(graphs[1], depth=1)
+    assert {n.layer for n in boxes.nodes if n.kind == "layer"} >= {"fc1", "fc2", "fc3", "conv", "conv2", "bn"}
+
+
+class SharedTwice(nn.Layer):
+    """``shared`` runs twice inside the program."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(8, 8)
+        self.shared = nn.Linear(8, 8)
+        self.mid = nn.Linear(8, 8)
+        self.out = nn.Linear(8, 2)
+
+    def forward(self, x):
+        h = F.relu(self.shared(F.relu(self.inp(x))))
+        h = paddle.tanh(self.mid(h))
+        return self.out(F.gelu(self.shared(h)) * 2.0)
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_a_layer_called_twice_in_the_program_keeps_its_calls_apart(mode):
+    paddle.seed(0)
+    net = SharedTwice()
+    static = paddle.jit.to_static(net, full_graph=MODES[mode])
+    x = paddle.randn([2, 8])
+    with capture_backward(net) as cap:
+        (static(x) ** 2).mean().backward()
+    g = cap.graph
+    calls = sorted((n.op, n.call) for n in g.nodes if n.layer == "shared")
+    assert calls == [("add_grad", 0), ("add_grad", 1), ("matmul_grad", 0), ("matmul_grad", 1)]
+    # gradient order: the second call (nearer the loss) comes first
+    order = [g.nodes[i] for i in g.topo_order()]
+    first = [n.call for n in order if n.layer == "shared" and n.op == "matmul_grad"]
+    assert first == [1, 0]
+    # the same model run eagerly numbers its calls the same way
+    net.clear_gradients()
+    eager = SharedTwice()
+    eager.set_state_dict(net.state_dict())
+    with capture_backward(eager) as cap2:
+        (eager(x) ** 2).mean().backward()
+    assert sorted((n.op, n.call) for n in cap2.graph.nodes if n.layer == "shared") == [
+        ("Add", 0), ("Add", 1), ("Matmul", 0), ("Matmul", 1)]

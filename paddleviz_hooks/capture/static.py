@@ -254,7 +254,9 @@ class ProgramRuns:
             How many program nodes were opened.
         """
         opened = 0
-        for nid in range(len(walk.nodes)):
+        calls: dict[str, int] = {}  # layer -> calls numbered so far
+        # the walk meets the program that ran last first: number calls from the other end
+        for nid in reversed(range(len(walk.nodes))):
             node = walk.nodes[nid]
             if node.kind != "op" or node.name != DY2ST_NODE or walk.wrappers[nid] is None:
                 continue
@@ -262,14 +264,15 @@ class ProgramRuns:
             if run is None:
                 continue
             try:
-                _splice(walk, nid, describe_program(run[0]), run[0], run[1])
+                _splice(walk, nid, describe_program(run[0]), run[0], run[1], calls)
                 opened += 1
             except Exception as exc:
                 self._warn("to_static", f"a to_static program could not be opened; it stays one node: {exc!r}")
         return opened
 
 
-def _splice(walk: Walk, nid: int, desc: ProgramOps, ppl: Any, in_ptrs: list[int | None]) -> None:
+def _splice(walk: Walk, nid: int, desc: ProgramOps, ppl: Any, in_ptrs: list[int | None],
+            calls: dict[str, int]) -> None:
     dy2st = walk.nodes[nid]
     old = walk.out_edges.get(nid, [])
     ptr_of = {id(e): walk.wrappers[e.dst].node_ptr() for e in old if walk.wrappers[e.dst] is not None}
@@ -292,16 +295,32 @@ def _splice(walk: Walk, nid: int, desc: ProgramOps, ppl: Any, in_ptrs: list[int 
             layer_of_param[p.name] = leaf.param.rsplit(".", 1)[0] if "." in leaf.param else ""
 
     base = len(walk.nodes)
+    # A layer called k times in the program has k ops of each kind using its
+    # parameters; the backward program lists them last call first.
+    seen: dict[tuple, int] = {}
+    uses: list[tuple[str, int] | None] = []
     for name, params in desc.ops:
         layers = {layer_of_param.get(p) for p in params} - {None}
+        if len(layers) != 1:
+            uses.append(None)
+            continue
+        key = (layers.pop(), name, params)
+        uses.append((key[0], seen.get(key, 0)))
+        seen[key] = seen.get(key, 0) + 1
+    n_calls: dict[str, int] = {}
+    for (layer, _, _), n in seen.items():
+        n_calls[layer] = max(n, n_calls.get(layer, 0))
+    for (name, _), use in zip(desc.ops, uses):
         node = Node(len(walk.nodes), "op", name, name.split(".", 1)[-1], note=hook_hazard(name))
-        if len(layers) == 1:
-            node.layer = layers.pop()
+        if use is not None:
+            node.layer, node.call = use[0], calls.get(use[0], 0) + n_calls[use[0]] - 1 - use[1]
         else:
             node.layer, node.call = dy2st.layer, dy2st.call
         walk.nodes.append(node)
         walk.wrappers.append(None)
         walk.out_edges[node.id] = []
+    for layer, n in n_calls.items():
+        calls[layer] = calls.get(layer, 0) + n
 
     def add(src: int, dst: int, slot: int, grad: GradMeta | None) -> Edge:
         e = Edge(src, dst, slot, grad)
