@@ -313,3 +313,21 @@ def test_a_layer_called_twice_in_the_program_keeps_its_calls_apart(mode):
         (eager(x) ** 2).mean().backward()
     assert sorted((n.op, n.call) for n in cap2.graph.nodes if n.layer == "shared") == [
         ("Add", 0), ("Add", 1), ("Matmul", 0), ("Matmul", 1)]
+
+
+def test_captures_ending_in_any_order_leave_the_run_hook_as_found():
+    net, static = _model(False)
+    x = _input()
+    outer = capture_backward(net)
+    inner = capture_backward(net)
+    outer.__enter__()
+    inner.__enter__()
+    try:
+        _step(static, x)
+    finally:
+        outer.__exit__(None, None, None)  # not the last one in: the hook stays for `inner`
+        assert PartialProgramLayer.HOOKED_RUN_IMPL is not None
+        inner.__exit__(None, None, None)
+    assert PartialProgramLayer.HOOKED_RUN_IMPL is None
+    assert inner.graph.count_ops().get("matmul_grad") == 3
+    assert outer.graph.count_ops().get("matmul_grad") == 3

@@ -26,6 +26,7 @@ fire under ``to_static`` too.
 
 from __future__ import annotations
 
+import threading
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -175,6 +176,82 @@ def _producer(v: Any, index: dict[int, int]) -> tuple[int, int] | None:
 # --------------------------------------------------------------------------
 # seeing program runs
 # --------------------------------------------------------------------------
+class _RunHook:
+    """The one run hook shared by every active :class:`ProgramRuns`.
+
+    Installed while at least one is active, chained in front of the hook
+    that was there before, which is put back when the last one stops (the
+    same pattern as the backward dispatcher), so captures may end in any
+    order and leave Paddle's slot as they found it.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._active: list["ProgramRuns"] = []
+        self._prev: Callable | None = None
+        self._installed = False
+
+    def activate(self, runs: "ProgramRuns") -> None:
+        cls = _partial_program_layer()
+        if cls is None:
+            return
+        with self._lock:
+            if runs in self._active:
+                return
+            if not self._installed:
+                self._prev = cls.HOOKED_RUN_IMPL
+                cls.HOOKED_RUN_IMPL = self.run
+                self._installed = True
+            self._active.append(runs)
+
+    def deactivate(self, runs: "ProgramRuns") -> None:
+        with self._lock:
+            if runs in self._active:
+                self._active.remove(runs)
+            if self._active or not self._installed:
+                return
+            cls = _partial_program_layer()
+            if cls.HOOKED_RUN_IMPL == self.run:
+                cls.HOOKED_RUN_IMPL = self._prev
+                self._installed = False
+                self._prev = None
+            # else someone chained a hook on top of ours and still holds it:
+            # ours stays in their chain, passing every run through unchanged
+
+    def run(self, run, inputs, parameters, attrs):
+        prev = self._prev
+        outs = prev(run, inputs, parameters, attrs) if prev is not None else run(inputs, parameters, attrs)
+        with self._lock:
+            active = list(self._active)
+        if active:
+            try:
+                found = _dy2st_outputs(inputs, outs)
+                ppl = getattr(run, "__self__", None)
+                if found and ppl is not None:
+                    for runs in active:
+                        runs._record(ppl, found)
+            except Exception as exc:  # never break the forward
+                for runs in active:
+                    runs._warn("to_static", f"a to_static program run could not be recorded: {exc!r}")
+        return outs
+
+
+def _dy2st_outputs(inputs: Any, outs: Any) -> dict[int, list[int | None]]:
+    """Dy2St node address of each output -> grad node addresses of the run's inputs."""
+    found: dict[int, list[int | None]] = {}
+    in_ptrs: list[int | None] | None = None
+    for t in outs if isinstance(outs, (list, tuple)) else (outs,):
+        gf = grad_fn(t)
+        if gf is not None and gf.name() == DY2ST_NODE:
+            if in_ptrs is None:
+                in_ptrs = [grad_fn(x).node_ptr() if has_graph(x) else None for x in (inputs or ())]
+            found[gf.node_ptr()] = in_ptrs
+    return found
+
+
+_RUN_HOOK = _RunHook()
+
+
 class ProgramRuns:
     """Records, while installed, which program each ``Dy2StGradNode`` runs.
 
@@ -195,53 +272,25 @@ class ProgramRuns:
     def __init__(self, warn: Callable[[str, str], None]) -> None:
         self._warn = warn
         self._runs: dict[int, tuple[Any, list[int | None]]] = {}  # node address -> (ppl, input node addresses)
-        self._hook: Callable | None = None
-        self._prev: Callable | None = None
-        self._on = False
 
     def install(self) -> None:
-        """Chain the recorder in front of whatever run hook is already there."""
-        cls = _partial_program_layer()
-        if cls is None or self._hook is not None:
-            return
-        prev = cls.HOOKED_RUN_IMPL
-
-        def hook(run, inputs, parameters, attrs):
-            outs = prev(run, inputs, parameters, attrs) if prev is not None else run(inputs, parameters, attrs)
-            if self._on:
-                try:
-                    self._record(run, inputs, outs)
-                except Exception as exc:  # never break the forward
-                    self._warn("to_static", f"a to_static program run could not be recorded: {exc!r}")
-            return outs
-
-        self._prev, self._hook, self._on = prev, hook, True
-        cls.HOOKED_RUN_IMPL = hook
+        """Start recording (the shared run hook is chained in front of whatever is there)."""
+        _RUN_HOOK.activate(self)
 
     def remove(self) -> None:
-        """Put the previous run hook back (ours only passes through if another was chained on top)."""
-        self._on = False
+        """Stop recording; the last one active puts the previous run hook back."""
+        _RUN_HOOK.deactivate(self)
         self._runs.clear()
-        cls = _partial_program_layer()
-        if cls is not None and self._hook is not None and cls.HOOKED_RUN_IMPL is self._hook:
-            cls.HOOKED_RUN_IMPL = self._prev
-        self._hook = self._prev = None
 
     def reset(self) -> None:
         """Forget the runs seen so far (after each backward: node addresses are reused)."""
         self._runs.clear()
 
-    def _record(self, run: Any, inputs: Any, outs: Any) -> None:
-        ppl = getattr(run, "__self__", None)
-        if ppl is None:
-            return
+    def _record(self, ppl: Any, found: dict[int, list[int | None]]) -> None:
         if len(self._runs) >= self.MAX_RUNS:
             self._runs.clear()
-        in_ptrs = [grad_fn(t).node_ptr() if has_graph(t) else None for t in (inputs or ())]
-        for t in outs if isinstance(outs, (list, tuple)) else (outs,):
-            gf = grad_fn(t)
-            if gf is not None and gf.name() == DY2ST_NODE:
-                self._runs[gf.node_ptr()] = (ppl, in_ptrs)
+        for ptr, in_ptrs in found.items():
+            self._runs[ptr] = (ppl, in_ptrs)
 
     # ------------------------------------------------------------ splicing
     def open(self, walk: Walk) -> int:
