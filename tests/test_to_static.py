@@ -331,3 +331,40 @@ def test_captures_ending_in_any_order_leave_the_run_hook_as_found():
     assert PartialProgramLayer.HOOKED_RUN_IMPL is None
     assert inner.graph.count_ops().get("matmul_grad") == 3
     assert outer.graph.count_ops().get("matmul_grad") == 3
+
+
+class Branchy(nn.Layer):
+    """A data-dependent ``if``: under full_graph the gradient crosses a ``pd_op.if``."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(8, 8)
+        self.fc2 = nn.Linear(8, 8)
+        self.fc3 = nn.Linear(8, 2)
+
+    def forward(self, x):
+        h = paddle.tanh(self.fc1(x))
+        if h.mean() > 0:
+            h = self.fc2(h) * 2.0
+        else:
+            h = self.fc2(h) - 1.0
+        return self.fc3(h)
+
+
+def test_control_flow_op_is_crossed_by_the_gradient():
+    paddle.seed(0)
+    net = Branchy()
+    static = paddle.jit.to_static(net, full_graph=True)
+    with capture_backward(net) as cap:
+        (static(paddle.randn([2, 8])) ** 2).mean().backward()
+    g = cap.graph
+    ops = g.count_ops()
+    assert ops.get("if") == 1, ops
+    # the ops on both sides of the `if` are in the graph, connected through it
+    assert sorted(n.layer for n in g.nodes if n.op == "matmul_grad") == ["fc1", "fc3"]
+    by_id = {n.id: n for n in g.nodes}
+    if_node = next(n for n in g.nodes if n.op == "if")
+    assert {by_id[e.src].layer for e in g.edges if e.dst == if_node.id} == {"fc3"}
+    assert "tanh_grad" in {by_id[e.dst].op for e in g.edges if e.src == if_node.id}
+    assert set(g.params()) == {n for n, _ in net.named_parameters()}
+    assert len(g.topo_order()) == len(g.nodes)

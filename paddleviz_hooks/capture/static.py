@@ -123,7 +123,7 @@ def describe_program(ppl: Any) -> ProgramOps:
         grads: list[tuple[Any, int, int]] = []  # (value, producer, result index)
         entries: list[tuple[Any, int]] = []
         params: list[str] = []
-        for v in _sources(op.operands_source()):
+        for v in _sources(_operands(op)):
             d = v.get_defining_op()
             if d is None:
                 arg = arg_name.get(v.id, "")
@@ -147,6 +147,17 @@ def describe_program(ppl: Any) -> ProgramOps:
     out.param_grads = {p: g for p, g in zip(names.get("fp", ()), names.get("bp_g", ())) if g != "Fake_var"}
     _DESCRIBED[ppl] = (id(program), out)
     return out
+
+
+def _operands(op: Any) -> list[Any]:
+    """An op's operands, plus the outer values its nested blocks use (a
+    control-flow op such as ``pd_op.if`` takes gradients that way)."""
+    values = list(op.operands_source())
+    if op.num_regions():
+        for block in op.blocks():
+            for inner in block.ops:
+                values.extend(_operands(inner))
+    return values
 
 
 def _sources(values: list[Any]) -> list[Any]:
