@@ -368,3 +368,24 @@ def test_control_flow_op_is_crossed_by_the_gradient():
     assert "tanh_grad" in {by_id[e.dst].op for e in g.edges if e.src == if_node.id}
     assert set(g.params()) == {n for n, _ in net.named_parameters()}
     assert len(g.topo_order()) == len(g.nodes)
+
+
+def test_full_graph_resnet18_ops_placed_in_their_blocks():
+    """Under full_graph Paddle records each forward op's name scope: a parameterless
+    grad op (the blocks' ReLU and residual Add) lands in its BasicBlock, and a gradient
+    sum in the block whose ops it adds up; collapsed views then have no loops."""
+    paddle.seed(0)
+    net = paddle.vision.models.resnet18(num_classes=10)
+    static = paddle.jit.to_static(net, full_graph=True)
+    with capture_backward(net) as cap:
+        static(paddle.randn([2, 3, 32, 32])).sum().backward()
+    g = cap.graph
+    blocks = {f"layer{i}.{j}" for i in range(1, 5) for j in range(2)}
+    relus = [n.layer for n in g.nodes if n.op == "relu_grad"]
+    assert len(relus) == 17 and relus.count("") == 1  # the stem's ReLU runs in the top layer
+    assert set(relus) - {""} == blocks
+    assert sorted(n.layer for n in g.nodes if n.op == "add_grad" and n.layer in blocks) == sorted(blocks)
+    assert {n.layer for n in g.nodes if n.op == "add_n"} <= blocks
+    for depth in (1, 2, 3):
+        boxes = collapse_graph(g, depth=depth)
+        assert len(boxes.topo_order()) == len(boxes.nodes), depth

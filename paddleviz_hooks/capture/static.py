@@ -26,6 +26,7 @@ fire under ``to_static`` too.
 
 from __future__ import annotations
 
+import sys
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -69,6 +70,11 @@ class ProgramOps:
         input_grads: ``input_grad_k`` names, one per program input (None
             where the input takes no gradient).
         param_grads: parameter program name -> its ``param_grad_k`` name.
+        scopes: per op, the name scope Paddle recorded on its forward op
+            (``struct_name``: ``/Sequential_1/BasicBlock/ReLU_1/``, one part per
+            layer call; AST mode only), or None.
+        scope_params: name scope -> program names of the parameters its
+            forward ops use directly.
     """
 
     ops: list[tuple[str, tuple[str, ...]]] = field(default_factory=list)
@@ -77,6 +83,8 @@ class ProgramOps:
     exits: dict[str, tuple[int, int]] = field(default_factory=dict)
     input_grads: list[str | None] = field(default_factory=list)
     param_grads: dict[str, str] = field(default_factory=dict)
+    scopes: list[str | None] = field(default_factory=list)
+    scope_params: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
 
 _DESCRIBED: "weakref.WeakKeyDictionary[Any, tuple[int, ProgramOps]]" = weakref.WeakKeyDictionary()
@@ -110,8 +118,8 @@ def describe_program(ppl: Any) -> ProgramOps:
     block = program.backward_program.global_block()
     arg_name = {v.id: k for k, v in block.kwargs().items()}
     out = ProgramOps()
+    find_scope = _scope_finder(program.forward_program, out, set(names.get("fp", ())))
     index: dict[int, int] = {}  # PIR op id -> our op index
-    reached: set[int] = set()
     for op in block.ops:
         name = op.name()
         if name.startswith("builtin."):
@@ -131,14 +139,15 @@ def describe_program(ppl: Any) -> ProgramOps:
                     entries.append((v, int(arg.rsplit("_", 1)[1])))
                 elif arg in names.get("fp", ()):
                     params.append(arg)
-            elif d.id() in index and index[d.id()] in reached:
+            elif d.id() in index:
                 grads.append((v, index[d.id()], v.index()))
         if not grads and not entries:
             continue  # no received gradient flows through this op
         i = len(out.ops)
         index[op.id()] = i
-        reached.add(i)
         out.ops.append((name, tuple(params)))
+        saved = {arg_name[v.id] for v in op.operands_source() if v.get_defining_op() is None and v.id in arg_name}
+        out.scopes.append(find_scope(name, saved - {a for a in saved if a.startswith("output_grad_")}))
         for v, k in entries:
             out.entries.append((i, k, *_value_meta(v)))
         for v, src, res in grads:
@@ -147,6 +156,47 @@ def describe_program(ppl: Any) -> ProgramOps:
     out.param_grads = {p: g for p, g in zip(names.get("fp", ()), names.get("bp_g", ())) if g != "Fake_var"}
     _DESCRIBED[ppl] = (id(program), out)
     return out
+
+
+def _scope_finder(forward: Any, out: ProgramOps, param_names: set[str]) -> Callable[[str, set[str]], str | None]:
+    """Matches a grad op to its forward op by the forward values it reads.
+
+    ``x_grad`` reads saved forward values (``middle_k``, parameters, inputs);
+    its forward op is the ``x`` (or in-place ``x_``) op among whose inputs and
+    outputs they all are. Fills ``out.scope_params`` on the way.
+
+    Returns:
+        ``find(grad op name, saved value names)`` -> the forward op's name
+        scope, or None when there is none or it is ambiguous.
+    """
+    name_of: dict[str, str] = {}
+    block = forward.global_block()
+    for op in block.ops:
+        n = op.name()
+        if n == "builtin.parameter":
+            name_of[op.results()[0].id] = op.attrs().get("parameter_name", "")
+        elif n == "pd_op.data":
+            name_of[op.results()[0].id] = op.attrs().get("name", "")
+        elif n == "builtin.shadow_output":
+            name_of.setdefault(op.operands_source()[0].id, op.attrs().get("output_name", ""))
+    by_kind: dict[str, list[tuple[set[str], str]]] = {}
+    for op in block.ops:
+        scope = op.attrs().get("struct_name") if op.has_attr("struct_name") else None
+        if not scope:
+            continue
+        values = {name_of[v.id] for v in (*op.operands_source(), *op.results()) if v.id in name_of}
+        by_kind.setdefault(op.name().rstrip("_"), []).append((values, scope))
+        params = tuple(sorted(values & param_names))
+        if params:
+            out.scope_params[scope] = tuple(sorted(set(out.scope_params.get(scope, ())) | set(params)))
+
+    def find(grad_name: str, saved: set[str]) -> str | None:
+        if not saved or not grad_name.endswith("_grad"):
+            return None
+        found = {scope for values, scope in by_kind.get(grad_name[: -len("_grad")], ()) if saved <= values}
+        return found.pop() if len(found) == 1 else None
+
+    return find
 
 
 def _operands(op: Any) -> list[Any]:
@@ -230,6 +280,14 @@ class _RunHook:
             # ours stays in their chain, passing every run through unchanged
 
     def run(self, run, inputs, parameters, attrs):
+        # Paddle calls us from PartialProgramLayer.call_run_impl_with_hook,
+        # called by __call__ (AST, full_graph=True) or sot_call (SOT). Only AST
+        # records name scopes that can be trusted: SOT gives an op the scope
+        # of the next layer call.
+        try:
+            scoped = sys._getframe(2).f_code.co_name == "__call__"
+        except Exception:
+            scoped = False
         prev = self._prev
         outs = prev(run, inputs, parameters, attrs) if prev is not None else run(inputs, parameters, attrs)
         with self._lock:
@@ -240,7 +298,7 @@ class _RunHook:
                 ppl = getattr(run, "__self__", None)
                 if found and ppl is not None:
                     for runs in active:
-                        runs._record(ppl, found)
+                        runs._record(ppl, found, scoped)
             except Exception as exc:  # never break the forward
                 for runs in active:
                     runs._warn("to_static", f"a to_static program run could not be recorded: {exc!r}")
@@ -282,7 +340,8 @@ class ProgramRuns:
 
     def __init__(self, warn: Callable[[str, str], None]) -> None:
         self._warn = warn
-        self._runs: dict[int, tuple[Any, list[int | None]]] = {}  # node address -> (ppl, input node addresses)
+        # node address -> (ppl, input node addresses, whether its name scopes can be trusted)
+        self._runs: dict[int, tuple[Any, list[int | None], bool]] = {}
 
     def install(self) -> None:
         """Start recording (the shared run hook is chained in front of whatever is there)."""
@@ -297,11 +356,11 @@ class ProgramRuns:
         """Forget the runs seen so far (after each backward: node addresses are reused)."""
         self._runs.clear()
 
-    def _record(self, ppl: Any, found: dict[int, list[int | None]]) -> None:
+    def _record(self, ppl: Any, found: dict[int, list[int | None]], scoped: bool) -> None:
         if len(self._runs) >= self.MAX_RUNS:
             self._runs.clear()
         for ptr, in_ptrs in found.items():
-            self._runs[ptr] = (ppl, in_ptrs)
+            self._runs[ptr] = (ppl, in_ptrs, scoped)
 
     # ------------------------------------------------------------ splicing
     def open(self, walk: Walk) -> int:
@@ -324,14 +383,66 @@ class ProgramRuns:
             if run is None:
                 continue
             try:
-                _splice(walk, nid, describe_program(run[0]), run[0], run[1], calls)
+                _splice(walk, nid, describe_program(run[0]), run[0], run[1], run[2], calls)
                 opened += 1
             except Exception as exc:
                 self._warn("to_static", f"a to_static program could not be opened; it stays one node: {exc!r}")
         return opened
 
 
-def _splice(walk: Walk, nid: int, desc: ProgramOps, ppl: Any, in_ptrs: list[int | None],
+def _scope_layers(desc: ProgramOps, layer_of_param: dict[str, str | None]) -> dict[str, str]:
+    """Name scope -> layer path, anchored on the scopes whose ops use parameters.
+
+    A scope has one part per layer call, so ``/Sequential/BasicBlock/Conv2D/``
+    using ``layer1.0.conv1.weight`` also names ``/Sequential/BasicBlock/`` ->
+    ``layer1.0`` and ``/Sequential/`` -> ``layer1``.
+    """
+    found: dict[str, str] = {}
+    for scope, params in desc.scope_params.items():
+        layers = {layer_of_param.get(p) for p in params} - {None}
+        if len(layers) != 1:
+            continue
+        parts, path = scope.strip("/").split("/"), layers.pop().split(".")
+        while parts and path and len(path) >= len(parts):
+            found.setdefault("/".join(parts), ".".join(path))
+            parts, path = parts[:-1], path[:-1]
+    return found
+
+
+def _enclosing(places: list[tuple[str, int]], dy2st: Node) -> tuple[str | None, int]:
+    """The innermost layer call containing every (layer, call) given, within the program's layer."""
+    if len(set(places)) == 1:
+        return places[0]
+    paths = [p.split(".") if p else [] for p, _ in places]
+    common: list[str] = []
+    for parts in zip(*paths):
+        if len(set(parts)) != 1:
+            break
+        common.append(parts[0])
+    path = ".".join(common)
+    if any(p == path for p, _ in places):  # one of them is the enclosing layer itself
+        calls = {c for p, c in places if p == path}
+        if len(calls) == 1:
+            return path, calls.pop()
+        path = ".".join(common[:-1])  # different calls of one layer: their parent holds both
+    if dy2st.layer is not None and not (path == dy2st.layer or path.startswith(dy2st.layer + ".")
+                                        or dy2st.layer == ""):
+        return dy2st.layer, dy2st.call
+    return path, (dy2st.call if path == dy2st.layer else 0)
+
+
+def _innermost(scope: str | None, in_scope: dict[str, str]) -> str | None:
+    """The layer of the innermost known scope containing ``scope``."""
+    parts = scope.strip("/").split("/") if scope else []
+    while parts:
+        path = in_scope.get("/".join(parts))
+        if path is not None:
+            return path
+        parts = parts[:-1]
+    return None
+
+
+def _splice(walk: Walk, nid: int, desc: ProgramOps, ppl: Any, in_ptrs: list[int | None], scoped: bool,
             calls: dict[str, int]) -> None:
     dy2st = walk.nodes[nid]
     old = walk.out_edges.get(nid, [])
@@ -370,12 +481,26 @@ def _splice(walk: Walk, nid: int, desc: ProgramOps, ppl: Any, in_ptrs: list[int 
     n_calls: dict[str, int] = {}
     for (layer, _, _), n in seen.items():
         n_calls[layer] = max(n, n_calls.get(layer, 0))
-    for (name, _), use in zip(desc.ops, uses):
+    in_scope = _scope_layers(desc, layer_of_param) if scoped and dy2st.layer is not None else {}
+    producers: dict[int, list[int]] = {}
+    for src, dst, *_ in desc.edges:
+        producers.setdefault(dst, []).append(src)
+    placed: dict[int, tuple[str, int]] = {}  # op -> (layer, call) known from parameters or scopes
+    for i, ((name, _), use, scope) in enumerate(zip(desc.ops, uses, desc.scopes)):
         node = Node(len(walk.nodes), "op", name, name.split(".", 1)[-1], note=hook_hazard(name))
+        where = _innermost(scope, in_scope)
         if use is not None:
             node.layer, node.call = use[0], calls.get(use[0], 0) + n_calls[use[0]] - 1 - use[1]
+        elif where is not None and where != dy2st.layer:
+            node.layer = where
+        elif name == "pd_op.add_n" and all(j in placed for j in producers.get(i, [None])):
+            # A gradient sum has no forward op: it adds up the uses of one
+            # value, all made inside the layer call enclosing its producers.
+            node.layer, node.call = _enclosing([placed[j] for j in producers[i]], dy2st)
         else:
             node.layer, node.call = dy2st.layer, dy2st.call
+        if use is not None or (node.layer, node.call) != (dy2st.layer, dy2st.call):
+            placed[i] = (node.layer, node.call)
         walk.nodes.append(node)
         walk.wrappers.append(None)
         walk.out_edges[node.id] = []
