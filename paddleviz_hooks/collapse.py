@@ -25,9 +25,9 @@ Each call of a layer is its own box: a ``relu`` called twice in a block is
 two boxes (``BackwardGraph.calls``, the layer-call tree of the forward, says
 which call of every enclosing layer an op belongs to), and only layers
 called once are folded. The result never draws a path the captured graph
-does not have: a box is kept only when each node that receives a gradient
-from outside it reaches, inside the captured graph, each node that sends one
-out of it; a box that fails is opened one level deeper (a fold into its
+does not have: a box is kept only when each node outside it that sends it a
+gradient reaches, inside the captured graph, each node of the box that sends
+one out of it; a box that fails is opened one level deeper (a fold into its
 blocks, a layer into its sublayers and own ops). So the collapsed graph is
 acyclic whenever the captured one is, and box A reaches box B only if some
 node of A reaches some node of B. A parameter joins a box only when every op
@@ -334,9 +334,11 @@ def _reach(graph: BackwardGraph, succs: list[list[int]]) -> list[int] | None:
 def _keep_honest(assign: _Assign, boxes: list[_Box | None]) -> int:
     """Open boxes until the collapsed graph draws no false path.
 
-    A box is kept when each of its entry nodes (fed from outside it) reaches
-    each of its exit nodes (feeding outside it) in the captured graph. Then
-    every path between boxes is a path between their nodes, so the collapsed
+    A box is kept when every node outside it that feeds it reaches each of
+    its exit nodes (those feeding outside it) in the captured graph (an entry
+    that only feeds the box's own parameters, like a bias gradient, does not
+    have to). Then every path between boxes is a path between their nodes
+    (by induction along the path), so the collapsed
     graph is acyclic when the captured one is, and box A reaches box B only
     if some node of A reaches some node of B. A box that fails is opened one
     level deeper and its parts are checked in turn.
@@ -363,7 +365,7 @@ def _keep_honest(assign: _Assign, boxes: list[_Box | None]) -> int:
         for i in ms:
             if any(j not in inside for j in assign.succs[i]):
                 exits |= 1 << i
-        if all(reach[i] & exits == exits for i in ms if any(j not in inside for j in assign.preds[i])):
+        if all(reach[j] & exits == exits for i in ms for j in assign.preds[i] if j not in inside):
             continue
         opened += 1
         del members[box]

@@ -22,7 +22,7 @@ safely), and so is a ``Tensor[]`` input that takes no gradient (the integer
 
 from __future__ import annotations
 
-__all__ = ["hook_hazard", "MULTI_TENSOR_INPUT", "UNMEASURED", "NEVER_FIRES_PREFIXES"]
+__all__ = ["hook_hazard", "MULTI_TENSOR_INPUT", "UNMEASURED", "NEVER_FIRES_PREFIXES", "PROGRAM_OP_NOTE"]
 
 #: Measured: hooking these makes ``backward()`` raise (op cases in brackets).
 MULTI_TENSOR_INPUT = frozenset(
@@ -56,6 +56,13 @@ UNMEASURED = frozenset(
 #: and then report no gradient, so it is not hooked.
 NEVER_FIRES_PREFIXES = ("GradNodePyLayer_", "Dy2StGradNode")
 
+#: The note of an op inside a ``to_static`` program (``capture/static.py``
+#: opens the program behind a ``Dy2StGradNode``; its ops are named
+#: ``dialect.op``, e.g. ``pd_op.matmul_grad``, which no grad node class is):
+#: it is a real op of the program, but the program runs as a whole and no
+#: gradient inside it can be seen.
+PROGRAM_OP_NOTE = "inside a compiled program: not observed"
+
 
 def hook_hazard(node_name: str) -> str | None:
     """Why a node of this kind is not hooked, or None when hooking is safe.
@@ -71,6 +78,8 @@ def hook_hazard(node_name: str) -> str | None:
         'multi-tensor input: a post-hook breaks backward'
         >>> hook_hazard("MatmulGradNode") is None
         True
+        >>> hook_hazard("pd_op.matmul_grad")
+        'inside a compiled program: not observed'
     """
     if node_name == "GradNodeAccumulation":
         return "leaf: Paddle refuses post-hooks on accumulation nodes"
@@ -80,4 +89,6 @@ def hook_hazard(node_name: str) -> str | None:
         return "multi-tensor input (GPU-only op, not measured): not hooked as a precaution"
     if node_name.startswith(NEVER_FIRES_PREFIXES):
         return "custom/compiled backward: post-hooks never fire"
+    if "." in node_name:
+        return PROGRAM_OP_NOTE
     return None

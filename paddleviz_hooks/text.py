@@ -17,6 +17,7 @@ from typing import Any, Iterable
 
 from .diff import GraphDiff
 from .graph import BackwardGraph, GradMeta, Node
+from .hazards import PROGRAM_OP_NOTE
 
 __all__ = [
     "NOT_OBSERVED",
@@ -172,11 +173,24 @@ def describe_node(info: Node | dict[str, Any]) -> str:
 # --------------------------------------------------------------------------
 # drawing labels
 # --------------------------------------------------------------------------
-def edge_lines(meta: GradMeta | None, stats: bool) -> list[str]:
-    """Label lines for one gradient: shape and dtype, then norm (and NaN/Inf)."""
+def edge_lines(meta: GradMeta | None, stats: bool, observed: bool = True) -> list[str]:
+    """Label lines for one gradient: shape and dtype, then norm (and NaN/Inf).
+
+    Args:
+        meta: what is known of the gradient (None: nothing).
+        stats: show the norm.
+        observed: False for a gradient whose shape is known but whose
+            values could not be seen (inside a compiled program).
+
+    Example:
+        >>> edge_lines(GradMeta((2, 16), "float32"), True, observed=False)
+        ['[2, 16] f32', 'not observed']
+    """
     if meta is None:
         return [NOT_OBSERVED]
     lines = [f"{fmt_shape(meta.shape)} {_DTYPE_SHORT.get(meta.dtype or '', meta.dtype or '')}".strip()]
+    if not observed:
+        return lines + [NOT_OBSERVED]
     if stats and meta.norm is not None:
         extra = f"|g| {fmt_num(meta.norm)}"
         if meta.nonfinite:
@@ -304,7 +318,8 @@ def graph_summary(graph: BackwardGraph, top: int = 5) -> str:
         biggest = sorted(norms.items(), key=lambda kv: -_sort_val(kv[1]))[:top]
         lines.append("largest grad norms: " + ", ".join(f"{k} {v:.3g}" for k, v in biggest) + ";")
     sites = graph.nonfinite_sites()
-    unhooked = [n for n in graph.nodes if n.kind == "op" and not n.hooked]
+    unhooked = [n for n in graph.nodes if n.kind == "op" and not n.hooked and n.note != PROGRAM_OP_NOTE]
+    compiled = sum(1 for n in graph.nodes if n.kind == "op" and n.note == PROGRAM_OP_NOTE)
     bad_params = [name for name, m in params.items() if m is not None and m.nonfinite]
     if sites:
         first = sites[0]
@@ -312,10 +327,12 @@ def graph_summary(graph: BackwardGraph, top: int = 5) -> str:
     elif graph.nonfinite_count():
         lines.append(f"NaN/Inf in the gradients of {plural(len(bad_params), 'parameter')}: {_names(bad_params)};")
     elif graph.meta.get("grad_stats"):
-        lines.append("no NaN/Inf in the observed gradients;" if unhooked else "no NaN/Inf gradients;")
+        lines.append("no NaN/Inf in the observed gradients;" if unhooked or compiled else "no NaN/Inf gradients;")
     if unhooked:
         kinds = sorted({n.op for n in unhooked})
         lines.append(f"gradients {NOT_OBSERVED} at {plural(len(unhooked), 'node')} ({', '.join(kinds)});")
+    if compiled:
+        lines.append(f"{plural(compiled, 'op')} {PROGRAM_OP_NOTE} (parameter gradients behind them are exact);")
     return "\n".join(lines)
 
 

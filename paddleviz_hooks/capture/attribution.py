@@ -46,11 +46,18 @@ class LayerAttribution:
         self._handles: list[Any] = []
 
     def install(self) -> None:
+        compiled: list[str] = []  # to_static layers: their sublayers run inside a program
         for path, sub in self.layer.named_sublayers(include_self=True):
             if type(sub).__name__ == "DataParallel":
                 continue
             path = strip_wrapper_prefix(path) if path != "_layers" else ""
             self.types[path] = type(sub).__name__
+            if any(path.startswith(c + ".") or (c == "" and path) for c in compiled):
+                # A hook inside a to_static layer would make SOT fall back to
+                # running it eagerly: the capture would change how it runs.
+                continue
+            if _is_to_static(sub):
+                compiled.append(path)
             # with_kwargs: tensors passed by keyword are seen too
             self._handles.append(sub.register_forward_pre_hook(self._pre, with_kwargs=True))
             self._handles.append(
@@ -161,6 +168,15 @@ class LayerAttribution:
             if ptr not in self.owner:  # inner layers ran first and keep their claim
                 self.owner[ptr] = where
             todo.extend(n for n in gn.next_functions if n is not None)
+
+
+def _is_to_static(layer: paddle.nn.Layer) -> bool:
+    """Whether ``layer.forward`` was converted by ``paddle.jit.to_static``."""
+    try:
+        from paddle.jit.dy2static.program_translator import StaticFunction
+    except Exception:
+        return False
+    return isinstance(getattr(layer, "forward", None), StaticFunction)
 
 
 def tensors_in(obj: Any) -> list[Any]:

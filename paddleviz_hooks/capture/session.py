@@ -27,6 +27,7 @@ from ..warn import WarnOnce
 from .attribution import LayerAttribution
 from .dispatch import DISPATCHER
 from .gradnode import Walk, grad_fn, parameter_names, walk_graph
+from .static import ProgramRuns
 from . import stats
 
 __all__ = ["BackwardCapture", "capture_backward"]
@@ -108,6 +109,7 @@ class BackwardCapture:
         self._attribution: LayerAttribution | None = None
         self._param_names: dict[int, tuple[str, Any]] = {}
         self._warn = warn or WarnOnce()
+        self._programs = ProgramRuns(self._warn)  # to_static programs run in the block
 
     # -- context protocol ---------------------------------------------------
     def __enter__(self) -> "BackwardCapture":
@@ -119,6 +121,7 @@ class BackwardCapture:
             if self.layer is not None:
                 self._attribution = LayerAttribution(self.layer)
                 self._attribution.install()
+            self._programs.install()
             DISPATCHER.activate(self)
             self._active = True
         except BaseException:
@@ -132,6 +135,7 @@ class BackwardCapture:
     def _teardown(self) -> None:
         self._active = False
         DISPATCHER.deactivate(self)
+        self._programs.remove()
         if self._attribution is not None:
             self._attribution.remove()
             self._attribution = None
@@ -168,6 +172,7 @@ class BackwardCapture:
             def walk() -> Walk:
                 if not cache:
                     cache.append(walk_graph(roots, self._param_names, layer_of))
+                    self._programs.open(cache[0])  # to_static programs opened
                 return cache[0]
 
             trigger = self.when(roots, walk) if self.when is not None else None
@@ -274,6 +279,8 @@ class BackwardCapture:
         return hook
 
     def _end(self, s: _Session | None, ok: bool, retain_graph: bool) -> None:
+        if not retain_graph:
+            self._programs.reset()  # that forward's program runs are consumed
         if s is None:
             if not retain_graph and self._attribution is not None:
                 self._attribution.reset()

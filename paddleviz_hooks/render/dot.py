@@ -7,7 +7,8 @@ from collections import defaultdict
 from typing import Any, Mapping
 
 from ..escape import dot_attrs, dot_html_table, dot_label, dot_quote
-from ..graph import BackwardGraph, Node
+from ..graph import BackwardGraph, Edge, Node
+from ..hazards import PROGRAM_OP_NOTE
 from ..text import NOT_OBSERVED, call_of, edge_lines, layer_name, node_lines, node_tooltip
 
 __all__ = ["to_dot", "dot_parts", "STYLE"]
@@ -110,10 +111,11 @@ def dot_parts(
     keys = {n.id: n.key for n in graph.nodes}
     for e in graph.edges:
         attrs: dict[str, str] = {}
-        text = edge_lines(e.grad, stats)
+        seen = _observed(graph, e)
+        text = edge_lines(e.grad, stats, seen)
         if text:
             attrs["label"] = "\n".join(text)
-        if e.grad is None:
+        if e.grad is None or not seen:
             attrs.update({"style": "dashed", "fontcolor": "#777777"})
         elif e.grad.nonfinite:
             attrs.update({"color": "#d00000", "fontcolor": "#d00000", "penwidth": "2"})
@@ -126,8 +128,21 @@ def dot_parts(
     if extra_body:
         body.extend(extra_body)
     if legend:
-        body.append(_legend(stats))
+        body.append(_legend(stats, any(n.note == PROGRAM_OP_NOTE for n in graph.nodes)))
     return graph_attr, body
+
+
+def _observed(graph: BackwardGraph, e: Edge) -> bool:
+    """False for a gradient with a known shape whose values no hook saw: one
+    that leaves or enters an op inside a compiled program (or a box of
+    unhooked ops only) and carries no statistics."""
+    if e.grad is None or e.grad.norm is not None or not graph.meta.get("grad_stats"):
+        return e.grad is not None
+
+    def unseen(n: Node) -> bool:
+        return n.note == PROGRAM_OP_NOTE or (n.kind == "layer" and 0 < n.ops == n.unhooked)
+
+    return not (unseen(graph.nodes[e.src]) or unseen(graph.nodes[e.dst]))
 
 
 def _cluster_lines(graph: BackwardGraph, by_layer: dict[tuple[str, int], list[Node]],
@@ -172,7 +187,7 @@ def _cluster_lines(graph: BackwardGraph, by_layer: dict[tuple[str, int], list[No
     return lines
 
 
-def _legend(stats: bool) -> str:
+def _legend(stats: bool, compiled: bool = False) -> str:
     rows = [({"BGCOLOR": c}, t) for c, t in (
         ("#ffd966", "loss / root"),
         ("#dae8fc", "op (grad node)"),
@@ -181,6 +196,8 @@ def _legend(stats: bool) -> str:
         ("#ff6b6b", "NaN/Inf gradient"),
     )]
     rows.append(({}, f"dashed: gradient {NOT_OBSERVED} (the node takes no hook)"))
+    if compiled:
+        rows.append(({}, f"dashed *_grad op: {PROGRAM_OP_NOTE} (to_static)"))
     rows.append(({}, "edge: grad shape dtype" + (", |g| = L2 norm" if stats else "")))
     return f'legend [shape=box, style="rounded", color="#bbbbbb", fontsize="9", label={dot_html_table("legend", rows)}]'
 
