@@ -26,9 +26,9 @@ from ..escape import dot_attrs, dot_html_table, dot_label
 from ..graph import BackwardGraph, merge_grad_metas
 from ..text import describe_node, edge_lines, fmt_num, fmt_ratio, node_lines
 from .dot import to_dot
-from .draw import render_png, render_svg
+from .draw import render_png, render_svg, render_views
 
-__all__ = ["diff_to_dot", "render_diff", "render_diff_png", "diff_styles", "DIFF_STYLE"]
+__all__ = ["diff_to_dot", "render_diff", "render_diff_png", "render_diff_views", "diff_styles", "DIFF_STYLE"]
 
 DIFF_STYLE = {
     "added_node": {"color": "#1a7f37", "penwidth": "3", "class": "pvh-added"},
@@ -312,3 +312,23 @@ def render_diff_png(
         b'\\x89PNG'
     """
     return render_diff(diff, newer, older, None, format="png", **options)
+
+
+def render_diff_views(
+    diff: GraphDiff, newer: BackwardGraph, older: BackwardGraph, formats: tuple[str, ...] = ("png",),
+    **options: Any,
+) -> dict[str, bytes]:
+    """The diff drawing sized for viewing, in each of ``formats`` from one engine run.
+
+    Args:
+        diff / newer / older: as for :func:`render_diff`.
+        formats: ``"png"`` and/or ``"svg"``.
+        **options: as for :func:`paddleviz_hooks.render.draw.render_views`.
+
+    Returns:
+        format -> bytes.
+    """
+    _check(diff, newer, older)
+    opts = dict(options)
+    diff, newer, older = _collapsed(diff, newer, older, opts)
+    return render_views(newer, tuple(formats), **_diff_options(diff, newer, older, opts))
