@@ -47,12 +47,13 @@ def _texts(svg: str) -> str:
     return " ".join(re.findall(r"<text[^>]*>([^<]*)</text>", svg))
 
 
-def test_a_real_notebook_shows_graphs_and_diffs_as_svg():
+def test_a_real_notebook_shows_graphs_and_diffs_as_svg(tmp_path, monkeypatch):
     """nbclient runs a notebook in a real ipykernel: evaluating a captured graph, a diff
     and a big graph each gives an image/svg+xml output, sanitised, sized for the cell;
     the big one is collapsed and says how to see every op."""
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")
+    monkeypatch.setenv("IPYTHONDIR", str(tmp_path / "ipython"))  # the kernel's history stays here
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_code_cell(c) for c in (
         SETUP, "small", "diff_graphs(small, changed)", "big.graph", "len(big.graph.nodes), len(small.nodes)")]
@@ -94,25 +95,26 @@ def _two_graphs():
     return cap.graphs
 
 
-def test_formatters_registered_on_a_real_ipython_shell():
-    from IPython.core.interactiveshell import InteractiveShell
+def test_formatters_registered_on_ipythons_display_formatter():
+    """IPython's own DisplayFormatter (what a kernel's shell holds), without starting a shell."""
+    from types import SimpleNamespace
 
-    shell = InteractiveShell.instance()
-    try:
-        assert register(shell) is True
-        old, new = _two_graphs()
-        d = diff_graphs(old, new)
-        for obj in (new, d):
-            data, _ = shell.display_formatter.format(obj)
-            assert data["image/svg+xml"].startswith("<svg") and data["text/plain"] == repr(obj)
-        # a diff loaded from JSON has no graphs to draw: only its text, and no warning
-        loaded = GraphDiff.from_json(d.to_json())
-        with warnings.catch_warnings(record=True) as got:
-            warnings.simplefilter("always")
-            data, _ = shell.display_formatter.format(loaded)
-        assert list(data) == ["text/plain"] and got == []
-    finally:
-        InteractiveShell.clear_instance()
+    from IPython.core.formatters import DisplayFormatter
+
+    shell = SimpleNamespace(display_formatter=DisplayFormatter())
+    assert register(shell) is True
+    assert register(SimpleNamespace()) is False
+    old, new = _two_graphs()
+    d = diff_graphs(old, new)
+    for obj in (new, d):
+        data, _ = shell.display_formatter.format(obj)
+        assert data["image/svg+xml"].startswith("<svg") and data["text/plain"] == repr(obj)
+    # a diff loaded from JSON has no graphs to draw: only its text, and no warning
+    loaded = GraphDiff.from_json(d.to_json())
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        data, _ = shell.display_formatter.format(loaded)
+    assert list(data) == ["text/plain"] and got == []
 
 
 def test_show_full_detail_and_bad_input():
