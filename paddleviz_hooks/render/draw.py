@@ -411,7 +411,7 @@ def render_views(
     if options.get("dpi") is not None:
         if info is not None:
             info.update(full_detail=g is graph)
-        return _svg_fixed(run_engine_formats(to_dot(g, **options), tuple(formats), timeout=timeout))
+        return _draw(to_dot(g, **options), tuple(formats), (), timeout)
     rankdir = options.pop("rankdir", None)
     key = _plan_key(graph, max_px, rankdir, auto_collapse, explicit, options, keep)
     cached = _PLANS.get(key)
@@ -452,17 +452,19 @@ def render_views(
         )
     # -Gsize caps the bitmap at max_px even when labels of a reused plan grew a little
     cap = (max_px - 1) / plan.dpi - 2 * _PAD_IN
-    return _svg_fixed(run_engine_formats(plan.source, tuple(formats),
-                                         args=(f"-Gdpi={plan.dpi:.3f}", f"-Gsize={cap:.3f},{cap:.3f}", *pad),
-                                         timeout=timeout))
+    return _draw(plan.source, tuple(formats), (f"-Gdpi={plan.dpi:.3f}", f"-Gsize={cap:.3f},{cap:.3f}", *pad), timeout)
 
 
 _SVG_ROOT = re.compile(rb'<svg width="([\d.]+)pt" height="([\d.]+)pt"\s+viewBox="[^"]*"')
 
 
-def _svg_fixed(out: dict[str, bytes]) -> dict[str, bytes]:
-    """The engine's outputs, the SVG's viewBox made to match its drawn size
+def _draw(source: str, formats: tuple[str, ...], args: tuple[str, ...], timeout: float | None) -> dict[str, bytes]:
+    """One engine run writing ``formats``; the SVG's viewBox made to match its drawn size
     (see :func:`_svg_viewbox_as_drawn`)."""
+    if len(formats) == 1:
+        out = {formats[0]: run_engine(source, formats[0], args=args, timeout=timeout)}
+    else:
+        out = run_engine_formats(source, formats, args=args, timeout=timeout)
     if "svg" in out:
         out["svg"] = _svg_viewbox_as_drawn(out["svg"])
     return out
