@@ -155,6 +155,7 @@ def test_engine_runs_once_per_capture_in_steady_state(tmp_path, monkeypatch, for
             while not rec.pipeline.idle or len(rec.pipeline.drawn) < step:
                 threading.Event().wait(0.01)
             per_capture.append(runs() - before)
+    print(f"\nengine runs per capture, formats={formats}, view_max_px={view_max_px}: {per_capture}")
     assert per_capture[0] >= 2  # the first capture tries arrangements
     assert per_capture[1:] == [steady] * 5, per_capture
     run_dir = tmp_path / "log" / "backward_graph"
