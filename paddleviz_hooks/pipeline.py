@@ -26,7 +26,7 @@ from typing import Any, Callable
 from .diff import GraphDiff, diff_graphs
 from .graph import BackwardGraph
 from .options import RecorderOptions
-from .render import EngineNotFound, RenderTimeout, render_diff_png, render_svg, render_views, to_dot
+from .render import EngineNotFound, RenderTimeout, render_diff_views, render_svg, render_views, to_dot
 from .sinks.files import StepFiles
 from .sinks.visualdl import VisualDLSink, encode_like_visualdl, png_to_array
 from .text import diff_summary, graph_summary
@@ -344,8 +344,8 @@ class CapturePipeline:
                 prev = BackwardGraph.from_json(open(d.prev_path, encoding="utf-8").read())
             if prev is not None:
                 try:
-                    diff_png = render_diff_png(d.diff, graph, prev, max_px=opts.view_max_px,
-                                               max_nodes=opts.view_max_nodes, timeout=left())
+                    diff_png = render_diff_views(d.diff, graph, prev, ("png",), max_px=opts.view_max_px,
+                                                 max_nodes=opts.view_max_nodes, timeout=left())["png"]
                 except Exception as exc:
                     self._warn("diff-render", f"drawing the graph diff failed: {exc!r}")
         self._log_pictures(step, trigger, png, diff_png)

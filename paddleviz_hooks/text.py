@@ -230,9 +230,9 @@ def notebook_full_detail(what: str) -> str:
 
     Example:
         >>> notebook_full_detail("graph")
-        'every op: paddleviz_hooks.show(graph, full=True)'
+        'every op: show(graph, full=True)'
     """
-    return f"every op: paddleviz_hooks.show({what}, full=True)"
+    return f"every op: show({what}, full=True)"
 
 
 # --------------------------------------------------------------------------

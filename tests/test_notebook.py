@@ -82,7 +82,7 @@ def test_a_real_notebook_shows_graphs_and_diffs_as_svg(tmp_path, monkeypatch):
     # the big graph: collapsed for the cell, with the way to every op in its title
     big_texts = _texts(shown["big"])
     assert f"of {big_nodes} nodes" in big_texts and "collapsed to layer depth" in big_texts
-    assert "every op: paddleviz_hooks.show(graph, full=True)" in big_texts
+    assert "every op: show(graph, full=True)" in big_texts
 
 
 def _two_graphs():
@@ -156,3 +156,23 @@ def test_hostile_layer_names_reach_the_notebook_escaped():
     svg = svg_of(cap.graph)
     assert svg is not None and clean_svg(svg) == svg
     assert "<script" not in svg and "&lt;script&gt;" in svg
+
+
+def test_a_collapsed_diff_draws_removed_layers_as_ghost_boxes():
+    """Collapsing only the drawn graph would leave the ghosts of removed ops pointing at
+    nodes that are no longer drawn (Graphviz then invents bare 'n12' nodes): both graphs
+    are collapsed to the same depth and compared again, so a removed layer is one ghost box."""
+    paddle.seed(0)
+    net = paddle.vision.models.resnet18(num_classes=4)
+    x = paddle.randn([2, 3, 32, 32])
+    with capture_backward(net) as cap:
+        net(x).mean().backward()
+        h = net.layer1(net.maxpool(net.relu(net.bn1(net.conv1(x))))).detach()  # layer1 and the stem: no gradient
+        net.fc(paddle.flatten(net.avgpool(net.layer4(net.layer3(net.layer2(h)))), 1)).mean().backward()
+    old, new = cap.graphs
+    svg = show(diff_graphs(old, new)).svg
+    texts = re.findall(r"<text[^>]*>([^<]*)</text>", svg)
+    assert [t for t in texts if re.fullmatch(r"n\d+", t)] == []  # no invented node
+    assert "collapsed to layer depth" in texts[0] and "every op: show(diff, full=True)" in texts[0]
+    ghost_lines = {line for i, t in enumerate(texts) if t == "(removed)" for line in texts[max(0, i - 4):i]}
+    assert {"layer1.0", "layer1.1"} <= ghost_lines, ghost_lines  # the first line of a ghost box: its layer

@@ -9,7 +9,7 @@
 * ``diff.py``: a :class:`~paddleviz_hooks.diff.GraphDiff` drawn over the newer graph.
 """
 
-from .diff import diff_to_dot, render_diff, render_diff_png
+from .diff import diff_to_dot, render_diff, render_diff_png, render_diff_views
 from .dot import to_dot
 from .draw import (LEGIBLE_DPI, VIEW_MAX_PX, fit_png, layout_size, png_size, render_png, render_svg, render_to_file,
                    render_views)
@@ -27,6 +27,7 @@ __all__ = [
     "png_size",
     "render_diff",
     "render_diff_png",
+    "render_diff_views",
     "render_png",
     "render_svg",
     "render_to_file",

@@ -24,7 +24,7 @@ from ..collapse import collapse_graph
 from ..diff import GraphDiff, diff_graphs, norm_ratio
 from ..escape import dot_attrs, dot_html_table, dot_label
 from ..graph import BackwardGraph, merge_grad_metas
-from ..text import describe_node, edge_lines, fmt_num, fmt_ratio, node_lines
+from ..text import collapse_note, describe_node, edge_lines, fmt_num, fmt_ratio, node_lines
 from .dot import to_dot
 from .draw import render_png, render_svg, render_views
 
@@ -315,20 +315,49 @@ def render_diff_png(
 
 
 def render_diff_views(
-    diff: GraphDiff, newer: BackwardGraph, older: BackwardGraph, formats: tuple[str, ...] = ("png",),
-    **options: Any,
+    diff: GraphDiff, newer: BackwardGraph, older: BackwardGraph, formats: tuple[str, ...] = ("png",), *,
+    auto_collapse: bool = True, full_detail: str | None = None, **options: Any,
 ) -> dict[str, bytes]:
     """The diff drawing sized for viewing, in each of ``formats`` from one engine run.
+
+    When the newer graph's own viewing picture would be collapsed, both
+    graphs are collapsed to that depth alike and compared again, so removed
+    nodes are drawn as ghost boxes of the same depth and the title says so.
 
     Args:
         diff / newer / older: as for :func:`render_diff`.
         formats: ``"png"`` and/or ``"svg"``.
+        auto_collapse: collapse when the newer graph's view needs it (as
+            :func:`paddleviz_hooks.render.render_png` decides).
+        full_detail: how to see every op, said in the title of a collapsed drawing.
         **options: as for :func:`paddleviz_hooks.render.draw.render_views`.
 
     Returns:
         format -> bytes.
+
+    Example:
+        >>> import paddle
+        >>> from paddleviz_hooks import capture_backward, diff_graphs
+        >>> net = paddle.nn.Sequential(paddle.nn.Linear(3, 3), paddle.nn.Linear(3, 1))
+        >>> x = paddle.randn([2, 3])
+        >>> with capture_backward(net) as cap:
+        ...     net(x).sum().backward()
+        ...     net[1](net[0](x).detach()).sum().backward()
+        >>> old, new = cap.graphs
+        >>> sorted(render_diff_views(diff_graphs(old, new), new, old, ("png", "svg")))
+        ['png', 'svg']
     """
     _check(diff, newer, older)
     opts = dict(options)
+    full = newer
+    if auto_collapse and "depth" not in opts and opts.get("max_nodes") is None:  # as render_png decides
+        info: dict[str, Any] = {}
+        render_views(newer, (), info=info, **opts)  # decides only (the plan is reused later)
+        if info["collapsed_depth"] is not None:
+            opts.update(depth=info["collapsed_depth"], fold_repeats=info["fold_repeats"])
     diff, newer, older = _collapsed(diff, newer, older, opts)
-    return render_views(newer, tuple(formats), **_diff_options(diff, newer, older, opts))
+    opts = _diff_options(diff, newer, older, opts)
+    if newer is not full:
+        note = collapse_note(newer, full, full_detail) if full_detail else collapse_note(newer, full)
+        opts["title"] = f"{opts['title']} - {note}"
+    return render_views(newer, tuple(formats), auto_collapse=False, **opts)

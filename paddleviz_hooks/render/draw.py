@@ -382,8 +382,8 @@ def render_views(
 
     Args:
         graph, max_px, timeout, auto_collapse, **options: as for :func:`render_png`.
-        formats: ``"png"`` and/or ``"svg"``.
-        info: as for :func:`render_png`, plus ``full_detail``.
+        formats: ``"png"`` and/or ``"svg"``; ``()`` only decides (fills ``info``).
+        info: as for :func:`render_png`, plus ``full_detail`` and ``fold_repeats``.
         full_detail: how to see every op, said in the title of a collapsed
             drawing (default: the SVG file has every op).
 
@@ -401,8 +401,8 @@ def render_views(
         >>> sorted(out), info["full_detail"]
         (['png', 'svg'], True)
     """
-    if isinstance(formats, str) or not formats or any(f not in ("png", "svg") for f in formats):
-        raise ValueError(f"formats must be a non-empty tuple of 'png' and 'svg', got {formats!r}")
+    if isinstance(formats, str) or any(f not in ("png", "svg") for f in formats):
+        raise ValueError(f"formats must be a tuple of 'png' and 'svg', got {formats!r}")
     if isinstance(max_px, bool) or not isinstance(max_px, int) or max_px < 64:
         raise ValueError(f"max_px must be an int >= 64, got {max_px!r}")
     explicit = "depth" in options or options.get("max_nodes") is not None
@@ -448,8 +448,10 @@ def render_views(
             nodes=len(drawn.nodes),
             collapsed_depth=drawn.meta.get("collapse", {}).get("depth") if drawn is not graph else None,
             dpi=round(plan.dpi, 3), rankdir=plan.rankdir, bands=plan.bands, padded=bool(pad),
-            full_detail=drawn is graph,
+            full_detail=drawn is graph, fold_repeats=bool(drawn.meta.get("collapse", {}).get("fold_repeats")),
         )
+    if not formats:
+        return {}
     # -Gsize caps the bitmap at max_px even when labels of a reused plan grew a little
     cap = (max_px - 1) / plan.dpi - 2 * _PAD_IN
     return _draw(plan.source, tuple(formats), (f"-Gdpi={plan.dpi:.3f}", f"-Gsize={cap:.3f},{cap:.3f}", *pad), timeout)
