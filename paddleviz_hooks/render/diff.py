@@ -20,13 +20,13 @@ import os
 from typing import Any
 
 from .._fileio import atomic_write
-from ..collapse import collapse_graph
+from ..collapse import collapse_graph, layer_depths
 from ..diff import GraphDiff, diff_graphs, norm_ratio
 from ..escape import dot_attrs, dot_html_table, dot_label
 from ..graph import BackwardGraph, merge_grad_metas
 from ..text import collapse_note, describe_node, edge_lines, fmt_num, fmt_ratio, node_lines
 from .dot import to_dot
-from .draw import render_png, render_svg, render_views
+from .draw import LEGIBLE_DPI, render_png, render_svg, render_views
 
 __all__ = ["diff_to_dot", "render_diff", "render_diff_png", "render_diff_views", "diff_styles", "DIFF_STYLE"]
 
@@ -320,9 +320,10 @@ def render_diff_views(
 ) -> dict[str, bytes]:
     """The diff drawing sized for viewing, in each of ``formats`` from one engine run.
 
-    When the newer graph's own viewing picture would be collapsed, both
-    graphs are collapsed to that depth alike and compared again, so removed
-    nodes are drawn as ghost boxes of the same depth and the title says so.
+    When the drawing with its ghosts of removed nodes would be illegible
+    (below ``LEGIBLE_DPI``), both graphs are collapsed alike, starting at the
+    depth the newer graph's own viewing picture needs, and compared again:
+    removed layers are ghost boxes of the same depth, and the title says so.
 
     Args:
         diff / newer / older: as for :func:`render_diff`.
@@ -353,8 +354,19 @@ def render_diff_views(
     if auto_collapse and "depth" not in opts and opts.get("max_nodes") is None:  # as render_png decides
         info: dict[str, Any] = {}
         render_views(newer, (), info=info, **opts)  # decides only (the plan is reused later)
-        if info["collapsed_depth"] is not None:
-            opts.update(depth=info["collapsed_depth"], fold_repeats=info["fold_repeats"])
+        start, fold = info["collapsed_depth"], info["fold_repeats"]
+        deepest = max(layer_depths(newer).values(), default=0)
+        depths = [start] + list(range(deepest if start is None else start - 1, -1, -1))
+        for depth in depths:
+            trial = dict(opts) if depth is None else {**opts, "depth": depth, "fold_repeats": fold}
+            d2, n2, o2 = _collapsed(diff, newer, older, trial)
+            trial = _diff_options(d2, n2, o2, trial)
+            plan: dict[str, Any] = {}
+            render_views(n2, (), info=plan, auto_collapse=False, **trial)
+            if plan["dpi"] >= LEGIBLE_DPI or depth == depths[-1]:
+                break
+        if depth is not None:
+            opts.update(depth=depth, fold_repeats=fold)
     diff, newer, older = _collapsed(diff, newer, older, opts)
     opts = _diff_options(diff, newer, older, opts)
     if newer is not full:
