@@ -13,6 +13,12 @@ Rows (medians over repeats, every ratio taken from numbers of this same run):
   (``render_png`` default: collapsed automatically when illegible), the first
   drawing of a structure and the same structure again (its plan reused, with
   the number of layout-engine runs that takes).
+* pipeline (encoder, resnet50): the real capture pipeline with the default
+  options (PNG, SVG, DOT, JSON, VisualDL) drawing captures of one structure:
+  the first capture (plan search) and captures drawn per second after it,
+  with layout-engine runs per capture (counted by a ``dot`` shim on PATH).
+* fit:every5: ``Model.fit`` with ``BackwardGraphCallback(every=5)`` on a
+  2-layer encoder: captures dropped (0 expected), drawn and left undrawn.
 * 10k nodes: a 224-layer encoder (about 10,000 nodes): captured step / plain
   step, and the first viewing PNG.
 * training thread: forward+backward inside ``capture_backward`` divided by the
@@ -215,22 +221,141 @@ def bench_render(table: Table, name: str, graph, repeats: int) -> dict[str, floa
     return out
 
 
+class _EngineRuns:
+    """Counts layout-engine processes, background threads included: a ``dot`` shim
+    first on ``PATH`` logs each run and hands over to the real engine."""
+
+    def __enter__(self) -> "_EngineRuns":
+        from paddleviz_hooks.render import find_engine
+
+        real = find_engine()
+        self._saved = {k: os.environ.get(k) for k in ("PATH", "PADDLEVIZ_ENGINE")}
+        self._tmp = tempfile.TemporaryDirectory(prefix="pvh-shim-")
+        self._log = os.path.join(self._tmp.name, "runs.txt")
+        if real is not None:
+            shim = os.path.join(self._tmp.name, "dot")
+            with open(shim, "w") as f:
+                f.write(f'#!/bin/sh\necho run >> "{self._log}"\nexec "{real.path}" "$@"\n')
+            os.chmod(shim, 0o755)
+            os.environ["PATH"] = self._tmp.name + os.pathsep + os.environ.get("PATH", "")
+            os.environ["PADDLEVIZ_ENGINE"] = "dot"
+        return self
+
+    def count(self) -> int:
+        if not os.path.exists(self._log):
+            return 0
+        with open(self._log) as f:
+            return len(f.read().splitlines())
+
+    def __exit__(self, *exc: Any) -> None:
+        for k, v in self._saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        self._tmp.cleanup()
+
+
 def _count_engine_runs(fn: Callable[[], Any]) -> int:
     """How many times ``fn`` runs the layout engine."""
-    import paddleviz_hooks.render.draw as draw
-
-    real, calls = draw.run_engine, [0]
-
-    def counting(*args, **kwargs):
-        calls[0] += 1
-        return real(*args, **kwargs)
-
-    draw.run_engine = counting
-    try:
+    with _EngineRuns() as runs:
         fn()
-    finally:
-        draw.run_engine = real
-    return calls[0]
+        return runs.count()
+
+
+# --------------------------------------------------------------------------
+# the capture pipeline: drawing throughput and engine runs (default formats)
+# --------------------------------------------------------------------------
+def bench_drawing_rate(table: Table, name: str, graph, count: int) -> None:
+    """Captures of one structure drawn per second by the real pipeline with the
+    default options (PNG, SVG, DOT, JSON, VisualDL), and engine runs per capture."""
+    from paddleviz_hooks.options import RecorderOptions
+    from paddleviz_hooks.pipeline import CaptureJob, CapturePipeline
+    from paddleviz_hooks.sinks.files import StepFiles
+    from paddleviz_hooks.warn import WarnOnce
+
+    clear_plan_cache()
+    warn = WarnOnce()
+    with tempfile.TemporaryDirectory(prefix="pvh-bench-") as tmp, _EngineRuns() as runs:
+        pipe = CapturePipeline(RecorderOptions.check(tmp), StepFiles(os.path.join(tmp, "run")), "bench", warn)
+
+        def draw(steps: list[int]) -> tuple[float, int]:
+            before, t0 = runs.count(), time.perf_counter()
+            for s in steps:
+                pipe.submit(CaptureJob(graph, s, "scheduled"))
+            while len(pipe.drawn) + len(warn.messages) < steps[-1] and time.perf_counter() - t0 < 900:
+                time.sleep(0.005)
+            return time.perf_counter() - t0, runs.count() - before
+
+        first_t, first_runs = draw([1])
+        t, n_runs = draw(list(range(2, count + 2)))
+        pipe.close()
+        info: dict = {}
+        render_png(graph, info=info)  # the plan is cached: what the pipeline drew
+    view = (f"view collapsed to depth {info['collapsed_depth']}" if info.get("collapsed_depth") is not None
+            else "view has every node")
+    problems = f"; {len(warn.messages)} problem(s): {warn.messages[0][:80]}" if warn.messages else ""
+    table.add(name, "pipeline: first capture drawn (default formats)", fmt_s(first_t),
+              f"{first_runs} engine runs (plan search){problems}", seconds=first_t, engine_runs=first_runs)
+    table.add(name, "pipeline: captures drawn per second, same structure", f"{count / t:.2f}/s",
+              f"{n_runs / count:.1f} engine runs per capture ({view}); {count} captures in {fmt_s(t)}",
+              rate=count / t, engine_runs_per_capture=n_runs / count, captures=count)
+
+
+def bench_fit_every5(table: Table, quick: bool) -> None:
+    """``Model.fit`` at ``every=5`` on a 2-layer encoder: nothing dropped, everything drawn."""
+    from paddleviz_hooks import BackwardGraphCallback
+
+    class Encoder2(paddle.nn.Layer):
+        def __init__(self) -> None:
+            super().__init__()
+            layer = paddle.nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0)
+            self.encoder = paddle.nn.TransformerEncoder(layer, 2)
+            self.head = paddle.nn.Linear(64, 10)
+
+        def forward(self, x):
+            return self.head(self.encoder(x).mean(axis=1))
+
+    steps, batch = (60 if quick else 200), 4
+
+    def fit(callbacks: list) -> float:
+        paddle.seed(0)
+        net = Encoder2()
+        model = paddle.Model(net)
+        model.prepare(paddle.optimizer.SGD(learning_rate=1e-3, parameters=net.parameters()),
+                      paddle.nn.CrossEntropyLoss())
+        t0 = time.perf_counter()
+        model.fit(_SeqData(steps * batch, (16, 64)), epochs=1, batch_size=batch, shuffle=False, verbose=0,
+                  callbacks=callbacks)
+        return time.perf_counter() - t0
+
+    class TrainEnd(_StepClock):
+        def on_train_end(self, logs=None):  # runs before the recorder's close (listed first)
+            self.ended = time.perf_counter()
+
+    fit([])  # warm-up
+    base_clock = _StepClock()
+    plain = fit([base_clock])
+    with tempfile.TemporaryDirectory(prefix="pvh-bench-") as tmp:
+        clock = TrainEnd()
+        cb = BackwardGraphCallback(tmp, every=5, verbose=0)
+        t0 = time.perf_counter()
+        with_cb = fit([clock, cb])  # on_train_end closes: the backlog is drawn inside this time
+        training = clock.ended - t0
+        drawn = [f for f in os.listdir(cb.run_dir) if f.endswith(".png") and "_diff" not in f]
+        undrawn = cb.recorder.undrawn_steps
+    captured = set(cb.captured_steps)
+    step = med([t for s, t in clock.step_times().items() if s > 5 and s not in captured])
+    base = med([t for s, t in base_clock.step_times().items() if s > 5])
+    table.add("fit:every5", f"2-layer encoder, every=5, {steps} steps: captures dropped",
+              str(len(cb.dropped_steps)),
+              f"{len(captured)} captured, {len(drawn)} drawn, {len(undrawn)} undrawn at close; "
+              f"training {training:.1f} s + close {with_cb - training:.1f} s vs {plain:.1f} s without the callback",
+              dropped=len(cb.dropped_steps), captured=len(captured), drawn=len(drawn),
+              undrawn=len(undrawn), seconds=with_cb, training_seconds=training, base_seconds=plain)
+    table.add("fit:every5", "uncaptured step, every=5 / none", f"{step / base:.2f}x",
+              f"{step * 1000:.1f} vs {base * 1000:.1f} ms (the drawing thread shares the 2 cores)",
+              ratio=step / base, seconds=step, base_seconds=base)
 
 
 def bench_huge(table: Table) -> None:
@@ -543,7 +668,7 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="few repeats, shorter fit runs (a few minutes)")
     ap.add_argument("--json", metavar="PATH", default=DEFAULT_JSON, help=f"results file (default {DEFAULT_JSON})")
-    ap.add_argument("--skip", action="append", default=[], choices=["transformer", "resnet50", "huge", "torchviz", "callback"],
+    ap.add_argument("--skip", action="append", default=[], choices=["transformer", "resnet50", "huge", "fit5", "torchviz", "callback"],
                     help="leave out a group of rows (repeatable)")
     ap.add_argument("--callback-child", metavar="PATH", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -557,7 +682,7 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(table.rows, f)
         return 0
     reps = {"tr_steps": 3 if quick else 7, "r50_steps": 2 if quick else 4,
-            "render": 2 if quick else 5, "r50_render": 1 if quick else 3}
+            "render": 2 if quick else 5, "r50_render": 1 if quick else 3, "rate": 3 if quick else 8}
     started = time.time()
     print(f"paddleviz-hooks benchmarks ({'quick' if quick else 'full'}), paddle {paddle.__version__}, "
           f"{os.cpu_count()} CPUs, {platform.python_version()}", flush=True)
@@ -569,6 +694,7 @@ def main(argv: list[str] | None = None) -> int:
         table.add("encoder", "graph captured (grad_stats=True)", f"{len(g.nodes)} nodes",
                   f"meta capture_ms {g.meta.get('capture_ms', 0):.0f} (walk + hooks + build)")
         ours_view = bench_render(table, "encoder", g, reps["render"])["view"]
+        bench_drawing_rate(table, "encoder", g, reps["rate"])
         del model, g
     if "resnet50" not in args.skip:
         model, loss_fn = paddle_resnet50()
@@ -576,9 +702,12 @@ def main(argv: list[str] | None = None) -> int:
         table.add("resnet50", "graph captured (grad_stats=True)", f"{len(g.nodes)} nodes",
                   f"meta capture_ms {g.meta.get('capture_ms', 0):.0f} (walk + hooks + build)")
         bench_render(table, "resnet50", g, reps["r50_render"])
+        bench_drawing_rate(table, "resnet50", g, reps["rate"])
         del model, g
     if "huge" not in args.skip:
         bench_huge(table)
+    if "fit5" not in args.skip:
+        bench_fit_every5(table, quick)
     if "torchviz" not in args.skip:
         bench_torchviz(table, reps["render"], ours_view)
     if "callback" not in args.skip:

@@ -15,6 +15,8 @@ command work without importing paddle):
   into boxes; :func:`summarize` - the text a person reads.
 * :func:`render_to_file`, :func:`render_png`, :func:`render_svg`, :func:`render_diff` -
   drawing; :func:`build_report` - the offline HTML report of a log directory.
+* :func:`show` - a graph or diff drawn for a notebook cell; in Jupyter, a graph or
+  diff evaluated in a cell is drawn inline (``paddleviz_hooks.notebook``).
 
 How the modules fit together (data flows one way)::
 
@@ -22,6 +24,7 @@ How the modules fit together (data flows one way)::
                                                    -> pipeline.py -> recorder.py -> callbacks/
 """
 
+import sys
 from importlib import import_module
 from typing import Any
 
@@ -49,6 +52,7 @@ _WHERE = {
     "EngineNotFound": ".render",
     "RenderTimeout": ".render",
     "build_report": ".sinks.report",
+    "show": ".notebook",
 }
 
 __all__ = sorted(_WHERE) + ["__version__"]
@@ -65,3 +69,22 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(__all__)
+
+
+def _register_notebook_display() -> None:
+    """Inside an IPython kernel, graphs and diffs evaluated in a cell are drawn inline."""
+    ipython = sys.modules.get("IPython")  # already loaded in a kernel; never imported here
+    try:
+        shell = ipython.get_ipython() if ipython is not None else None
+        if shell is not None:
+            from .notebook import register
+
+            register(shell)
+    except Exception as exc:  # display is a convenience: importing the package must not fail
+        import warnings
+
+        warnings.warn(f"paddleviz_hooks: graphs will not be drawn inline in this notebook: {exc!r}",
+                      RuntimeWarning, stacklevel=2)
+
+
+_register_notebook_display()

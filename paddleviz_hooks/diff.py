@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -143,6 +144,21 @@ class GraphDiff:
             self.structure_changed or self.nonfinite_changed
             or self.large_node_changes() or self.large_layer_changes()
         )
+
+    def compared_graphs(self) -> tuple[BackwardGraph, BackwardGraph] | None:
+        """The ``(older, newer)`` graphs this diff was computed from, while they are alive.
+
+        Held weakly, so a diff never keeps captures in memory; None for a diff
+        loaded from JSON or once either graph is gone.
+        """
+        refs = getattr(self, "_graphs", None)
+        graphs = tuple(r() for r in refs) if refs else ()
+        return graphs if len(graphs) == 2 and None not in graphs else None  # type: ignore[return-value]
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state.pop("_graphs", None)  # weak references do not pickle
+        return state
 
     # ----------------------------------------------------------- conversions
     def to_dict(self) -> dict[str, Any]:
@@ -553,4 +569,5 @@ def diff_graphs(
     by_key = {n.key: n for n in new_nodes}
     for key in d.large_node_changes():
         info.setdefault(key, _info(by_key[key]))
+    d._graphs = (weakref.ref(older), weakref.ref(newer))  # for drawing it (see compared_graphs)
     return d

@@ -345,7 +345,11 @@ class BackwardGraph:
         return chain
 
     def topo_order(self) -> list[int]:
-        """Node ids in gradient-flow order (every node after all producers)."""
+        """Node ids in gradient-flow order (every node after all producers).
+
+        Nodes on a cycle (a collapsed graph can have one: a layer box whose
+        ops run before and after another box) and those after it follow, in id order.
+        """
         indeg = [0] * len(self.nodes)
         out = self.out_edges()
         for e in self.edges:
@@ -360,6 +364,9 @@ class BackwardGraph:
                 indeg[e.dst] -= 1
                 if indeg[e.dst] == 0:
                     ready.append(e.dst)
+        if len(order) < len(self.nodes):
+            placed = set(order)
+            order += [n.id for n in self.nodes if n.id not in placed]
         return order
 
     def nonfinite_sites(self) -> list[Node]:

@@ -26,7 +26,7 @@ from typing import Any, Callable
 from .diff import GraphDiff, diff_graphs
 from .graph import BackwardGraph
 from .options import RecorderOptions
-from .render import EngineNotFound, RenderTimeout, render_diff_png, render_png, render_svg, to_dot
+from .render import EngineNotFound, RenderTimeout, render_diff_views, render_svg, render_views, to_dot
 from .sinks.files import StepFiles
 from .sinks.visualdl import VisualDLSink, encode_like_visualdl, png_to_array
 from .text import diff_summary, graph_summary
@@ -326,10 +326,15 @@ class CapturePipeline:
 
         png = diff_png = None
         try:
+            # one engine run draws the viewing PNG and, when it has every node, the full-detail SVG
+            info: dict = {}
+            views = render_views(graph, ("png", "svg") if "svg" in opts.formats else ("png",), info=info,
+                                 max_px=opts.view_max_px, max_nodes=opts.view_max_nodes, timeout=left(),
+                                 title=title)
+            png = views["png"]
             if "svg" in opts.formats:
-                files.write(step, "svg", render_svg(graph, timeout=left(), title=title))
-            png = render_png(graph, max_px=opts.view_max_px, max_nodes=opts.view_max_nodes, timeout=left(),
-                             title=title)
+                svg = views["svg"] if info["full_detail"] else render_svg(graph, timeout=left(), title=title)
+                files.write(step, "svg", svg)
         except (EngineNotFound, RenderTimeout) as exc:
             # JSON, DOT, text and scalars are already written
             self._warn(type(exc).__name__, f"step {step} was not drawn: {exc}")
@@ -339,8 +344,8 @@ class CapturePipeline:
                 prev = BackwardGraph.from_json(open(d.prev_path, encoding="utf-8").read())
             if prev is not None:
                 try:
-                    diff_png = render_diff_png(d.diff, graph, prev, max_px=opts.view_max_px,
-                                               max_nodes=opts.view_max_nodes, timeout=left())
+                    diff_png = render_diff_views(d.diff, graph, prev, ("png",), max_px=opts.view_max_px,
+                                                 max_nodes=opts.view_max_nodes, timeout=left())["png"]
                 except Exception as exc:
                     self._warn("diff-render", f"drawing the graph diff failed: {exc!r}")
         self._log_pictures(step, trigger, png, diff_png)

@@ -37,6 +37,7 @@ __all__ = [
     "node_lines",
     "node_tooltip",
     "node_where",
+    "notebook_full_detail",
     "plural",
     "summarize",
 ]
@@ -269,12 +270,25 @@ def node_tooltip(node: Node) -> str:
     return " | ".join(tip)
 
 
-def collapse_note(collapsed: BackwardGraph, full: BackwardGraph) -> str:
-    """The title note of a drawing that was collapsed to stay legible."""
+def collapse_note(collapsed: BackwardGraph, full: BackwardGraph, full_detail: str = "the SVG has every op") -> str:
+    """The title note of a drawing that was collapsed to stay legible.
+
+    ``full_detail`` says where every op can be seen.
+    """
     info = collapsed.meta.get("collapse", {})
     folded = ", repeated layers folded" if info.get("fold_repeats") else ""
     return (f"collapsed to layer depth {info.get('depth')}{folded}: {len(collapsed.nodes)} of "
-            f"{len(full.nodes)} nodes (the SVG has every op)")
+            f"{len(full.nodes)} nodes ({full_detail})")
+
+
+def notebook_full_detail(what: str) -> str:
+    """Where every op of a drawing collapsed for a notebook cell can be seen.
+
+    Example:
+        >>> notebook_full_detail("graph")
+        'every op: show(graph, full=True)'
+    """
+    return f"every op: show({what}, full=True)"
 
 
 # --------------------------------------------------------------------------

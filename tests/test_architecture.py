@@ -28,7 +28,7 @@ LAYERS = [
     ("options", {"options"}),
     ("pipeline", {"pipeline", "triggers"}),
     ("recorder", {"recorder"}),
-    ("adapters", {"callbacks", "compat", "cli"}),
+    ("adapters", {"callbacks", "compat", "cli", "notebook"}),
     ("root", {""}),
 ]
 

@@ -406,3 +406,25 @@ def test_render_diff_files(odd, tmp_path):
     assert max(png_size(data)) <= 400
     with pytest.raises(FileNotFoundError):
         render_diff(back, odd[2], odd[1], str(tmp_path / "missing" / "d.svg"))
+
+
+def test_a_cycle_in_a_collapsed_graph_still_lists_every_removed_node():
+    """Layer boxes can form a cycle (a box whose ops run before and after another box):
+    the nodes on and after it are still ordered, so a removed one is listed."""
+    from paddleviz_hooks.graph import Edge, Node
+
+    def graph(with_tail: bool) -> BackwardGraph:
+        nodes = [Node(0, "root", "loss", "loss"), Node(1, "op", "AGradNode", "A", layer="a"),
+                 Node(2, "op", "BGradNode", "B", layer="b")]
+        edges = [Edge(0, 1), Edge(1, 2), Edge(2, 1)]
+        if with_tail:
+            nodes.append(Node(3, "op", "CGradNode", "C", layer="c"))
+            edges.append(Edge(2, 3))
+        g = BackwardGraph(nodes, edges)
+        g.assign_keys()
+        return g
+
+    old, new = graph(True), graph(False)
+    assert old.topo_order() == [0, 1, 2, 3]
+    d = diff_graphs(old, new)
+    assert [old.node_by_key()[k].op for k in d.removed_nodes] == ["C"]

@@ -7,8 +7,9 @@ import threading
 import numpy as np
 import paddle
 import paddle.nn as nn
+import pytest
 
-from paddleviz_hooks import BackwardGraphCallback, BackwardGraphRecorder
+from paddleviz_hooks import BackwardGraph, BackwardGraphCallback, BackwardGraphRecorder
 from paddleviz_hooks.pipeline import CapturePipeline
 
 from _fitkit import (
@@ -115,13 +116,18 @@ def test_formats_decide_every_file(tmp_path):
     assert np.isfinite(cb.captured_steps).all()
 
 
-def test_engine_runs_once_per_capture_in_steady_state(tmp_path, monkeypatch):
+@pytest.mark.parametrize("formats, view_max_px, act, steady", [
+    (("json", "png"), 2000, nn.Tanh, 1),
+    (("png", "svg", "dot", "json"), 2000, nn.Sigmoid, 1),  # the defaults: the SVG comes from the PNG's run
+    (("png", "svg", "dot", "json"), 160, nn.Softsign, 2),  # a collapsed view: the full SVG is another graph
+])
+def test_engine_runs_once_per_capture_in_steady_state(tmp_path, monkeypatch, formats, view_max_px, act, steady):
     """A `dot` shim first on PATH counts layout-engine runs: with the structure unchanged,
-    each capture's viewing PNG costs one run (its size and collapse plan is reused)."""
+    each capture's viewing PNG costs one run (its size and collapse plan is reused), and
+    the full-detail SVG comes from that same run unless the viewing picture is collapsed."""
     import os
+    import re
     import shutil
-
-    import pytest
 
     real = shutil.which("dot")
     if real is None:
@@ -138,10 +144,10 @@ def test_engine_runs_once_per_capture_in_steady_state(tmp_path, monkeypatch):
         return len(counter.read_text().splitlines()) if counter.exists() else 0
 
     per_capture = []
-    net = nn.Sequential(nn.Linear(8, 23), nn.Tanh(), nn.Linear(23, 3))  # a structure no other test draws
+    net = nn.Sequential(nn.Linear(8, 23), act(), nn.Linear(23, 3))  # a structure no other test draws
     x, y = paddle.randn([4, 8]), paddle.randint(0, 3, [4, 1])
     with BackwardGraphRecorder(str(tmp_path / "log"), net, every=1, verbose=0, visualdl=False,
-                               formats=("json", "png")) as rec:
+                               formats=formats, view_max_px=view_max_px) as rec:
         for step in range(1, 7):
             before = runs()
             with rec.step(step):
@@ -149,8 +155,16 @@ def test_engine_runs_once_per_capture_in_steady_state(tmp_path, monkeypatch):
             while not rec.pipeline.idle or len(rec.pipeline.drawn) < step:
                 threading.Event().wait(0.01)
             per_capture.append(runs() - before)
+    print(f"\nengine runs per capture, formats={formats}, view_max_px={view_max_px}: {per_capture}")
     assert per_capture[0] >= 2  # the first capture tries arrangements
-    assert per_capture[1:] == [1] * 5, per_capture
+    assert per_capture[1:] == [steady] * 5, per_capture
+    run_dir = tmp_path / "log" / "backward_graph"
+    assert step_files(run_dir, "png") == list(range(1, 7))
+    if "svg" in formats:
+        graph = BackwardGraph.from_json((run_dir / "step_000006.json").read_text())
+        svg = (run_dir / "step_000006.svg").read_text()
+        assert len(re.findall(r'<g id="node\d+" class="node', svg)) == len(graph.nodes) + 1  # + the legend
+        assert ("collapsed to layer depth" in svg) is False  # the SVG always has every op
 
 
 def test_a_10000_node_graph_is_captured_and_drawn_legibly(tmp_path):

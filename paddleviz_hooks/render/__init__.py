@@ -4,14 +4,16 @@
   escaping from ``paddleviz_hooks.escape``).
 * ``engine.py``: the external layout program behind one function; it sees DOT
   text, never graph objects.
-* ``draw.py``: SVG at full detail; the PNG size and collapse plan.
+* ``draw.py``: SVG at full detail; the PNG size and collapse plan (the viewing
+  PNG and its SVG come from one engine run).
 * ``diff.py``: a :class:`~paddleviz_hooks.diff.GraphDiff` drawn over the newer graph.
 """
 
-from .diff import diff_to_dot, render_diff, render_diff_png
+from .diff import diff_to_dot, render_diff, render_diff_png, render_diff_views
 from .dot import to_dot
-from .draw import LEGIBLE_DPI, VIEW_MAX_PX, fit_png, layout_size, png_size, render_png, render_svg, render_to_file
-from .engine import EngineNotFound, RenderTimeout, find_engine, run_engine
+from .draw import (LEGIBLE_DPI, VIEW_MAX_PX, fit_png, layout_size, png_size, render_png, render_svg, render_to_file,
+                   render_views)
+from .engine import EngineNotFound, RenderTimeout, find_engine, run_engine, run_engine_formats
 
 __all__ = [
     "EngineNotFound",
@@ -25,9 +27,12 @@ __all__ = [
     "png_size",
     "render_diff",
     "render_diff_png",
+    "render_diff_views",
     "render_png",
     "render_svg",
     "render_to_file",
+    "render_views",
     "run_engine",
+    "run_engine_formats",
     "to_dot",
 ]

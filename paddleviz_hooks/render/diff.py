@@ -20,15 +20,15 @@ import os
 from typing import Any
 
 from .._fileio import atomic_write
-from ..collapse import collapse_graph
+from ..collapse import collapse_graph, layer_depths
 from ..diff import GraphDiff, diff_graphs, norm_ratio
 from ..escape import dot_attrs, dot_html_table, dot_label
 from ..graph import BackwardGraph, merge_grad_metas
-from ..text import collapse_note, describe_node, edge_lines, fmt_num, fmt_ratio, ghost_lines
+from ..text import collapse_note, describe_node, edge_lines, fmt_num, fmt_ratio, ghost_lines, node_lines
 from .dot import to_dot
-from .draw import render_png, render_svg
+from .draw import LEGIBLE_DPI, render_png, render_svg, render_views
 
-__all__ = ["diff_to_dot", "render_diff", "render_diff_png", "diff_styles", "DIFF_STYLE"]
+__all__ = ["diff_to_dot", "render_diff", "render_diff_png", "render_diff_views", "diff_styles", "DIFF_STYLE"]
 
 DIFF_STYLE = {
     "added_node": {"color": "#1a7f37", "penwidth": "3", "class": "pvh-added"},
@@ -274,7 +274,7 @@ def render_diff(
     if fmt == "json":
         data = diff.to_json(indent=1).encode("utf-8")
     elif fmt == "png":
-        data = _png(diff, newer, older, options)
+        data = render_diff_views(diff, newer, older, ("png",), **options)["png"]
     else:
         opts = dict(options)
         diff, newer, older = _collapsed(diff, newer, older, opts)
@@ -289,34 +289,6 @@ def render_diff(
         return data
     atomic_write(path, data)
     return path
-
-
-def _png(diff: GraphDiff, newer: BackwardGraph, older: BackwardGraph, options: dict[str, Any]) -> bytes:
-    """The viewing PNG of a diff drawing.
-
-    When :func:`render_png` collapses the newer graph to keep it legible,
-    the marks made for the ops would name nothing in the drawing: the diff
-    is taken again with both graphs collapsed to the depth it chose, so a
-    new layer is a green box and a removed one a ghost box.
-    """
-    opts = dict(options)
-    given = opts.pop("info", None)
-    info = given if isinstance(given, dict) else {}
-    collapse = {k: opts[k] for k in _COLLAPSE_KEYS if k in opts}
-    d, n, o = _collapsed(diff, newer, older, opts)
-    data = render_png(n, info=info, **_diff_options(d, n, o, dict(opts)))
-    if info.get("collapsed_depth") is None:
-        info.update(collapsed_depth=n.meta.get("collapse", {}).get("depth") if n is not newer else None,
-                    folded=bool(collapse.get("fold_repeats")))
-        return data
-    collapse.update(depth=info["collapsed_depth"], max_nodes=None,
-                    fold_repeats=bool(info["folded"] or collapse.get("fold_repeats")))
-    d, n, o = _collapsed(diff, newer, older, {**opts, **collapse})
-    styled = _diff_options(d, n, o, dict(opts))
-    styled["title"] += " - " + collapse_note(n, newer)
-    data = render_png(n, auto_collapse=False, info=info, **styled)
-    info.update(collapsed_depth=collapse["depth"], folded=collapse["fold_repeats"])
-    return data
 
 
 def render_diff_png(
@@ -345,3 +317,73 @@ def render_diff_png(
         b'\\x89PNG'
     """
     return render_diff(diff, newer, older, None, format="png", **options)
+
+
+def render_diff_views(
+    diff: GraphDiff, newer: BackwardGraph, older: BackwardGraph, formats: tuple[str, ...] = ("png",), *,
+    auto_collapse: bool = True, full_detail: str | None = None, info: dict[str, Any] | None = None,
+    **options: Any,
+) -> dict[str, bytes]:
+    """The diff drawing sized for viewing, in each of ``formats`` from one engine run.
+
+    When the drawing with its ghosts of removed nodes would be illegible
+    (below ``LEGIBLE_DPI``), both graphs are collapsed alike, starting at the
+    depth the newer graph's own viewing picture needs, and compared again:
+    removed layers are ghost boxes of the same depth, and the title says so.
+
+    Args:
+        diff / newer / older: as for :func:`render_diff`.
+        formats: ``"png"`` and/or ``"svg"``.
+        auto_collapse: collapse when the newer graph's view needs it (as
+            :func:`paddleviz_hooks.render.render_png` decides).
+        full_detail: how to see every op, said in the title of a collapsed drawing.
+        info: a dict filled as :func:`paddleviz_hooks.render.render_png` fills
+            it, where ``collapsed_depth`` and ``folded`` say how both graphs
+            were collapsed (None: not collapsed).
+        **options: as for :func:`paddleviz_hooks.render.draw.render_views`.
+
+    Returns:
+        format -> bytes.
+
+    Example:
+        >>> import paddle
+        >>> from paddleviz_hooks import capture_backward, diff_graphs
+        >>> net = paddle.nn.Sequential(paddle.nn.Linear(3, 3), paddle.nn.Linear(3, 1))
+        >>> x = paddle.randn([2, 3])
+        >>> with capture_backward(net) as cap:
+        ...     net(x).sum().backward()
+        ...     net[1](net[0](x).detach()).sum().backward()
+        >>> old, new = cap.graphs
+        >>> sorted(render_diff_views(diff_graphs(old, new), new, old, ("png", "svg")))
+        ['png', 'svg']
+    """
+    _check(diff, newer, older)
+    opts = dict(options)
+    full = newer
+    if auto_collapse and "depth" not in opts and opts.get("max_nodes") is None:  # as render_png decides
+        decided: dict[str, Any] = {}
+        render_views(newer, (), info=decided, **opts)  # decides only (the plan is reused later)
+        start, fold = decided["collapsed_depth"], decided["fold_repeats"]
+        deepest = max(layer_depths(newer).values(), default=0)
+        depths = [start] + list(range(deepest if start is None else start - 1, -1, -1))
+        for depth in depths:
+            trial = dict(opts) if depth is None else {**opts, "depth": depth, "fold_repeats": fold}
+            d2, n2, o2 = _collapsed(diff, newer, older, trial)
+            trial = _diff_options(d2, n2, o2, trial)
+            plan: dict[str, Any] = {}
+            render_views(n2, (), info=plan, auto_collapse=False, **trial)
+            if plan["dpi"] >= LEGIBLE_DPI or depth == depths[-1]:
+                break
+        if depth is not None:
+            opts.update(depth=depth, fold_repeats=fold)
+    titled = "title" in opts  # a title given by the caller is kept as it is
+    diff, newer, older = _collapsed(diff, newer, older, opts)
+    opts = _diff_options(diff, newer, older, opts)
+    if newer is not full and not titled:
+        note = collapse_note(newer, full, full_detail) if full_detail else collapse_note(newer, full)
+        opts["title"] = f"{opts['title']} - {note}"
+    out = render_views(newer, tuple(formats), auto_collapse=False, info=info, **opts)
+    if info is not None:
+        used = newer.meta.get("collapse", {}) if newer is not full else {}
+        info.update(collapsed_depth=used.get("depth"), folded=bool(used.get("fold_repeats")))
+    return out

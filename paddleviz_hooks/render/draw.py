@@ -27,10 +27,10 @@ from ..collapse import collapse_graph, layer_depths
 from ..graph import BackwardGraph
 from ..text import collapse_note
 from .dot import to_dot
-from .engine import run_engine
+from .engine import run_engine, run_engine_formats
 
-__all__ = ["clear_plan_cache", "render_png", "fit_png", "render_svg", "render_to_file", "layout_size", "png_size", "prepare",
-           "LEGIBLE_DPI", "VIEW_MAX_PX"]
+__all__ = ["clear_plan_cache", "render_png", "render_views", "fit_png", "render_svg", "render_to_file", "layout_size",
+           "png_size", "prepare", "LEGIBLE_DPI", "VIEW_MAX_PX"]
 
 VIEW_MAX_PX = 2000
 FULL_DPI = 96.0
@@ -418,20 +418,68 @@ def render_png(
         True
         >>> data = render_png(cap.graph, max_nodes=3)    # an explicit node budget
     """
+    return render_views(graph, ("png",), max_px=max_px, timeout=timeout, auto_collapse=auto_collapse, info=info,
+                        **options)["png"]
+
+
+def render_views(
+    graph: BackwardGraph,
+    formats: tuple[str, ...] = ("png",),
+    *,
+    max_px: int = VIEW_MAX_PX,
+    timeout: float | None = 120.0,
+    auto_collapse: bool = True,
+    info: dict[str, Any] | None = None,
+    full_detail: str | None = None,
+    **options: Any,
+) -> dict[str, bytes]:
+    """The viewing picture of :func:`render_png` in each of ``formats``, from one final engine run.
+
+    PNG and SVG come from the same layout (``dot -Tpng -Tsvg``); the SVG is
+    the PNG's picture as vector graphics, at the PNG's scale. When
+    ``info["full_detail"]`` is True (nothing was collapsed) that SVG has
+    every node and edge of ``graph``; otherwise the full-detail SVG is a
+    different graph and needs :func:`render_svg`.
+
+    Args:
+        graph, max_px, timeout, auto_collapse, **options: as for :func:`render_png`.
+        formats: ``"png"`` and/or ``"svg"``; ``()`` only decides (fills ``info``).
+        info: as for :func:`render_png`, plus ``full_detail`` and ``fold_repeats``.
+        full_detail: how to see every op, said in the title of a collapsed
+            drawing (default: the SVG file has every op).
+
+    Returns:
+        format -> bytes.
+
+    Example:
+        >>> import paddle
+        >>> from paddleviz_hooks import capture_backward
+        >>> net = paddle.nn.Linear(3, 2)
+        >>> with capture_backward(net) as cap:
+        ...     net(paddle.randn([2, 3])).sum().backward()
+        >>> info = {}
+        >>> out = render_views(cap.graph, ("png", "svg"), info=info)
+        >>> sorted(out), info["full_detail"]
+        (['png', 'svg'], True)
+    """
+    if isinstance(formats, str) or any(f not in ("png", "svg") for f in formats):
+        raise ValueError(f"formats must be a tuple of 'png' and 'svg', got {formats!r}")
     if isinstance(max_px, bool) or not isinstance(max_px, int) or max_px < 64:
         raise ValueError(f"max_px must be an int >= 64, got {max_px!r}")
     explicit = "depth" in options or options.get("max_nodes") is not None
     keep = {k: options[k] for k in ("by_type", "fold_repeats") if k in options}
     g = prepare(graph, options)
     if options.get("dpi") is not None:
-        return run_engine(to_dot(g, **options), "png", timeout=timeout)
+        if info is not None:
+            info.update(full_detail=g is graph)
+        return _draw(to_dot(g, **options), tuple(formats), (), timeout)
     rankdir = options.pop("rankdir", None)
     key = _plan_key(graph, max_px, rankdir, auto_collapse, explicit, options, keep)
     cached = _PLANS.get(key)
     if cached is not None:  # same structure as an earlier drawing: reuse its decisions
         drawn = collapse_graph(graph, depth=cached.depth, **{**keep, "fold_repeats": cached.folded}) \
             if cached.collapsed else g
-        opts = _with_note(options, drawn, graph) if cached.collapsed else options
+        opts = _with_note(options, drawn, graph, full_detail) if cached.collapsed else options
         source = to_dot(drawn, rankdir=cached.rankdir, **opts)
         if cached.cuts:
             source = _cut(source, lambda a, b: (a, b) in cached.cuts)
@@ -449,7 +497,7 @@ def render_png(
                              wrap_only_if_legible=can_collapse)
         drawn = g
         if plan.dpi < LEGIBLE_DPI and can_collapse:
-            plan, drawn = _auto_collapse(graph, g, plan, max_px, options, keep, rankdir, timeout)
+            plan, drawn = _auto_collapse(graph, g, plan, max_px, options, keep, rankdir, timeout, full_detail)
         collapsed = drawn is not g
         used = drawn.meta.get("collapse", {}) if collapsed else {}
         _PLANS.put(key, _Decision(collapsed, used.get("depth"), bool(used.get("fold_repeats")), plan.rankdir,
@@ -462,11 +510,40 @@ def render_png(
             collapsed_depth=drawn.meta.get("collapse", {}).get("depth") if drawn is not graph else None,
             folded=drawn is not graph and bool(drawn.meta.get("collapse", {}).get("fold_repeats")),
             dpi=round(plan.dpi, 3), rankdir=plan.rankdir, bands=plan.bands, padded=bool(pad),
+            full_detail=drawn is graph, fold_repeats=bool(drawn.meta.get("collapse", {}).get("fold_repeats")),
         )
+    if not formats:
+        return {}
     # -Gsize caps the bitmap at max_px even when labels of a reused plan grew a little
     cap = (max_px - 1) / plan.dpi - 2 * _PAD_IN
-    return run_engine(plan.source, "png", args=(f"-Gdpi={plan.dpi:.3f}", f"-Gsize={cap:.3f},{cap:.3f}", *pad),
-                      timeout=timeout)
+    return _draw(plan.source, tuple(formats), (f"-Gdpi={plan.dpi:.3f}", f"-Gsize={cap:.3f},{cap:.3f}", *pad), timeout)
+
+
+_SVG_ROOT = re.compile(rb'<svg width="([\d.]+)pt" height="([\d.]+)pt"\s+viewBox="[^"]*"')
+
+
+def _draw(source: str, formats: tuple[str, ...], args: tuple[str, ...], timeout: float | None) -> dict[str, bytes]:
+    """One engine run writing ``formats``; the SVG's viewBox made to match its drawn size
+    (see :func:`_svg_viewbox_as_drawn`)."""
+    if len(formats) == 1:
+        out = {formats[0]: run_engine(source, formats[0], args=args, timeout=timeout)}
+    else:
+        out = run_engine_formats(source, formats, args=args, timeout=timeout)
+    if "svg" in out:
+        out["svg"] = _svg_viewbox_as_drawn(out["svg"])
+    return out
+
+
+def _svg_viewbox_as_drawn(svg: bytes) -> bytes:
+    """SVG whose ``viewBox`` matches its drawn size.
+
+    With ``-Gdpi``, Graphviz 2.43 scales the drawing and its width and height
+    but leaves the viewBox at the unscaled size, so viewers that honour the
+    viewBox show the drawing shrunk into a corner; other engines write the
+    scaled viewBox, which this leaves as it is.
+    """
+    return _SVG_ROOT.sub(lambda m: b'<svg width="%spt" height="%spt"\n viewBox="0.00 0.00 %s %s"'
+                         % (m.group(1), m.group(2), m.group(1), m.group(2)), svg, count=1)
 
 
 @dataclass(frozen=True)
@@ -529,7 +606,7 @@ def _plan_key(graph: BackwardGraph, max_px: int, rankdir: str | None, auto_colla
 
 def _auto_collapse(
     graph: BackwardGraph, g: BackwardGraph, plan: _Plan, max_px: int, options: dict[str, Any],
-    keep: dict[str, Any], rankdir: str | None, timeout: float | None,
+    keep: dict[str, Any], rankdir: str | None, timeout: float | None, full_detail: str | None = None,
 ) -> tuple[_Plan, BackwardGraph]:
     """Collapse by depth, deepest first, until the drawing is legible."""
     deepest = max(layer_depths(graph).values(), default=0)
@@ -551,7 +628,7 @@ def _auto_collapse(
         if last is not None and len(c.nodes) == last:
             continue
         last = len(c.nodes)
-        opts = _with_note(options, c, graph)
+        opts = _with_note(options, c, graph, full_detail)
         p = _plan_png(lambda rd: to_dot(c, rankdir=rd, **opts), max_px, rankdir, timeout)
         if p.dpi > best.dpi:
             best, best_graph = p, c
@@ -560,8 +637,9 @@ def _auto_collapse(
     return best, best_graph
 
 
-def _with_note(options: dict[str, Any], collapsed: BackwardGraph, full: BackwardGraph) -> dict[str, Any]:
-    note = collapse_note(collapsed, full)
+def _with_note(options: dict[str, Any], collapsed: BackwardGraph, full: BackwardGraph,
+               full_detail: str | None = None) -> dict[str, Any]:
+    note = collapse_note(collapsed, full, full_detail) if full_detail else collapse_note(collapsed, full)
     title = options.get("title")
     return {**options, "title": f"{title} - {note}" if title else note}
 

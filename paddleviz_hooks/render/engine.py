@@ -12,9 +12,11 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 
-__all__ = ["Engine", "EngineNotFound", "RenderTimeout", "find_engine", "run_engine", "INSTALL_HINT"]
+__all__ = ["Engine", "EngineNotFound", "RenderTimeout", "find_engine", "run_engine", "run_engine_formats",
+           "INSTALL_HINT"]
 
 INSTALL_HINT = (
     "install Graphviz's `dot` (Debian/Ubuntu: `sudo apt-get install -y graphviz`) "
@@ -104,21 +106,78 @@ def run_engine(
         RenderTimeout: the engine ran past ``timeout``.
         RuntimeError: the engine failed (its message is included).
     """
+    _check_timeout(timeout)
+    engine = engine or require_engine()
+    return _execute([engine.path, f"-T{fmt}", *args], source, fmt, timeout, engine)
+
+
+def run_engine_formats(
+    source: str,
+    formats: tuple[str, ...],
+    *,
+    args: tuple[str, ...] = (),
+    timeout: float | None = 120.0,
+    engine: Engine | None = None,
+) -> dict[str, bytes]:
+    """Lay out DOT ``source`` once and write it in several formats.
+
+    One engine run (``dot -Tpng -o a.png -Tsvg -o a.svg``): the layout is
+    done once, whatever the number of formats. ``args`` apply to every output.
+
+    Args:
+        source: DOT text.
+        formats: output formats, e.g. ``("png", "svg")``.
+        args, timeout, engine: as for :func:`run_engine`.
+
+    Returns:
+        format -> output bytes.
+
+    Raises:
+        EngineNotFound, RenderTimeout, RuntimeError: as for :func:`run_engine`.
+
+    Example:
+        >>> out = run_engine_formats("digraph { a -> b }", ("png", "svg"))
+        >>> out["png"][:4], b"<svg" in out["svg"]
+        (b'\\x89PNG', True)
+    """
+    if len(formats) == 1:
+        return {formats[0]: run_engine(source, formats[0], args=args, timeout=timeout, engine=engine)}
+    _check_timeout(timeout)
+    engine = engine or require_engine()
+    with tempfile.TemporaryDirectory(prefix="paddleviz-") as tmp:
+        paths = {f: os.path.join(tmp, f"out.{f}") for f in formats}
+        cmd = [engine.path, *args]
+        for f, path in paths.items():
+            cmd += [f"-T{f}", "-o", path]
+        _execute(cmd, source, "+".join(formats), timeout, engine, stdout_expected=False)
+        out = {}
+        for f, path in paths.items():
+            with open(path, "rb") as fh:
+                out[f] = fh.read()
+            if not out[f]:
+                raise RuntimeError(f"{engine.name} wrote no {f} output")
+        return out
+
+
+def _check_timeout(timeout: float | None) -> None:
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
                                 or not timeout > 0):
         raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
-    engine = engine or require_engine()
-    cmd = [engine.path, f"-T{fmt}", *args]
+
+
+def _execute(cmd: list[str], source: str, what: str, timeout: float | None, engine: Engine,
+             stdout_expected: bool = True) -> bytes:
+    """Run the engine command, killing it after ``timeout``; its stdout."""
     try:
         proc = subprocess.run(cmd, input=source.encode("utf-8"), capture_output=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         raise RenderTimeout(
-            f"{engine.name} did not finish a {fmt} drawing within {timeout:g} s and was stopped; "
+            f"{engine.name} did not finish a {what} drawing within {timeout:g} s and was stopped; "
             "draw fewer nodes (depth=..., max_nodes=...) or raise the timeout"
         ) from None
     except OSError as exc:
         raise RuntimeError(f"could not run {engine.path}: {exc}") from None
-    if proc.returncode != 0 or not proc.stdout:
+    if proc.returncode != 0 or (stdout_expected and not proc.stdout):
         err = proc.stderr.decode("utf-8", "replace").strip()[-800:]
-        raise RuntimeError(f"{engine.name} failed (exit {proc.returncode}) drawing {fmt}: {err}")
+        raise RuntimeError(f"{engine.name} failed (exit {proc.returncode}) drawing {what}: {err}")
     return proc.stdout
