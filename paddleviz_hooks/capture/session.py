@@ -132,8 +132,9 @@ class BackwardCapture:
         self.on_graph = on_graph
         self.keep_graphs = keep_graphs
         self.max_graphs = max_graphs
-        # when(roots, walk) -> trigger label, or None to let this backward
-        # run unobserved; `walk()` gives the (cached) structure walk.
+        # when(roots, walk, entry) -> trigger label, or None to let this backward
+        # run unobserved; `walk()` gives the (cached) structure walk. Asked for
+        # every top-level backward (a nested one is observed with its parent).
         self.when = when
         self.after_backward = after_backward
         self.graphs: list[BackwardGraph] = []
@@ -214,7 +215,7 @@ class BackwardCapture:
                     cache.append(walk_graph(roots, self._param_names, layer_of))
                 return cache[0]
 
-            trigger = self.when(roots, walk) if self.when is not None else None
+            trigger = self.when(roots, walk, entry) if self.when is not None else None
             if self.when is not None and trigger is None:
                 if cache:
                     cache[0].release()
