@@ -356,11 +356,13 @@ class BackwardCapture:
                 ret.clear()
             s.returned.clear()
             s.walk.release()
+            if not retain_graph and self._attribution is not None:
+                # that forward's graph is consumed (a nested one: the recomputed forward's);
+                # its node addresses are reused by later graphs
+                self._attribution.reset()
             if s.parent is not None:
                 self._end_nested(s, ok)
                 return
-            if not retain_graph and self._attribution is not None:
-                self._attribution.reset()  # that forward's graph is consumed
             if not ok:
                 s.totals.clear()
                 return
