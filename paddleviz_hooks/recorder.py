@@ -244,7 +244,10 @@ class BackwardGraphRecorder:
             pipeline.close()
             self.undrawn_steps = pipeline.undrawn_at_close
             if self.options.verbose and self.captured_steps:
-                print(f"[paddleviz-hooks] {len(pipeline.written)} steps captured, {len(pipeline.drawn)} drawn, "
+                graphs = len(pipeline.written)  # a step may have several backwards
+                steps = len(set(pipeline.written))
+                more = f" ({graphs} graphs)" if graphs != steps else ""
+                print(f"[paddleviz-hooks] {steps} steps captured{more}, {len(pipeline.drawn)} drawn, "
                       f"{len(self.undrawn_steps)} left undrawn (data saved in {os.path.abspath(self.run_dir)})")
         self._open = self._active = False
 
