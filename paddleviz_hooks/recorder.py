@@ -354,8 +354,9 @@ class BackwardGraphRecorder:
             warn=self._warn,  # one warning per cause for the whole run
         )
 
-    def _decide(self, roots: list[Any], walk: Any, entry: str = "backward") -> str | None:
-        self._seen.append(entry)
+    def _decide(self, roots: list[Any], walk: Any) -> str | None:
+        cap = self._watch or self._step_capture
+        self._seen.append(cap.entry_now if cap is not None else "backward")
         return self._triggers.decide(self.global_step, self._armed, roots, walk)
 
     def _after_backward(self, ok: bool) -> None:

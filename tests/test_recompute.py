@@ -220,3 +220,96 @@ def test_model_fit_with_recompute_records_every_parameter(tmp_path, reentrant):
     for name, norm in want.items():
         assert got[name].norm == pytest.approx(norm, rel=1e-5), name
     assert g.meta.get("nested", 0) == (BLOCKS if reentrant else 0)
+
+
+class _GradInside(paddle.autograd.PyLayer):
+    """A PyLayer whose backward runs paddle.grad on a graph it builds (a nested 'grad' backward)."""
+
+    @staticmethod
+    def forward(ctx, x, layer):
+        ctx.layer = layer
+        ctx.save_for_backward(x)
+        with paddle.no_grad():
+            return layer(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensor()
+        x = x.detach()
+        x.stop_gradient = False
+        with paddle.set_grad_enabled(True):
+            y = ctx.layer(x)
+        (gx,) = paddle.grad(y, x, grad_outputs=g)
+        return gx
+
+
+class _TwoPyLayers(nn.Layer):
+    """Two PyLayers of one class on the same input: which one runs a nested backward is ambiguous."""
+
+    def __init__(self, ambiguous: bool) -> None:
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(D, D), nn.Linear(D, D), nn.Linear(D, 3)
+        self.ambiguous = ambiguous
+
+    def forward(self, x):
+        h = self.head.weight.sum() * 0 + x  # a graph before the PyLayers
+        out = _GradInside.apply(h, self.a)
+        if self.ambiguous:
+            out = out + _GradInside.apply(h, self.b)
+        return self.head(out)
+
+
+def test_a_custom_pylayer_running_paddle_grad_is_stitched_in():
+    paddle.seed(0)
+    net = _TwoPyLayers(ambiguous=False)
+    x = paddle.randn([2, D])
+    x.stop_gradient = False
+    with capture_backward(net) as cap:
+        net(x).sum().backward()
+    assert len(cap.graphs) == 1 and cap.graph.meta["nested"] == 1
+    g = cap.graph
+    at = next(n for n in g.nodes if n.op == "PyLayer:GradInside")
+    assert {g.nodes[e.dst].layer for e in g.out_edges()[at.id]} >= {"a"}
+    assert cap.errors == []
+
+
+def test_an_ambiguous_nested_backward_is_kept_apart_not_guessed():
+    paddle.seed(0)
+    net = _TwoPyLayers(ambiguous=True)
+    x = paddle.randn([2, D])
+    x.stop_gradient = False
+    with pytest.warns(RuntimeWarning, match="could not be told for sure"):
+        with capture_backward(net) as cap:
+            net(x).sum().backward()
+    outer = cap.graph
+    assert "nested" not in outer.meta
+    inner = [g for g in cap.graphs if g.meta["backward"].get("nested")]
+    assert len(inner) == 2 and len(cap.graphs) == 3
+    for g in inner:
+        assert [n.name for n in g.nodes if n.kind == "root"] == ["activation"]
+        assert "backward run inside another" in summarize(g)
+
+
+def test_ctrl_c_inside_a_nested_backward_arrives_as_itself(monkeypatch):
+    from paddleviz_hooks.capture import stats as stats_mod
+
+    net = _net(True)
+    real, calls = stats_mod.grad_meta, [0]
+
+    def interrupting(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 30:  # inside the second block's recomputed backward
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(stats_mod, "grad_meta", interrupting)
+    x, y = _batch()
+    with pytest.raises(KeyboardInterrupt):
+        with capture_backward(net):
+            nn.functional.cross_entropy(net(x), y).backward()
+    assert not dispatcher_installed() and paddle.is_grad_enabled()
+    monkeypatch.undo()
+    plain = _net(True)
+    _step(plain, capture=False)
+    for (name, p), q in zip(net.named_parameters(), plain.parameters()):  # the backward had finished
+        assert p.grad.numpy().tobytes() == q.grad.numpy().tobytes(), name

@@ -17,7 +17,10 @@ from typing import Any
 from ..graph import Edge, Node
 from .gradnode import grad_fn
 
-__all__ = ["pylayer_context", "place", "stitch"]
+__all__ = ["DETACHED_INPUT", "pylayer_context", "place", "stitch"]
+
+#: The note on an inner graph's non-parameter leaf (shown on hover).
+DETACHED_INPUT = "input of the recomputed block (a detached copy): the PyLayer passes its gradient on"
 
 _MAX_FRAMES = 64
 
@@ -128,6 +131,7 @@ def stitch(nodes: list[Node], edges: list[Edge], ptrs: list[int | None], at: int
         if n.kind == "param":
             index[p] = n.id
         if n.kind == "input":
+            n.note = DETACHED_INPUT
             new_inputs.append(n.id)
     have = {(e.src, e.dst, e.slot) for e in edges}
     into: dict[int, list[Edge]] = {}

@@ -132,15 +132,18 @@ class BackwardCapture:
         self.on_graph = on_graph
         self.keep_graphs = keep_graphs
         self.max_graphs = max_graphs
-        # when(roots, walk, entry) -> trigger label, or None to let this backward
+        # when(roots, walk) -> trigger label, or None to let this backward
         # run unobserved; `walk()` gives the (cached) structure walk. Asked for
-        # every top-level backward (a nested one is observed with its parent).
+        # every top-level backward (a nested one is observed with its parent);
+        # `entry_now` says which entry point started it.
         self.when = when
         self.after_backward = after_backward
         self.graphs: list[BackwardGraph] = []
         self.meta: dict[str, Any] = {}
         #: top-level backwards started while active (nested ones are part of theirs)
         self.backwards_seen = 0
+        #: "backward" or "grad": the entry point of the backward starting now
+        self.entry_now = "backward"
         self._active = False
         self._attribution: LayerAttribution | None = None
         self._param_names: dict[int, tuple[str, Any]] = {}
@@ -215,7 +218,8 @@ class BackwardCapture:
                     cache.append(walk_graph(roots, self._param_names, layer_of))
                 return cache[0]
 
-            trigger = self.when(roots, walk, entry) if self.when is not None else None
+            self.entry_now = entry
+            trigger = self.when(roots, walk) if self.when is not None else None
             if self.when is not None and trigger is None:
                 if cache:
                     cache[0].release()
