@@ -399,6 +399,7 @@ class BackwardCapture:
         self._merge_children(s)
         if s.at is not None:
             s.parent.children.append((s.at, s))
+            s.parent.hook_seconds += s.prepare_seconds + s.hook_seconds  # the step's capture cost
             return
         self._warn("unplaced", "a backward ran inside another backward but the node that ran it could not "
                                "be told for sure; it is kept as its own graph (meta['backward']['nested'])")
