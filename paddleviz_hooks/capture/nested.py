@@ -100,7 +100,9 @@ def stitch(nodes: list[Node], edges: list[Edge], ptrs: list[int | None], at: int
     parameters are the block's detached inputs; when there is exactly one
     and ``at`` passes its gradient to exactly one node, that unobserved
     outgoing edge gets the leaf's gradient, which is what the PyLayer returns.
-    Only parameter leaves are matched by grad node address.
+    Only parameter leaves are matched by grad node address. The node ``at``
+    moves into the innermost layer holding every recomputed op (the block
+    that ``recompute`` ran), when that is inside the layer it had.
 
     Args:
         nodes, edges, ptrs: the enclosing graph (ptrs: node id -> grad node address).
@@ -143,8 +145,32 @@ def stitch(nodes: list[Node], edges: list[Edge], ptrs: list[int | None], at: int
         edge = Edge(src, dst, slot, e.grad)
         edges.append(edge)
         into.setdefault(dst, []).append(edge)
+    _place_in_layer(nodes[at], [n for n in inner_nodes if n.kind == "op"])
     outer = [e for e in edges if e.src == at and e.slot < first_slot]
     if len(new_inputs) == 1 and len(outer) == 1 and outer[0].grad is None:
         fed = into.get(new_inputs[0], [])
         if len(fed) == 1 and fed[0].grad is not None:
             outer[0].grad = fed[0].grad
+
+
+def _place_in_layer(node: Node, ops: list[Node]) -> None:
+    """Put ``node`` in the innermost layer (call) that holds every op of ``ops``.
+
+    Recompute's PyLayer node is made outside the block's forward hooks (the
+    block runs under ``no_grad`` first), so attribution gives it the caller's
+    layer; the recomputed ops say which block it is.
+    """
+    if not ops or any(op.layer is None for op in ops):
+        return
+    parts = [op.layer.split(".") if op.layer else [] for op in ops]
+    common: list[str] = []
+    for level in zip(*parts):
+        if len(set(level)) != 1:
+            break
+        common.append(level[0])
+    layer = ".".join(common)
+    here = node.layer
+    if here is None or not (layer == here or layer.startswith(here + ".") if here else True):
+        return
+    calls = {op.call for op in ops if op.layer == layer}
+    node.layer, node.call = layer, (calls.pop() if len(calls) == 1 else 0)
