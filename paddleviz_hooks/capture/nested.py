@@ -108,6 +108,18 @@ def stitch(nodes: list[Node], edges: list[Edge], ptrs: list[int | None], at: int
         nodes, edges, ptrs: the enclosing graph (ptrs: node id -> grad node address).
         at: id of the node whose backward ran the inner one.
         inner_nodes, inner_edges, inner_ptrs: the inner graph, discarded after.
+
+    Example:
+        >>> from paddleviz_hooks.graph import GradMeta
+        >>> nodes = [Node(0, "root", "loss", "loss"), Node(1, "op", "GradNodePyLayer_F", "PyLayer:F"),
+        ...          Node(2, "op", "EmbeddingGradNode", "Embedding")]
+        >>> edges, ptrs = [Edge(0, 1), Edge(1, 2)], [None, 11, 12]
+        >>> inner = [Node(0, "root", "activation", "activation"), Node(1, "op", "MatmulGradNode", "Matmul"),
+        ...          Node(2, "input", "GradNodeAccumulation", "Leaf")]
+        >>> g = GradMeta((2, 4), "float32", norm=1.5)
+        >>> stitch(nodes, edges, ptrs, 1, inner, [Edge(0, 1), Edge(1, 2, grad=g)], [None, 21, 22])
+        >>> [(nodes[e.src].op, nodes[e.dst].op, e.grad and e.grad.norm) for e in edges]
+        [('loss', 'PyLayer:F', None), ('PyLayer:F', 'Embedding', 1.5), ('PyLayer:F', 'Matmul', None), ('Matmul', 'Leaf', 1.5)]
     """
     # Only parameters are matched by address: they live as long as the model,
     # while a finished inner graph's nodes are freed and their addresses reused.
