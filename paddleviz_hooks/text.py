@@ -298,7 +298,10 @@ def graph_summary(graph: BackwardGraph, top: int = 5) -> str:
         biggest = sorted(norms.items(), key=lambda kv: -_sort_val(kv[1]))[:top]
         lines.append("largest grad norms: " + ", ".join(f"{k} {v:.3g}" for k, v in biggest) + ";")
     sites = graph.nonfinite_sites()
-    unhooked = [n for n in graph.nodes if n.kind == "op" and not n.hooked]
+    out, stats = graph.out_edges(), bool(graph.meta.get("grad_stats"))
+    # nodes without a hook whose outgoing gradients could not be recovered elsewhere
+    unhooked = [n for n in graph.nodes if n.kind == "op" and not n.hooked and any(
+        e.grad is None or (stats and e.grad.norm is None) for e in out.get(n.id, []))]
     bad_params = [name for name, m in params.items() if m is not None and m.nonfinite]
     if sites:
         first = sites[0]

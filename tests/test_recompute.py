@@ -120,6 +120,25 @@ def test_capture_reaches_every_parameter_with_exact_norms(reentrant):
     assert not dispatcher_installed()
 
 
+def test_each_recompute_node_passes_on_its_block_input_gradient():
+    """What a recompute PyLayer returns (the sum over its block input's uses) is on its outgoing edge."""
+    g = _step(_net(True), capture=True).graph
+    plain, (x, y), want = _net(None), _batch(), {}
+    h = plain.embed(x)
+    for i, block in enumerate(plain.blocks):
+        h.register_hook(lambda grad, i=i: want.__setitem__(f"blocks.{i}", _norm64(grad)))
+        h = block(h)
+    nn.functional.cross_entropy(plain.head(h).mean(axis=1), y).backward()
+    out = g.out_edges()
+    got = {}
+    for p in (n for n in g.nodes if n.op == "PyLayer:RecomputeFunction"):
+        (edge,) = [e for e in out[p.id] if g.nodes[e.dst].layer != p.layer]  # to the block before
+        got[p.layer] = edge.grad.norm
+    assert got.keys() == want.keys()
+    for layer, norm in want.items():
+        assert got[layer] == pytest.approx(norm, rel=1e-5), layer
+
+
 @pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non_reentrant"])
 def test_gradients_bit_identical_with_and_without_capture(reentrant):
     a, b = _net(reentrant), _net(reentrant)

@@ -99,7 +99,8 @@ def stitch(nodes: list[Node], edges: list[Edge], ptrs: list[int | None], at: int
     outside the block) is one node. The inner leaves that are not
     parameters are the block's detached inputs; when there is exactly one
     and ``at`` passes its gradient to exactly one node, that unobserved
-    outgoing edge gets the leaf's gradient, which is what the PyLayer returns.
+    outgoing edge gets the leaf's total gradient (``Node.grad``, or its one
+    incoming edge's), which is what the PyLayer returns.
     Only parameter leaves are matched by grad node address. The node ``at``
     moves into the innermost layer holding every recomputed op (the block
     that ``recompute`` ran), when that is inside the layer it had.
@@ -160,8 +161,10 @@ def stitch(nodes: list[Node], edges: list[Edge], ptrs: list[int | None], at: int
     _place_in_layer(nodes[at], [n for n in inner_nodes if n.kind == "op"])
     outer = [e for e in edges if e.src == at and e.slot < first_slot]
     if len(new_inputs) == 1 and len(outer) == 1 and outer[0].grad is None:
-        fed = into.get(new_inputs[0], [])
-        if len(fed) == 1 and fed[0].grad is not None:
+        leaf, fed = nodes[new_inputs[0]], into.get(new_inputs[0], [])
+        if leaf.grad is not None:
+            outer[0].grad = leaf.grad
+        elif len(fed) == 1 and fed[0].grad is not None:
             outer[0].grad = fed[0].grad
 
 

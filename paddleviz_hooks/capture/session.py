@@ -77,6 +77,9 @@ class _Session:
         self.children: list[tuple[int, "_Session"]] = []  # (node id here, stitched inner session)
         self.at: int | None = None  # where this nested session is stitched into its parent
         self.index = 0  # which backward of the block (top-level sessions)
+        # a nested backward's non-parameter leaves (the recomputed block's detached
+        # inputs): the sum of what reaches each, which its PyLayer passes on
+        self.leaf_sums: dict[int, Any] | None = None
         self.handles: list[Any] = []  # node post-hooks and parameter hooks, removed in _end
         self.in_meta: dict[int, GradMeta] = {}
         self.errors: list[BaseException] = []
@@ -243,6 +246,7 @@ class BackwardCapture:
         for node in s.walk.nodes:  # its roots are activations (recompute's block outputs), not a loss
             if node.kind == "root":
                 node.name = node.op = "activation" if len(roots) == 1 else node.name
+        s.leaf_sums = {}
         pw = parent.walk
         next_ptrs = {nid: {parent.ptrs[e.dst] for e in out} for nid, out in pw.out_edges.items()}
         s.at = place(pylayer_context(), pw.nodes, parent.ptrs, next_ptrs, {at for at, _ in parent.children})
@@ -308,6 +312,9 @@ class BackwardCapture:
         with_stats = self.grad_stats
         out_edges = s.walk.out_edges.get(nid, [])
         root_edge = s.walk.root_edges.get(nid)
+        sums = s.leaf_sums
+        to_leaf = ([i for i, e in enumerate(out_edges) if s.walk.nodes[e.dst].kind == "input"]
+                   if sums is not None else [])
 
         def hook(outs, ins):
             t = time.perf_counter()
@@ -316,6 +323,10 @@ class BackwardCapture:
                 produced = stats.flat_tensors(outs)
                 for e, g in zip(out_edges, produced):
                     e.grad = stats.grad_meta(g, with_stats, batch)
+                for i in to_leaf:  # before Paddle accumulates it into the leaf (see _ParamTotals)
+                    if i < len(produced):
+                        prev = sums.get(out_edges[i].dst)
+                        sums[out_edges[i].dst] = produced[i] if prev is None else prev + produced[i]
                 if root_edge is not None or want_in:
                     received = stats.flat_tensors(ins)
                     if len(received) == 1:
@@ -396,6 +407,7 @@ class BackwardCapture:
         if s.errors:
             self._warn("hook", f"gradient recording failed at {len(s.errors)} nodes: {s.errors[0]!r}")
         self._fill_received(s)
+        self._leaf_totals(s)
         self._merge_children(s)
         if s.at is not None:
             s.parent.children.append((s.at, s))
@@ -425,6 +437,15 @@ class BackwardCapture:
         for e in w.edges:
             if e.grad is None and in_count.get(e.dst) == 1 and e.dst in s.in_meta:
                 e.grad = s.in_meta[e.dst]
+
+    def _leaf_totals(self, s: _Session) -> None:
+        """A detached input's total gradient, when every gradient reaching it was seen."""
+        sums, s.leaf_sums = s.leaf_sums or {}, None
+        w = s.walk
+        for nid, total in sums.items():
+            into = [e for e in w.edges if e.dst == nid]
+            if all(w.nodes[e.src].hooked for e in into):
+                w.nodes[nid].grad = stats.grad_meta(total, self.grad_stats)
 
     @staticmethod
     def _merge_children(s: _Session) -> None:
