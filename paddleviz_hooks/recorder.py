@@ -88,7 +88,8 @@ class BackwardGraphRecorder:
     graph, labelled in ``graph.meta["backward"]`` (``index``, ``of``,
     ``entry``, ``role``), the first saved as ``step_000100.*``, the i-th as
     ``step_000100_b<i>.*``; they are written when the step ends. A backward
-    run inside another (reentrant recompute) is part of that one's graph. Unselected steps run nothing of the
+    run inside another (reentrant recompute) is part of that one's graph.
+    Unselected steps run nothing of the
     recorder's but a counter: no hook and no patch is in place (unless a
     trigger is on, which needs to see every backward).
 

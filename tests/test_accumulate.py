@@ -158,3 +158,12 @@ def test_capture_backward_numbers_the_backwards_of_its_block():
     assert [summarize(g).splitlines()[0] for g in cap.graphs] == [
         "backward graph, backward 1 of 3:", "backward graph, paddle.grad (backward 2 of 3):",
         "backward graph, backward 3 of 3:"]
+
+
+def test_bad_micro_batches_fail_with_the_value_received(tmp_path):
+    rec = BackwardGraphRecorder(str(tmp_path), verbose=0, visualdl=False)
+    with pytest.raises(TypeError, match="micro_batches must be an int or None, got '2'"):
+        rec.begin_step(1, micro_batches="2")
+    with pytest.raises(ValueError, match="micro_batches must be >= 1 or None, got 0"):
+        rec.begin_step(1, micro_batches=0)
+    rec.close()
