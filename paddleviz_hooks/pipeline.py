@@ -29,7 +29,7 @@ from .options import RecorderOptions
 from .render import EngineNotFound, RenderTimeout, render_diff_views, render_svg, render_views, to_dot
 from .sinks.files import StepFiles
 from .sinks.visualdl import VisualDLSink, encode_like_visualdl, png_to_array
-from .text import diff_summary, graph_summary
+from .text import backward_role, diff_summary, graph_summary
 from .warn import WarnOnce
 
 __all__ = ["BackgroundWorker", "CaptureJob", "CapturePipeline"]
@@ -145,11 +145,16 @@ class BackgroundWorker:
 
 @dataclass
 class CaptureJob:
-    """One captured graph on its way to disk and VisualDL."""
+    """One captured graph on its way to disk and VisualDL.
+
+    ``suffix`` tells a step's backwards apart (``"b2"`` for its second one):
+    in file names, VisualDL tags, and which earlier capture it is diffed with.
+    """
 
     graph: BackwardGraph
     step: int
     trigger: str
+    suffix: str = ""
 
 
 @dataclass(order=True)
@@ -164,6 +169,7 @@ class _Drawing:
     prev: BackwardGraph | None = field(compare=False)
     prev_path: str | None = field(compare=False)
     diff: GraphDiff | None = field(compare=False)
+    suffix: str = field(default="", compare=False)
 
 
 class CapturePipeline:
@@ -184,7 +190,7 @@ class CapturePipeline:
         self._warn = warn
         self._use_visualdl = options.visualdl
         self._sink = None
-        self._prev: tuple[BackwardGraph, str] | None = None
+        self._prev: dict[str, tuple[BackwardGraph, str]] = {}  # suffix -> last capture and its JSON
         self._backlog: list[_Drawing] = []
         self._lock = threading.Lock()
         #: steps whose data (JSON, text, scalars) was written
@@ -250,12 +256,12 @@ class CapturePipeline:
     def _spool_dir(self) -> str:
         return os.path.join(self.files.directory, ".pending")
 
-    def _json_path(self, graph: BackwardGraph, step: int) -> str:
+    def _json_path(self, graph: BackwardGraph, step: int, suffix: str = "") -> str:
         """Where the graph's JSON is: the step file, or a spool file when json is not kept."""
         if "json" in self.options.formats:
-            return self.files.write(step, "json", graph.to_json())
+            return self.files.write(step, "json", graph.to_json(), suffix=suffix)
         os.makedirs(self._spool_dir(), exist_ok=True)
-        path = os.path.join(self._spool_dir(), f"step_{int(step):06d}.json")
+        path = os.path.join(self._spool_dir(), f"step_{int(step):06d}{'_' + suffix if suffix else ''}.json")
         with open(path, "w", encoding="utf-8") as f:
             f.write(graph.to_json())
         return path
@@ -263,21 +269,21 @@ class CapturePipeline:
     def _process(self, job: CaptureJob) -> None:
         """Data first: JSON, DOT, diff JSON, summary text and scalars; then queue the drawing."""
         opts, files = self.options, self.files
-        graph, step, trigger = job.graph, job.step, job.trigger
-        prev = self._prev
+        graph, step, trigger, suffix = job.graph, job.step, job.trigger, job.suffix
+        prev = self._prev.get(suffix)  # the same backward of an earlier step
         diff = None
         if prev is not None:
             try:
                 diff = diff_graphs(prev[0], graph)
             except Exception as exc:
                 self._warn("diff", f"comparing with the previous capture failed: {exc!r}")
-        path = self._json_path(graph, step)
-        self._prev = (graph, path)
+        path = self._json_path(graph, step, suffix)
+        self._prev[suffix] = (graph, path)
         if "dot" in opts.formats:
-            files.write(step, "dot", to_dot(graph, title=_title(step, trigger)))
+            files.write(step, "dot", to_dot(graph, title=_title(step, trigger, graph)), suffix=suffix)
         if diff is not None and diff.structure_changed and "json" in opts.formats:
-            files.write(step, "json", diff.to_json(), suffix="diff")
-        self._log_data(graph, diff, step, trigger)
+            files.write(step, "json", diff.to_json(), suffix=_join(suffix, "diff"))
+        self._log_data(graph, diff, step, trigger, suffix)
         self.written.append(step)
         if not {"png", "svg"} & set(opts.formats) and not opts.visualdl:
             return
@@ -286,7 +292,7 @@ class CapturePipeline:
                            graph if keep else None, path,
                            prev[0] if (keep and prev is not None) else None,
                            prev[1] if prev is not None else None,
-                           diff if (diff is not None and diff.structure_changed) else None)
+                           diff if (diff is not None and diff.structure_changed) else None, suffix)
         with self._lock:
             heapq.heappush(self._backlog, drawing)
             self._wake.notify()
@@ -317,8 +323,8 @@ class CapturePipeline:
 
     def _draw(self, d: _Drawing, graph: BackwardGraph) -> None:
         opts, files = self.options, self.files
-        step, trigger = d.step, d.trigger
-        title = _title(step, trigger)
+        step, trigger, suffix = d.step, d.trigger, d.suffix
+        title = _title(step, trigger, graph)
         deadline = time.monotonic() + opts.render_timeout  # bounds all drawing of this capture
 
         def left() -> float:  # what is left of render_timeout for the next engine run
@@ -334,7 +340,7 @@ class CapturePipeline:
             png = views["png"]
             if "svg" in opts.formats:
                 svg = views["svg"] if info["full_detail"] else render_svg(graph, timeout=left(), title=title)
-                files.write(step, "svg", svg)
+                files.write(step, "svg", svg, suffix=suffix)
         except (EngineNotFound, RenderTimeout) as exc:
             # JSON, DOT, text and scalars are already written
             self._warn(type(exc).__name__, f"step {step} was not drawn: {exc}")
@@ -348,41 +354,45 @@ class CapturePipeline:
                                                  max_nodes=opts.view_max_nodes, timeout=left())["png"]
                 except Exception as exc:
                     self._warn("diff-render", f"drawing the graph diff failed: {exc!r}")
-        self._log_pictures(step, trigger, png, diff_png)
+        self._log_pictures(step, trigger, png, diff_png, suffix)
 
-    def _log_pictures(self, step: int, trigger: str, png: bytes | None, diff_png: bytes | None) -> None:
+    def _log_pictures(self, step: int, trigger: str, png: bytes | None, diff_png: bytes | None,
+                      suffix: str = "") -> None:
         with self._sink_lock:
-            self._log_pictures_locked(step, trigger, png, diff_png)
+            self._log_pictures_locked(step, trigger, png, diff_png, suffix)
 
-    def _log_pictures_locked(self, step: int, trigger: str, png: bytes | None, diff_png: bytes | None) -> None:
+    def _log_pictures_locked(self, step: int, trigger: str, png: bytes | None, diff_png: bytes | None,
+                             suffix: str = "") -> None:
         files, formats = self.files, self.options.formats
         sink = self._visualdl()
         if sink is None:
             if "png" in formats and png is not None:
-                files.write(step, "png", png)
+                files.write(step, "png", png, suffix=suffix)
             if "png" in formats and diff_png is not None:
-                files.write(step, "png", diff_png, suffix="diff")
+                files.write(step, "png", diff_png, suffix=_join(suffix, "diff"))
             return
         if png is not None:
             array = png_to_array(png)
             if "png" in formats:
                 # the same encoder VisualDL uses, so the dashboard serves these exact bytes
-                files.write(step, "png", encode_like_visualdl(array))
-            sink.image("backward_graph", array, step)
+                files.write(step, "png", encode_like_visualdl(array), suffix=suffix)
+            sink.image(_join("backward_graph", suffix), array, step)
             if trigger != "scheduled":
-                sink.image(f"trigger_{trigger}", array, step)
+                sink.image(_join(f"trigger_{trigger}", suffix), array, step)
         if diff_png is not None:
             diff_array = png_to_array(diff_png)
             if "png" in formats:
-                files.write(step, "png", encode_like_visualdl(diff_array), suffix="diff")
-            sink.image("structure_change", diff_array, step)
+                files.write(step, "png", encode_like_visualdl(diff_array), suffix=_join(suffix, "diff"))
+            sink.image(_join("structure_change", suffix), diff_array, step)
         sink.flush()
 
-    def _log_data(self, graph: BackwardGraph, diff: GraphDiff | None, step: int, trigger: str) -> None:
+    def _log_data(self, graph: BackwardGraph, diff: GraphDiff | None, step: int, trigger: str,
+                  suffix: str = "") -> None:
         with self._sink_lock:
-            self._log_data_locked(graph, diff, step, trigger)
+            self._log_data_locked(graph, diff, step, trigger, suffix)
 
-    def _log_data_locked(self, graph: BackwardGraph, diff: GraphDiff | None, step: int, trigger: str) -> None:
+    def _log_data_locked(self, graph: BackwardGraph, diff: GraphDiff | None, step: int, trigger: str,
+                         suffix: str = "") -> None:
         sink = self._visualdl()
         if sink is None:
             return
@@ -392,7 +402,7 @@ class CapturePipeline:
             text = f"trigger: {trigger}" + (f" ({note})" if note else "") + ";\n" + text
         if diff is not None:
             text += "\nsince the previous capture: " + diff_summary(diff)
-        sink.text("summary", text, step)
+        sink.text(_join("summary", suffix), text, step)
         scalars = {
             "backward_graph/nodes": len(graph.nodes),
             "backward_graph/edges": len(graph.edges),
@@ -403,6 +413,8 @@ class CapturePipeline:
         }
         for layer, norm in graph.layer_grad_norms().items():
             scalars[f"grad_norm/{layer}"] = norm
+        if suffix:  # a step's later backwards: their own series (backward_graph_b2/...)
+            scalars = {_join(k.split("/", 1)[0], suffix) + "/" + k.split("/", 1)[1]: v for k, v in scalars.items()}
         sink.scalars(scalars, step)
         sink.flush()
 
@@ -418,5 +430,12 @@ class CapturePipeline:
         return self._sink
 
 
-def _title(step: int, trigger: str) -> str:
-    return f"step {step}" + ("" if trigger == "scheduled" else f" - trigger: {trigger}")
+def _title(step: int, trigger: str, graph: BackwardGraph | None = None) -> str:
+    role = backward_role(graph.meta.get("backward")) if graph is not None else ""
+    return (f"step {step}" + (f", {role}" if role else "")
+            + ("" if trigger == "scheduled" else f" - trigger: {trigger}"))
+
+
+def _join(name: str, suffix: str) -> str:
+    """``name`` for a step's first backward, ``name_b2`` for its second."""
+    return f"{name}_{suffix}" if suffix else name

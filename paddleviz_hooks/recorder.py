@@ -20,7 +20,7 @@ from .graph import BackwardGraph
 from .options import FORMATS, RecorderOptions
 from .pipeline import CaptureJob, CapturePipeline
 from .sinks.files import StepFiles
-from .text import describe_node
+from .text import backward_role, describe_node
 from .triggers import Triggers, global_grad_norm
 from .warn import WarnOnce
 
@@ -83,7 +83,13 @@ class BackwardGraphRecorder:
         ValueError: an option value out of range (the message quotes it).
 
     Steps are what the loop says they are (``rec.step(step)``), or counted
-    from 1 when it says nothing. Unselected steps run nothing of the
+    from 1 when it says nothing. A step may run several backwards (gradient
+    accumulation micro-batches, a ``paddle.grad`` penalty): each is its own
+    graph, labelled in ``graph.meta["backward"]`` (``index``, ``of``,
+    ``entry``, ``role``), the first saved as ``step_000100.*``, the i-th as
+    ``step_000100_b<i>.*``; they are written when the step ends. A backward
+    run inside another (reentrant recompute) is part of that one's graph.
+    Unselected steps run nothing of the
     recorder's but a counter: no hook and no patch is in place (unless a
     trigger is on, which needs to see every backward).
 
@@ -160,6 +166,11 @@ class BackwardGraphRecorder:
         self._step_capture: BackwardCapture | None = None
         self._watch: BackwardCapture | None = None
         self._pipeline: CapturePipeline | None = None
+        # this step: graphs waiting for its end, backwards seen (per entry), micro-batches announced
+        self._pending: list[BackwardGraph] = []
+        self._seen: list[str] = []
+        self._micro_batches: int | None = None
+        self._applied_norm: float | None = None
         self._triggers = Triggers(self.options, self._budget_left, self._notice)
 
     @property
@@ -228,12 +239,16 @@ class BackwardGraphRecorder:
             if cap is not None:
                 cap.__exit__(None, None, None)
         self._step_capture = self._watch = None
+        self._flush()
         pipeline, self._pipeline = self._pipeline, None
         if pipeline is not None:
             pipeline.close()
             self.undrawn_steps = pipeline.undrawn_at_close
             if self.options.verbose and self.captured_steps:
-                print(f"[paddleviz-hooks] {len(pipeline.written)} steps captured, {len(pipeline.drawn)} drawn, "
+                graphs = len(pipeline.written)  # a step may have several backwards
+                steps = len(set(pipeline.written))
+                more = f" ({graphs} graphs)" if graphs != steps else ""
+                print(f"[paddleviz-hooks] {steps} steps captured{more}, {len(pipeline.drawn)} drawn, "
                       f"{len(self.undrawn_steps)} left undrawn (data saved in {os.path.abspath(self.run_dir)})")
         self._open = self._active = False
 
@@ -244,20 +259,34 @@ class BackwardGraphRecorder:
         self.close()
 
     # ----------------------------------------------------------------- steps
-    def begin_step(self, step: int | None = None) -> bool:
+    def begin_step(self, step: int | None = None, *, micro_batches: int | None = None) -> bool:
         """A training step starts; arms a capture when it is selected.
 
         Args:
             step: the step number (default: the previous one + 1, from 1).
+            micro_batches: how many gradient-accumulation micro-batches the
+                step runs, one ``backward()`` each; their graphs are labelled
+                "micro-batch i of k". Default None: backwards are labelled
+                "backward i of n".
 
         Returns:
             True when a capture is armed for this step.
+
+        Raises:
+            TypeError: ``step`` or ``micro_batches`` is not an int.
+            ValueError: ``micro_batches`` is below 1.
         """
         if step is None:
             step = self.global_step + 1
         elif isinstance(step, bool) or not isinstance(step, int):
             raise TypeError(f"step must be an int or None, got {step!r}")
+        if micro_batches is not None and (isinstance(micro_batches, bool) or not isinstance(micro_batches, int)):
+            raise TypeError(f"micro_batches must be an int or None, got {micro_batches!r}")
+        if micro_batches is not None and micro_batches < 1:
+            raise ValueError(f"micro_batches must be >= 1 or None, got {micro_batches!r}")
+        self._flush()  # a step that was never ended
         self.global_step = step
+        self._micro_batches = micro_batches
         if not self._open:
             self.open()
         if not self._active:
@@ -281,19 +310,23 @@ class BackwardGraphRecorder:
         cap, self._step_capture = self._step_capture, None
         if cap is not None:
             cap.__exit__(None, None, None)
+        self._flush()
 
     def disarm(self) -> None:
         """Let the rest of this step's backwards (e.g. evaluation) run uncaptured."""
         self._armed = None
 
     @contextlib.contextmanager
-    def step(self, step: int | None = None) -> Iterator["BackwardGraphRecorder"]:
-        """``with rec.step(n):`` around one training step's forward and backward.
+    def step(self, step: int | None = None, *, micro_batches: int | None = None
+             ) -> Iterator["BackwardGraphRecorder"]:
+        """``with rec.step(n):`` around one training step's forward and backward(s).
 
+        With gradient accumulation, put all of the step's micro-batches
+        inside and say how many (``micro_batches``, see :meth:`begin_step`).
         An exception leaving the block (Ctrl-C, an error in the model) closes
         the recorder, so no hook or patch stays behind, and propagates.
         """
-        self.begin_step(step)
+        self.begin_step(step, micro_batches=micro_batches)
         try:
             yield self
         except BaseException:
@@ -323,6 +356,8 @@ class BackwardGraphRecorder:
         )
 
     def _decide(self, roots: list[Any], walk: Any) -> str | None:
+        cap = self._watch or self._step_capture
+        self._seen.append(cap.entry_now if cap is not None else "backward")
         return self._triggers.decide(self.global_step, self._armed, roots, walk)
 
     def _after_backward(self, ok: bool) -> None:
@@ -330,28 +365,63 @@ class BackwardGraphRecorder:
             self._triggers.after_backward(self.global_step, self.model.parameters())
 
     def _on_graph(self, graph: BackwardGraph) -> None:
-        """Training thread: a graph was captured; hand it to the pipeline."""
+        """Training thread: a graph was captured; it waits for the end of its step."""
         step = self.global_step
         trigger = graph.meta.get("trigger") or "scheduled"
         graph.meta["step"] = step
+        info = graph.meta.get("backward")
+        if isinstance(info, dict) and info.get("index") is not None:
+            info["index"] = len(self._seen)  # which backward of this step
+            if self._micro_batches:
+                info["micro_batch"] = self._seen.count("backward") + (info.get("entry") == "grad")
+                info["micro_batches"] = self._micro_batches
         if self.model is not None:
             # what param.grad holds now (accumulated over this step's backwards and any
-            # earlier ones not yet applied): the gradient the optimizer will apply
+            # earlier ones not yet applied); after the step's last backward it is the
+            # gradient the optimizer will apply
             try:
-                graph.meta["accumulated_grad_norm"] = global_grad_norm(self.model.parameters())
+                self._applied_norm = global_grad_norm(self.model.parameters())
             except Exception as exc:
                 self._warn("accumulated", f"reading param.grad failed: {exc!r}")
         if self._triggers.note is not None:
             graph.meta["trigger_note"], self._triggers.note = self._triggers.note, None
-        self.captured_steps.append(step)
-        self.triggers[step] = trigger
         if trigger != "scheduled":
             sites = graph.nonfinite_sites()
             origin = f"; first non-finite gradient at {describe_node(sites[0])}" if sites else ""
             self._notice(f"captured step {step} (trigger: {trigger}){origin}")
-        if self._pipeline is not None and not self._pipeline.submit(CaptureJob(graph, step, trigger)):
-            # nothing of it reaches disk or VisualDL: keep captured_steps (and the
-            # max_captures budget) true to what was written
-            self.captured_steps.pop()
+        self._pending.append(graph)
+
+    def _flush(self) -> None:
+        """The step is over: label its graphs (now that their number is known) and write them."""
+        pending, self._pending = self._pending, []
+        seen, self._seen = len(self._seen), []
+        applied, self._applied_norm = self._applied_norm, None
+        if not pending:
+            return
+        step = pending[0].meta["step"]
+        written = False
+        for graph in pending:
+            info = graph.meta.get("backward")
+            if isinstance(info, dict):
+                if info.get("index") is not None:
+                    info["of"] = seen
+                info["role"] = backward_role(info)
+            if applied is not None:
+                graph.meta["accumulated_grad_norm"] = applied
+            trigger = graph.meta.get("trigger") or "scheduled"
+            index = info.get("index") if isinstance(info, dict) else None
+            suffix = f"b{index}" if isinstance(index, int) and index > 1 else (
+                "" if isinstance(index, int) else f"nested{pending.index(graph)}")
+            if self._pipeline is None or self._pipeline.submit(CaptureJob(graph, step, trigger, suffix)):
+                written = written or self._pipeline is not None
+            else:
+                # nothing of it reaches disk or VisualDL
+                if step not in self.dropped_steps:
+                    self.dropped_steps.append(step)
+            if trigger != "scheduled" or step not in self.triggers:
+                self.triggers[step] = trigger
+        # captured_steps (and the max_captures budget) stay true to what was written
+        if written or self._pipeline is None:
+            self.captured_steps.append(step)
+        else:
             self.triggers.pop(step, None)
-            self.dropped_steps.append(step)

@@ -23,6 +23,7 @@ __all__ = [
     "NOT_OBSERVED",
     "OUTSIDE_MODEL",
     "TOP_LAYER",
+    "backward_role",
     "box_lines",
     "collapse_note",
     "describe_node",
@@ -115,6 +116,36 @@ def _names(items: list[str], limit: int = _LIST_LIMIT) -> str:
     if len(items) > limit:
         shown += f" and {len(items) - limit} more"
     return shown
+
+
+def backward_role(info: dict[str, Any] | None) -> str:
+    """Which backward of its step a graph is (``graph.meta["backward"]``); "" for a step's only one.
+
+    Example:
+        >>> backward_role({"index": 2, "of": 4, "entry": "backward", "micro_batch": 2, "micro_batches": 4})
+        'micro-batch 2 of 4'
+        >>> backward_role({"index": 1, "of": 2, "entry": "grad"})
+        'paddle.grad (backward 1 of 2)'
+        >>> backward_role({"index": 2, "of": 2, "entry": "backward"})
+        'backward 2 of 2'
+        >>> backward_role({"index": 1, "of": 1, "entry": "backward"})
+        ''
+    """
+    if not isinstance(info, dict):
+        return ""
+    if info.get("nested"):
+        return "backward run inside another (its node not found)"
+    i, n, k = info.get("index"), info.get("of"), info.get("micro_batches")
+    grad = info.get("entry") == "grad"
+    if k and info.get("micro_batch"):
+        words = f"micro-batch {info['micro_batch']} of {k}"
+        return f"paddle.grad in {words}" if grad else words
+    order = f"backward {i} of {n}" if n else f"backward {i}"
+    if grad:
+        return "paddle.grad" + (f" ({order})" if i is not None and n != 1 else "")
+    if i is None or n == 1:
+        return ""
+    return order
 
 
 def layer_name(path: str | None) -> str:
@@ -313,14 +344,19 @@ def graph_summary(graph: BackwardGraph, top: int = 5) -> str:
     """
     ops = sum(1 for n in graph.nodes if n.kind == "op")
     params = graph.params()
+    role = backward_role(graph.meta.get("backward"))
     lines = [
-        f"step {graph.meta['step']}:" if "step" in graph.meta else "backward graph:",
+        (f"step {graph.meta['step']}" if "step" in graph.meta else "backward graph")
+        + (f", {role}:" if role else ":"),
         f"{len(graph.nodes)} nodes ({ops} ops), {len(graph.edges)} edges;",
         f"{len(params)} parameters reached;",
     ]
     leaves = sum(1 for n in graph.nodes if n.kind == "input")
     if leaves and not params:
         lines.append(f"{leaves} unnamed leaf tensors reached (capture_backward(model) names parameters);")
+    nested = graph.meta.get("nested")
+    if isinstance(nested, int) and nested:
+        lines.append(f"{plural(nested, 'backward')} run inside this one (recompute) drawn at the nodes that ran them;")
     gn = graph.global_grad_norm()
     if gn is not None:
         lines.append(f"global grad norm {gn:.4g} (this backward);")
@@ -332,7 +368,10 @@ def graph_summary(graph: BackwardGraph, top: int = 5) -> str:
         biggest = sorted(norms.items(), key=lambda kv: -_sort_val(kv[1]))[:top]
         lines.append("largest grad norms: " + ", ".join(f"{k} {v:.3g}" for k, v in biggest) + ";")
     sites = graph.nonfinite_sites()
-    unhooked = [n for n in graph.nodes if n.kind == "op" and not n.hooked and n.note != PROGRAM_OP_NOTE]
+    out, stats = graph.out_edges(), bool(graph.meta.get("grad_stats"))
+    # nodes without a hook whose outgoing gradients could not be recovered elsewhere
+    unhooked = [n for n in graph.nodes if n.kind == "op" and not n.hooked and n.note != PROGRAM_OP_NOTE and any(
+        e.grad is None or (stats and e.grad.norm is None) for e in out.get(n.id, []))]
     compiled = sum(1 for n in graph.nodes if n.kind == "op" and n.note == PROGRAM_OP_NOTE)
     bad_params = [name for name, m in params.items() if m is not None and m.nonfinite]
     if sites:

@@ -88,7 +88,9 @@ class Triggers:
     def decide(self, step: int, armed: str | None, roots: list[Any], walk: Callable[[], Any]) -> str | None:
         """When a backward starts: the label that captures it, or None."""
         if self.captured_now:
-            return None  # one capture per step (e.g. a second paddle.grad call)
+            # a scheduled step records each of its backwards (micro-batches, paddle.grad);
+            # a trigger captures one backward per step
+            return armed
         opts = self.options
         trigger = None
         loss_bad = (opts.on_nonfinite and len(roots) == 1 and roots[0].size == 1

@@ -165,8 +165,15 @@ def test_several_losses_and_accumulation(tmp_path):
     assert rec.losses == base.losses
     for k in base_params:
         assert np.array_equal(params[k], base_params[k]), k
-    assert cb.captured_steps == [1, 3, 6, 9]
-    g = BackwardGraph.from_json((tmp_path / "backward_graph" / "step_000003.json").read_text())
+    # 5 batches an epoch, accumulation 2: optimizer steps of 2, 2 and 1 batches, 6 in 2 epochs
+    assert cb.captured_steps == [1, 3, 6]
+    run = tmp_path / "backward_graph"
+    assert sorted(p.name for p in run.glob("step_*.json")) == [
+        "step_000001.json", "step_000001_b2.json", "step_000003.json", "step_000006.json"]
+    roles = {p.name: BackwardGraph.from_json(p.read_text()).meta["backward"]["role"] for p in run.glob("*.json")}
+    assert roles == {"step_000001.json": "micro-batch 1 of 2", "step_000001_b2.json": "micro-batch 2 of 2",
+                     "step_000003.json": "micro-batch 1 of 1", "step_000006.json": "micro-batch 1 of 1"}
+    g = BackwardGraph.from_json((run / "step_000003.json").read_text())
     # paddle.Model sums several losses with add_n: the root's node cannot be hooked but is drawn.
     assert "AddN" in g.count_ops()
     assert len(g.params()) == 4

@@ -30,6 +30,10 @@ class BackwardGraphCallback(paddle.callbacks.Callback):
 
     Steps are numbered like ``paddle.callbacks.VisualDL``'s ``train/*``
     scalars: the global training batch count, starting at 1, across epochs.
+    With ``fit(accumulate_grad_batches=k)`` a step is one optimizer step: the
+    k batches whose gradients it applies, each recorded as "micro-batch i of
+    k" (``step_000003.*``, ``step_000003_b2.*``...), with the norm of the
+    accumulated gradient the optimizer applies (``accumulated_grad_norm``).
 
     Raises:
         TypeError: an option of the wrong type (the message quotes it).
@@ -93,11 +97,30 @@ class BackwardGraphCallback(paddle.callbacks.Callback):
         self.recorder.open(self._network())
         self._guard = _StepGuard.attach(getattr(self, "model", None), self)
 
+    def _accumulate(self) -> int:
+        k = getattr(getattr(self, "model", None), "_accumulate", 1)
+        return k if isinstance(k, int) and k > 1 else 1
+
+    def _updates_after(self, step: int) -> bool:
+        """Whether ``Model.fit`` applies the optimizer after this batch (as its ``_run_one_epoch``)."""
+        k, steps = self._accumulate(), self.params.get("steps") if isinstance(self.params, dict) else None
+        return (step + 1) % k == 0 or (isinstance(steps, int) and step + 1 == steps)
+
     def on_train_batch_begin(self, step: int, logs: dict | None = None) -> None:
-        self.recorder.begin_step()
+        k = self._accumulate()
+        if k == 1:
+            self.recorder.begin_step()
+        elif step % k == 0:  # the first micro-batch of an optimizer step
+            steps = self.params.get("steps") if isinstance(self.params, dict) else None
+            n = min(k, steps - step) if isinstance(steps, int) and steps > step else k
+            self.recorder.begin_step(micro_batches=n)
 
     def on_train_batch_end(self, step: int, logs: dict | None = None) -> None:
-        self.recorder.end_step()
+        if self._accumulate() == 1 or self._updates_after(step):
+            self.recorder.end_step()
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        self.recorder.end_step()  # Model.fit applies a last, shorter accumulation at an epoch's end
 
     def on_eval_begin(self, logs: dict | None = None) -> None:
         self.recorder.disarm()

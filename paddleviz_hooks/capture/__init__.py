@@ -5,6 +5,7 @@ Modules, each with one job:
 * ``dispatch.py``: the backward patch shared by every active capture.
 * ``gradnode.py``: ``Tensor.grad_fn`` without Paddle's reference leak, and the
   walk from the roots along ``next_functions`` into plain nodes and edges.
+* ``nested.py``: a backward run inside another (recompute): its PyLayer node, the stitch.
 * ``stats.py``: gradient statistics.
 * ``attribution.py``: forward hooks naming the layer call of each op.
 * ``session.py``: :class:`BackwardCapture` and :func:`capture_backward`.

@@ -5,6 +5,12 @@ and ``run_partial_grad`` are replaced by the dispatcher. ``Tensor.backward``,
 ``paddle.autograd.backward`` and ``paddle.grad`` look those functions up at
 call time, so every entry point is seen. The originals are put back when the
 last capture ends, also on exceptions and KeyboardInterrupt.
+
+A backward can start while another runs on the same thread: reentrant
+recompute's PyLayer runs a second backward inside its grad node. The
+dispatcher keeps, per thread, the sessions of the backwards under way, so
+each capture learns that a backward is nested and inside which of its own
+sessions (``BackwardCapture._begin(..., nested=True, parent=...)``).
 """
 
 from __future__ import annotations
@@ -18,6 +24,14 @@ from paddle.base import core
 __all__ = ["DISPATCHER", "dispatcher_installed"]
 
 
+class _Frame:
+    """The backward under way on a thread: each capture's session of it (None: not observed)."""
+
+    def __init__(self) -> None:
+        self.sessions: dict[Any, Any] = {}
+        self.held: BaseException | None = None  # an interrupt held by a nested backward
+
+
 class Dispatcher:
     """Installs the backward patch while any capture is active."""
 
@@ -26,6 +40,7 @@ class Dispatcher:
         self._active: list[Any] = []
         self._orig_backward: Callable | None = None
         self._orig_grad: Callable | None = None
+        self._local = threading.local()  # .frames: the backwards under way on this thread
 
     def activate(self, cap: Any) -> None:
         with self._lock:
@@ -69,23 +84,40 @@ class Dispatcher:
     def _run(self, original, entry, roots, retain_graph, args):
         with self._lock:
             caps = list(self._active)
+        frames = self._local.__dict__.setdefault("frames", [])
+        outer: _Frame | None = frames[-1] if frames else None
+        frame = _Frame()
         grad_was = paddle.is_grad_enabled()
         sessions: list = []
-        ok = False
+        pushed = ok = False
         try:
             # inside the try: an interrupt while walking still unhooks what was hooked
             for cap in caps:
-                sessions.append((cap, cap._begin(list(roots), entry)))
+                if outer is None:
+                    s = cap._begin(list(roots), entry)
+                else:  # inside another backward: the capture's session of that one, if any
+                    s = cap._begin(list(roots), entry, nested=True, parent=outer.sessions.get(cap))
+                sessions.append((cap, s))
+                frame.sessions[cap] = s
+            frames.append(frame)
+            pushed = True
             result = original(*args)
             # A KeyboardInterrupt/SystemExit that hit one of our hooks was held
             # back so Paddle could finish the backward (raised inside a hook it
-            # would surface as Paddle's OSError); deliver it now, as itself.
-            held = next((s.interrupt for _, s in sessions if s is not None and s.interrupt is not None), None)
+            # would surface as Paddle's OSError); deliver it now, as itself,
+            # from the outermost backward (raised inside a PyLayer it would
+            # become Paddle's error too).
+            held = frame.held or next(
+                (s.interrupt for _, s in sessions if s is not None and s.interrupt is not None), None)
             if held is not None:
-                raise held
+                if outer is None:
+                    raise held
+                outer.held = outer.held or held
             ok = True
             return result
         finally:
+            if pushed:
+                frames.pop()
             # A hook that raised (or a KeyboardInterrupt inside one) leaves
             # Paddle's grad mode off for the rest of the process: restore it.
             if paddle.is_grad_enabled() != grad_was:

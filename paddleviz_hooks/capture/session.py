@@ -12,6 +12,11 @@
 * With a layer given, forward pre/post hooks on every sublayer attribute the op
   nodes created during the forward to the innermost layer that ran them
   (``attribution.py``).
+* A backward run inside another (reentrant recompute) is captured as a child
+  session and stitched into the enclosing graph at the PyLayer node that ran
+  it (``nested.py``); the step then has one graph with every op and parameter.
+* Every graph says which backward of its block (or step) it is:
+  ``meta["backward"] = {"index": i, "of": n or None, "entry": ...}``.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from .attribution import LayerAttribution
 from .dispatch import DISPATCHER
 from .gradnode import Walk, grad_fn, parameter_names, walk_graph
 from .static import ProgramRuns
+from .nested import place, pylayer_context, stitch
 from . import stats
 
 __all__ = ["BackwardCapture", "capture_backward"]
@@ -36,13 +42,45 @@ __all__ = ["BackwardCapture", "capture_backward"]
 # --------------------------------------------------------------------------
 # the public context manager
 # --------------------------------------------------------------------------
+class _ParamTotals:
+    """What each parameter received over one backward and the backwards nested in it.
+
+    A parameter's leaf hook fires once per backward that reaches it, before
+    Paddle adds the gradient to ``param.grad``. Nested backwards (recompute)
+    can reach a parameter again: with ``keep``, the total so far is kept so a
+    later contribution is added to it (a fresh tensor: the first gradient may
+    be ``param.grad``'s own storage, which the next accumulation changes).
+    """
+
+    def __init__(self, keep: bool) -> None:
+        self.keep = keep
+        self.metas: dict[int, GradMeta] = {}
+        self.tensors: dict[int, Any] = {}
+        self.hooked: set[int] = set()  # parameters whose hook is in place
+
+    def clear(self) -> None:
+        self.tensors.clear()
+
+
 class _Session:
     """State of one capture of one backward call."""
 
-    def __init__(self, cap: "BackwardCapture", walk: Walk, entry: str, t0: float):
+    def __init__(self, cap: "BackwardCapture", walk: Walk, entry: str, t0: float,
+                 parent: "_Session | None" = None):
         self.cap = cap
         self.walk = walk
         self.entry = entry
+        self.parent = parent
+        self.ptrs: list[int | None] = [gn.node_ptr() if gn is not None else None for gn in walk.wrappers]
+        self.totals = parent.totals if parent is not None else _ParamTotals(
+            keep=any(n.name.startswith("GradNodePyLayer_") for n in walk.nodes))
+        self.param_hooks: list[int] = []  # parameters this session hooked
+        self.children: list[tuple[int, "_Session"]] = []  # (node id here, stitched inner session)
+        self.at: int | None = None  # where this nested session is stitched into its parent
+        self.index = 0  # which backward of the block (top-level sessions)
+        # a nested backward's non-parameter leaves (the recomputed block's detached
+        # inputs): the sum of what reaches each, which its PyLayer passes on
+        self.leaf_sums: dict[int, Any] | None = None
         self.handles: list[Any] = []  # node post-hooks and parameter hooks, removed in _end
         self.in_meta: dict[int, GradMeta] = {}
         self.errors: list[BaseException] = []
@@ -100,11 +138,17 @@ class BackwardCapture:
         self.keep_graphs = keep_graphs
         self.max_graphs = max_graphs
         # when(roots, walk) -> trigger label, or None to let this backward
-        # run unobserved; `walk()` gives the (cached) structure walk.
+        # run unobserved; `walk()` gives the (cached) structure walk. Asked for
+        # every top-level backward (a nested one is observed with its parent);
+        # `entry_now` says which entry point started it.
         self.when = when
         self.after_backward = after_backward
         self.graphs: list[BackwardGraph] = []
         self.meta: dict[str, Any] = {}
+        #: top-level backwards started while active (nested ones are part of theirs)
+        self.backwards_seen = 0
+        #: "backward" or "grad": the entry point of the backward starting now
+        self.entry_now = "backward"
         self._active = False
         self._attribution: LayerAttribution | None = None
         self._param_names: dict[int, tuple[str, Any]] = {}
@@ -131,6 +175,10 @@ class BackwardCapture:
 
     def __exit__(self, *exc: Any) -> None:
         self._teardown()
+        for g in self.graphs:  # now the block's number of backwards is known
+            info = g.meta.get("backward")
+            if isinstance(info, dict) and info.get("of") is None:
+                info["of"] = self.backwards_seen
 
     def _teardown(self) -> None:
         self._active = False
@@ -161,11 +209,15 @@ class BackwardCapture:
         return self.graphs[-1]
 
     # -- called by the dispatcher -----------------------------------------
-    def _begin(self, roots: list[Any], entry: str) -> _Session | None:
+    def _begin(self, roots: list[Any], entry: str, nested: bool = False,
+               parent: _Session | None = None) -> _Session | None:
         t0 = time.perf_counter()
         try:
             if not any(grad_fn(t) is not None for t in roots):
                 return None
+            if nested:  # observed exactly when the backward it runs inside is
+                return self._begin_nested(roots, entry, parent, t0) if parent is not None else None
+            self.backwards_seen += 1
             layer_of = self._attribution.lookup if self._attribution is not None else None
             cache: list[Walk] = []
 
@@ -175,6 +227,7 @@ class BackwardCapture:
                     self._programs.open(cache[0])  # to_static programs opened
                 return cache[0]
 
+            self.entry_now = entry
             trigger = self.when(roots, walk) if self.when is not None else None
             if self.when is not None and trigger is None:
                 if cache:
@@ -182,9 +235,8 @@ class BackwardCapture:
                 return None
             s = _Session(self, walk(), entry, t0)
             s.trigger = trigger
-            if self._attribution is not None:
-                s.calls = self._attribution.call_parents(
-                    {f"{n.layer}#{n.call}" for n in s.walk.nodes if n.layer is not None})
+            self._snapshot_calls(s)
+            s.index = self.backwards_seen
             if len(roots) == 1 and roots[0].size == 1:
                 s.loss = float(roots[0])
             self._hook_all(s)
@@ -193,6 +245,29 @@ class BackwardCapture:
         except Exception as exc:  # observability never breaks training
             self._warn("capture", f"backward graph capture failed and was skipped: {exc!r}")
             return None
+
+    def _snapshot_calls(self, s: _Session) -> None:
+        """The layer-call tree of the walked nodes, taken now: attribution is
+        reset before the graph is built."""
+        if self._attribution is not None:
+            s.calls = self._attribution.call_parents(
+                {f"{n.layer}#{n.call}" for n in s.walk.nodes if n.layer is not None})
+
+    def _begin_nested(self, roots: list[Any], entry: str, parent: _Session, t0: float) -> _Session:
+        """A backward inside ``parent``'s: walk and hook it, and find the node that runs it."""
+        layer_of = self._attribution.lookup if self._attribution is not None else None
+        s = _Session(self, walk_graph(roots, self._param_names, layer_of), entry, t0, parent=parent)
+        for node in s.walk.nodes:  # its roots are activations (recompute's block outputs), not a loss
+            if node.kind == "root":
+                node.name = node.op = "activation" if len(roots) == 1 else node.name
+        s.leaf_sums = {}
+        self._snapshot_calls(s)
+        pw = parent.walk
+        next_ptrs = {nid: {parent.ptrs[e.dst] for e in out} for nid, out in pw.out_edges.items()}
+        s.at = place(pylayer_context(), pw.nodes, parent.ptrs, next_ptrs, {at for at, _ in parent.children})
+        self._hook_all(s)
+        s.prepare_seconds = time.perf_counter() - t0
+        return s
 
     def _hook_all(self, s: _Session) -> None:
         w = s.walk
@@ -221,16 +296,21 @@ class BackwardCapture:
         nodes it passed through, hookable or not. It returns None: the
         gradient is never changed.
         """
-        named = self._param_names.get(s.walk.wrappers[nid].node_ptr())
-        if named is None or named[1].stop_gradient:
-            return
-        node = s.walk.nodes[nid]
+        ptr = s.ptrs[nid]
+        named = self._param_names.get(ptr)
+        totals = s.totals
+        if named is None or named[1].stop_gradient or ptr in totals.hooked:
+            return  # an enclosing backward's hook on it sees this backward's share too
         with_stats = self.grad_stats
 
         def hook(grad):
             t = time.perf_counter()
             try:
-                node.grad = stats.grad_meta(grad, with_stats)
+                prev = totals.tensors.get(ptr)
+                total = grad if prev is None else prev + grad  # before Paddle adds grad to param.grad
+                totals.metas[ptr] = stats.grad_meta(total, with_stats)
+                if totals.keep:
+                    totals.tensors[ptr] = total
             except Exception as exc:
                 s.errors.append(exc)
             except BaseException as exc:  # Ctrl-C: re-raised when the backward returns
@@ -240,11 +320,16 @@ class BackwardCapture:
             return None
 
         s.handles.append(named[1].register_hook(hook))
+        totals.hooked.add(ptr)
+        s.param_hooks.append(ptr)
 
     def _make_hook(self, s: _Session, nid: int, want_in: bool):
         with_stats = self.grad_stats
         out_edges = s.walk.out_edges.get(nid, [])
         root_edge = s.walk.root_edges.get(nid)
+        sums = s.leaf_sums
+        to_leaf = ([i for i, e in enumerate(out_edges) if s.walk.nodes[e.dst].kind == "input"]
+                   if sums is not None else [])
 
         def hook(outs, ins):
             t = time.perf_counter()
@@ -253,6 +338,10 @@ class BackwardCapture:
                 produced = stats.flat_tensors(outs)
                 for e, g in zip(out_edges, produced):
                     e.grad = stats.grad_meta(g, with_stats, batch)
+                for i in to_leaf:  # before Paddle accumulates it into the leaf (see _ParamTotals)
+                    if i < len(produced):
+                        prev = sums.get(out_edges[i].dst)
+                        sums[out_edges[i].dst] = produced[i] if prev is None else prev + produced[i]
                 if root_edge is not None or want_in:
                     received = stats.flat_tensors(ins)
                     if len(received) == 1:
@@ -294,13 +383,20 @@ class BackwardCapture:
                 except Exception:
                     pass
             s.handles.clear()
+            s.totals.hooked.difference_update(s.param_hooks)
             for ret in s.returned:  # see _make_hook: drop the gradients Paddle leaks
                 ret.clear()
             s.returned.clear()
             s.walk.release()
             if not retain_graph and self._attribution is not None:
-                self._attribution.reset()  # that forward's graph is consumed
+                # that forward's graph is consumed (a nested one: the recomputed forward's);
+                # its node addresses are reused by later graphs
+                self._attribution.reset()
+            if s.parent is not None:
+                self._end_nested(s, ok)
+                return
             if not ok:
+                s.totals.clear()
                 return
             if s.errors:
                 self._warn("hook", f"gradient recording failed at {len(s.errors)} nodes: {s.errors[0]!r}")
@@ -308,15 +404,37 @@ class BackwardCapture:
             graph.meta["capture_ms"] = round(
                 1000 * (s.prepare_seconds + s.hook_seconds + time.perf_counter() - t0), 3
             )
-            if self.keep_graphs:
-                self.graphs.append(graph)
-                if self.max_graphs is not None and len(self.graphs) > self.max_graphs:
-                    del self.graphs[0]
-            if self.on_graph is not None:
-                self.on_graph(graph)
+            self._deliver(graph)
         except Exception as exc:
             self._warn("finish", f"backward graph capture failed and was skipped: {exc!r}")
         self._after(ok)
+
+    def _deliver(self, graph: BackwardGraph) -> None:
+        if self.keep_graphs:
+            self.graphs.append(graph)
+            if self.max_graphs is not None and len(self.graphs) > self.max_graphs:
+                del self.graphs[0]
+        if self.on_graph is not None:
+            self.on_graph(graph)
+
+    def _end_nested(self, s: _Session, ok: bool) -> None:
+        """A nested backward is over: hand it to its parent, or keep it as its own graph."""
+        if not ok:
+            return
+        if s.errors:
+            self._warn("hook", f"gradient recording failed at {len(s.errors)} nodes: {s.errors[0]!r}")
+        self._fill_received(s)
+        self._leaf_totals(s)
+        self._merge_children(s)
+        if s.at is not None:
+            s.parent.children.append((s.at, s))
+            s.parent.hook_seconds += s.prepare_seconds + s.hook_seconds  # the step's capture cost
+            return
+        self._warn("unplaced", "a backward ran inside another backward but the node that ran it could not "
+                               "be told for sure; it is kept as its own graph (meta['backward']['nested'])")
+        graph = self._graph(s, s.walk.nodes, s.walk.edges, s.ptrs)
+        graph.meta["backward"] = {"index": None, "of": None, "entry": s.entry, "nested": True}
+        self._deliver(graph)
 
     def _after(self, ok: bool) -> None:
         if self.after_backward is None:
@@ -326,34 +444,73 @@ class BackwardCapture:
         except Exception as exc:
             self._warn("after", f"post-backward check failed: {exc!r}")
 
-    def _build(self, s: _Session) -> BackwardGraph:
+    @staticmethod
+    def _fill_received(s: _Session) -> None:
+        """An unhooked producer's edge: the receiver saw the same tensor when it is its only input."""
         w = s.walk
         in_count: dict[int, int] = {}
         for e in w.edges:
             in_count[e.dst] = in_count.get(e.dst, 0) + 1
         for e in w.edges:
-            if e.grad is not None:
-                continue
-            # An unhooked producer: the receiver saw the same tensor when it
-            # is its only incoming gradient.
-            if in_count.get(e.dst) == 1 and e.dst in s.in_meta:
+            if e.grad is None and in_count.get(e.dst) == 1 and e.dst in s.in_meta:
                 e.grad = s.in_meta[e.dst]
-            elif in_count.get(e.dst) == 1 and w.nodes[e.dst].grad is not None:
-                e.grad = w.nodes[e.dst].grad  # a parameter used once: its total is this edge's
-            elif w.nodes[e.dst].kind == "param":
-                leaf = w.nodes[e.dst]
-                e.grad = GradMeta(shape=leaf.shape, dtype=leaf.dtype)
-        graph = BackwardGraph(
-            nodes=w.nodes,
-            edges=w.edges,
-            layers=dict(self._attribution.types) if self._attribution is not None else {},
-            calls=s.calls,
-            meta={"entry": s.entry, "grad_stats": self.grad_stats, **self.meta},
-        )
+
+    def _leaf_totals(self, s: _Session) -> None:
+        """A detached input's total gradient, when every gradient reaching it was seen."""
+        sums, s.leaf_sums = s.leaf_sums or {}, None
+        w = s.walk
+        for nid, total in sums.items():
+            into = [e for e in w.edges if e.dst == nid]
+            if all(w.nodes[e.src].hooked for e in into):
+                w.nodes[nid].grad = stats.grad_meta(total, self.grad_stats)
+
+    @staticmethod
+    def _merge_children(s: _Session) -> None:
+        """Stitch the nested backwards (already merged with theirs) into this session's graph."""
+        for at, child in s.children:
+            s.calls.update({k: v for k, v in child.calls.items() if k not in s.calls})
+            stitch(s.walk.nodes, s.walk.edges, s.ptrs, at, child.walk.nodes, child.walk.edges, child.ptrs)
+        s.children.clear()
+
+    def _build(self, s: _Session) -> BackwardGraph:
+        self._fill_received(s)
+        stitched = len(s.children)
+        self._merge_children(s)
+        graph = self._graph(s, s.walk.nodes, s.walk.edges, s.ptrs)
+        s.totals.clear()
+        graph.meta["backward"] = {"index": s.index, "of": None, "entry": s.entry}
+        if stitched:
+            graph.meta["nested"] = stitched
         if s.loss is not None:
             graph.meta["loss"] = s.loss
         if s.trigger is not None:
             graph.meta["trigger"] = s.trigger
+        return graph
+
+    def _graph(self, s: _Session, nodes: list, edges: list, ptrs: list) -> BackwardGraph:
+        """Parameter totals in place, the rest of the edges filled, keys given."""
+        metas = s.totals.metas
+        for n, p in zip(nodes, ptrs):
+            if n.kind == "param" and p in metas:
+                n.grad = metas[p]
+        in_count: dict[int, int] = {}
+        for e in edges:
+            in_count[e.dst] = in_count.get(e.dst, 0) + 1
+        for e in edges:
+            if e.grad is not None:
+                continue
+            if in_count.get(e.dst) == 1 and nodes[e.dst].grad is not None:
+                e.grad = nodes[e.dst].grad  # a parameter used once: its total is this edge's
+            elif nodes[e.dst].kind == "param":
+                leaf = nodes[e.dst]
+                e.grad = GradMeta(shape=leaf.shape, dtype=leaf.dtype)
+        graph = BackwardGraph(
+            nodes=nodes,
+            edges=edges,
+            layers=dict(self._attribution.types) if self._attribution is not None else {},
+            calls=s.calls,
+            meta={"entry": s.entry, "grad_stats": self.grad_stats, **self.meta},
+        )
         graph.assign_keys()
         return graph
 
