@@ -270,8 +270,9 @@ def _plan_png(
 
     Tries top-down and left-right layouts and, for a long narrow strip,
     the same layout wrapped into bands. The highest dpi wins; within 15% of
-    it, a drawing inside the aspect window wins, then top-down, then fewer
-    bands. ``wrap_only_if_legible`` skips the wrapped layouts when even a
+    it, an unwrapped drawing wins (the edges from one band to the next are
+    only worth it for legibility), then one inside the aspect window, then
+    top-down. ``wrap_only_if_legible`` skips the wrapped layouts when even a
     square arrangement of the same area would be below ``LEGIBLE_DPI`` (the
     caller collapses the graph then).
     """
@@ -307,7 +308,8 @@ def _plan_png(
             plans.append(_Plan(wsrc, ww, wh, _dpi_for(ww, wh, max_px), rd, k))
     best_dpi = max(p.dpi for p in plans)
     near = [p for p in plans if p.dpi >= best_dpi / 1.15]
-    near.sort(key=lambda p: (p.aspect > VIEW_ASPECT * 1.02, p.rankdir != "TB", p.bands, -p.dpi))
+    # an unwrapped drawing first: wrapping costs edges between bands, paid only for legibility
+    near.sort(key=lambda p: (p.bands > 1, p.aspect > VIEW_ASPECT * 1.02, p.rankdir != "TB", -p.dpi))
     near[0].area = min(p.width * p.height for p in plans if p.bands == 1)
     return near[0]
 
