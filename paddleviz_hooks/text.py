@@ -23,6 +23,7 @@ __all__ = [
     "OUTSIDE_MODEL",
     "TOP_LAYER",
     "box_lines",
+    "capture_title",
     "collapse_note",
     "describe_node",
     "diff_summary",
@@ -253,6 +254,29 @@ def node_tooltip(node: Node) -> str:
     if node.kind == "layer" and node.unhooked:
         tip.append(f"no gradient data at {node.unhooked} of {plural(node.ops, 'op')}")
     return " | ".join(tip)
+
+
+def capture_title(step: Any, trigger: str | None = None, role: Any = None, index: int | None = None) -> str:
+    """The name of one capture in a list of captures: step, trigger, backward role.
+
+    Args:
+        step: the step (text or number), None when unknown.
+        trigger: what made the capture (``"scheduled"`` or None is not named).
+        role: which backward of the step it was (``graph.meta["backward"]``), when known.
+        index: the capture's position (from 1), named when the step is unknown.
+
+    Example:
+        >>> capture_title(8, "nonfinite_loss"), capture_title("03", "scheduled", "inner")
+        ('step 8 - trigger: nonfinite_loss', 'step 03 - backward: inner')
+        >>> capture_title(None, index=2)
+        'capture 2'
+    """
+    title = f"capture {'?' if index is None else index}" if step is None else f"step {step}"
+    if role not in (None, "", {}):
+        title += f" - backward: {role}"
+    if trigger and trigger != "scheduled":
+        title += f" - trigger: {trigger}"
+    return title
 
 
 def collapse_note(collapsed: BackwardGraph, full: BackwardGraph) -> str:
