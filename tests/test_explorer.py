@@ -282,3 +282,167 @@ def test_explore_returns_at_once_and_serves_offline(tmp_path, monkeypatch):
         with pytest.raises(socket.timeout):
             proxy.accept()  # nobody asked the web
     assert not handle.running
+
+
+# --------------------------------------------------------------------------
+# end to end: Model.fit with a NaN trigger, `paddleviz-hooks explore`, headless Chromium
+# --------------------------------------------------------------------------
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+NAN_STEP = 4
+
+
+class Penalty(nn.Layer):
+    """mean(log(|h| * s)), s = 0 from call ``NAN_STEP`` on: Log turns a finite gradient into Inf."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, h):
+        self.calls += 1
+        return paddle.log(paddle.abs(h) * (0.0 if self.calls >= NAN_STEP else 1.0)).mean()
+
+
+class NaNNet(nn.Layer):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 16), nn.Tanh())
+        self.penalty = Penalty()
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x):
+        h = self.body(x)
+        return self.head(h), self.penalty(h)
+
+
+class PenaltyLoss(nn.Layer):
+    def forward(self, logits, penalty, label):
+        return nn.functional.cross_entropy(logits, label) + 0.01 * penalty
+
+
+def _explore_cli(log_dir, out_dir, log_file):
+    """``paddleviz-hooks explore LOG_DIR`` in its own session; returns (process, page url)."""
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "paddleviz_hooks.cli", "explore", str(log_dir), "--port", str(port),
+           "--out", str(out_dir)]
+    log = open(log_file, "wb")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    log.close()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, open(log_file).read()
+        urls = [x for x in open(log_file).read().splitlines() if x.startswith("http://127.0.0.1:")]
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/check_health", timeout=2) as r:
+                if urls and r.read() == b"model_explorer_ok":
+                    return proc, urls[0]
+        except OSError:
+            pass
+        time.sleep(0.25)
+    raise AssertionError(f"the explorer did not start: {open(log_file).read()[-2000:]}")
+
+
+def _stop(proc) -> None:
+    import signal
+
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+
+
+RED_IN_PANEL = """() => Array.from(document.querySelectorAll('*'))
+  .filter(e => getComputedStyle(e).backgroundColor === 'rgb(214, 39, 40)')
+  .map(e => e.innerText.split(/\s+/)[0])"""
+
+
+@pytest.mark.browser
+@pytest.mark.skipif(not os.path.exists(CHROMIUM), reason=f"needs Debian's Chromium at {CHROMIUM}")
+def test_explore_a_nan_run_in_chromium(tmp_path):
+    import shutil
+    import sys as _sys
+    from pathlib import Path
+
+    sync_api = pytest.importorskip("playwright.sync_api")
+    _sys.path.insert(0, os.path.dirname(__file__))
+    from _fitkit import run_fit
+
+    from paddleviz_hooks import BackwardGraphCallback
+
+    log_dir = tmp_path / "log"
+    cb = BackwardGraphCallback(str(log_dir), every=3, on_nonfinite=True, formats=("json",), visualdl=False,
+                               verbose=0, queue_size=16)
+    run_fit(NaNNet, callbacks=[cb], steps=5, loss=PenaltyLoss(), lr=0.05)
+    assert cb.captured_steps == [1, 3, NAN_STEP] and cb.triggers[NAN_STEP] == "nonfinite_loss"
+    nan_graph = BackwardGraph.from_json((log_dir / "backward_graph" / f"step_{NAN_STEP:06d}.json").read_text())
+    origin = nan_graph.nonfinite_sites()[0]
+    assert (origin.op, origin.layer) == ("Log", "penalty")
+    bad = sum(e.grad.nonfinite for e in nan_graph.edges if e.src == origin.id)
+
+    shots = []
+    proc, url = _explore_cli(log_dir, tmp_path / "me", tmp_path / "server.log")
+    try:
+        with sync_api.sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+            try:
+                page = browser.new_page(viewport={"width": 1400, "height": 900})
+                page.set_default_timeout(30_000)
+                outside = []
+                page.route(lambda u: not u.startswith("http://127.0.0.1:"),
+                           lambda route: (outside.append(route.request.url), route.abort()))
+
+                def shoot(name):
+                    page.wait_for_timeout(500)
+                    page.screenshot(path=str(tmp_path / name))
+                    shots.append(tmp_path / name)
+
+                page.goto(url, timeout=60_000)
+                page.locator(".graph-selector-label").wait_for()
+                # every captured step is listed, the NaN one named by its trigger
+                page.locator(".graph-selector-label").click()
+                items = page.locator(".graph-item-container")
+                items.first.wait_for()
+                listed = [items.nth(i).get_attribute("data-id") for i in range(items.count())]
+                assert listed == ["backward_graph: step 1", "backward_graph: step 3",
+                                  f"backward_graph: step {NAN_STEP} - trigger: nonfinite_loss"]
+                shoot("explorer_steps.png")
+                page.locator(".graph-item-container[data-id*='trigger'] .graph-label").click()
+                # the NaN/Inf overlay is listed first (this run has a NaN)
+                providers = page.locator(".index-row .run-name")
+                providers.first.wait_for()
+                assert providers.first.inner_text().startswith("NaN/Inf elements")
+                providers.first.click()
+                shoot("explorer_nan_overlay.png")
+
+                # find Log, open its layer (penalty) and select it (Alt+click)
+                page.locator("input[placeholder*='Search']").first.fill("Log")
+                hit = page.locator(f"mat-tree-node[data-id='{origin.id}'] .node-label")
+                hit.wait_for()
+                hit.click(modifiers=["Alt"])
+                page.wait_for_function("() => document.body.innerText.includes('LogGradNode')")
+                panel = page.locator("body").inner_text()
+                for key in ("grad norm", "grad min", "grad max", "grad NaN", "grad Inf", "NaN/Inf origin",
+                            "layer class", "Penalty"):
+                    assert key in panel, key
+                # the NaN overlay marks the origin: its value, in red, is the count it produced
+                assert str(bad) in page.evaluate(RED_IN_PANEL)
+                shoot("explorer_origin_selected.png")
+            finally:
+                browser.close()
+    finally:
+        _stop(proc)
+    assert all("fonts." in u for u in outside), outside  # only the page's web font was asked for
+    out = Path(__file__).resolve().parents[1] / "test-output"
+    out.mkdir(exist_ok=True)
+    for shot in shots:
+        assert shot.stat().st_size > 10_000, f"{shot} looks empty"
+        shutil.copy(shot, out / shot.name)

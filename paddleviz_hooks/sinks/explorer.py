@@ -234,7 +234,9 @@ def _nonfinite_data(graph: BackwardGraph) -> dict[str, Any]:
             r.update(bgColor=_ORIGIN_RED, textColor="#ffffff")
         results[str(nid)] = r
     return {"name": "NaN/Inf elements (origin red)", "results": results,
-            "thresholds": [{"value": 0, "bgColor": _CLEAN_GREEN}, {"value": 1e300, "bgColor": _BAD_ORANGE}]}
+            "thresholds": [{"value": 0, "bgColor": _CLEAN_GREEN}, {"value": 1e300, "bgColor": _BAD_ORANGE}],
+            # the viewer's per-layer table shows shares of the total: "NaN" (0/0) for a clean graph
+            "hideInChildrenStatsTable": True}
 
 
 def _norm_data(graph: BackwardGraph) -> dict[str, Any]:
