@@ -15,6 +15,8 @@ command work without importing paddle):
   into boxes; :func:`summarize` - the text a person reads.
 * :func:`render_to_file`, :func:`render_png`, :func:`render_svg`, :func:`render_diff` -
   drawing; :func:`build_report` - the offline HTML report of a log directory.
+* :func:`explore` / :func:`export_explorer` - every capture in Google's Model
+  Explorer, with gradient, NaN/Inf and change overlays (``[explorer]`` extra).
 
 How the modules fit together (data flows one way)::
 
@@ -49,6 +51,8 @@ _WHERE = {
     "EngineNotFound": ".render",
     "RenderTimeout": ".render",
     "build_report": ".sinks.report",
+    "explore": ".explore",
+    "export_explorer": ".sinks.explorer",
 }
 
 __all__ = sorted(_WHERE) + ["__version__"]
