@@ -73,11 +73,17 @@ def explorer_url(files: ExplorerExport, host: str, port: int) -> str:
     """The page address that opens every graph and overlay of an export.
 
     Model Explorer reads the model and node-data paths from the ``data``
-    parameter of its address.
+    parameter of its address, and the graph and node to open at from its
+    ``uiState``: the NaN/Inf origin when a capture has one (``files.start``).
     """
-    data = {"models": [{"url": os.path.abspath(files.graphs)}],
-            "nodeData": [os.path.abspath(p) for p in files.overlays.values()],
-            "nodeDataTargets": ["" for _ in files.overlays]}
+    data: dict[str, Any] = {"models": [{"url": os.path.abspath(files.graphs)}],
+                            "nodeData": [os.path.abspath(p) for p in files.overlays.values()],
+                            "nodeDataTargets": ["" for _ in files.overlays]}
+    if files.start is not None:
+        graph_id, node_id = files.start
+        data["uiState"] = {"paneStates": [{
+            "deepestExpandedGroupNodeIds": [], "selectedNodeId": node_id, "selectedGraphId": graph_id,
+            "selectedCollectionLabel": files.label, "widthFraction": 1, "selected": True}]}
     shown = f"[{host}]" if ":" in host else host
     return f"http://{shown}:{port}/?data={urllib.parse.quote(json.dumps(data))}"
 

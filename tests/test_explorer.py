@@ -108,6 +108,7 @@ def test_real_captures_parse_strictly_and_match(build, tmp_path):
 
     # the norm overlay is log10 of the real gradient norm, parameter by parameter
     assert list(overlays)[:2] == [ex.GRAD_NORM, ex.NONFINITE]  # no NaN: the norm comes first
+    assert files.start is None
     norm = overlays[ex.GRAD_NORM][files.graph_ids[0]]["results"]
     for name, grad in grads.items():
         want = float(np.sqrt(np.sum(grad * grad)))
@@ -169,6 +170,7 @@ def test_nan_origin_change_and_new_overlays(tmp_path):
     for me_graph, g in zip(collection["graphs"], (old, new)):
         check_against_capture(me_graph, g)
     assert files.graph_ids == ["capture 1", "capture 2"]
+    assert files.start == ("capture 2", str(new.nonfinite_sites()[0].id))  # the page opens at the origin
     assert list(overlays)[:2] == [ex.NONFINITE, ex.GRAD_NORM]  # a NaN: its overlay comes first
 
     first, second = files.graph_ids
@@ -407,6 +409,10 @@ def test_explore_a_nan_run_in_chromium(tmp_path):
 
                 page.goto(url, timeout=60_000)
                 page.locator(".graph-selector-label").wait_for()
+                # the page opens at the NaN/Inf origin: the triggered step, Log selected in its layer
+                page.wait_for_function("() => document.body.innerText.includes('LogGradNode')")
+                assert "trigger: nonfinite_loss" in page.locator(".graph-selector-label").inner_text()
+                shoot("explorer_opened_at_origin.png")
                 # every captured step is listed, the NaN one named by its trigger
                 page.locator(".graph-selector-label").click()
                 items = page.locator(".graph-item-container")

@@ -325,11 +325,16 @@ class ExplorerExport:
         graphs: the graph collection file.
         overlays: overlay name -> node-data file, most useful first.
         graph_ids: the graph ids, in the collection's order.
+        label: the collection's label.
+        start: ``(graph id, node id)`` the page should open at: the NaN/Inf
+            origin of the first capture that has one; None otherwise.
     """
 
     graphs: str
     overlays: dict[str, str] = field(default_factory=dict)
     graph_ids: list[str] = field(default_factory=list)
+    label: str = ""
+    start: tuple[str, str] | None = None
 
 
 def _series(source: Any) -> tuple[str, list[tuple[str, BackwardGraph, BackwardGraph | None]]]:
@@ -429,4 +434,5 @@ def export_explorer(source: Any, out_dir: str) -> ExplorerExport:
     for stem, data in explorer_overlays(series).items():
         overlays[stem] = atomic_write(os.path.join(out_dir, safe_filename(stem) + ".json"),
                                       json.dumps(data, allow_nan=False))
-    return ExplorerExport(graphs_path, overlays, [gid for gid, _, _ in series])
+    start = next(((gid, str(sites[0].id)) for gid, g, _ in series if (sites := g.nonfinite_sites())), None)
+    return ExplorerExport(graphs_path, overlays, [gid for gid, _, _ in series], label, start)
