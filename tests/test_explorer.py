@@ -141,6 +141,37 @@ def test_namespaces_are_layer_calls_and_parameters_sit_in_their_layers(tmp_path)
             assert n["namespace"] == ""
 
 
+def test_a_layer_called_three_times(tmp_path):
+    class Block(nn.Layer):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.fc(paddle.tanh(self.fc(paddle.tanh(self.fc(x)))))
+
+    class Net(nn.Layer):
+        def __init__(self):
+            super().__init__()
+            self.blk = Block()
+
+        def forward(self, x):
+            return self.blk(x)
+
+    paddle.seed(0)
+    net = Net()
+    g, grads = capture_one(net, paddle.randn([2, 4]))
+    me_graph = ex.explorer_graph(g, "step 1")
+    spaces = {n["namespace"] for n in me_graph["nodes"]}
+    assert {f"blk/fc (call {k} of 3)" for k in (1, 2, 3)} <= spaces
+    layers = {attrs(n)["layer"] for n in me_graph["nodes"] if attrs(n)["kind"] == "op" and n["namespace"].startswith("blk/")}
+    assert layers == {f"blk.fc (call {k} of 3)" for k in (1, 2, 3)}
+    # the weight serves all three calls: it sits in blk, named relative to it
+    params = {attrs(n)["parameter"]: (n["namespace"], n["label"]) for n in me_graph["nodes"] if attrs(n)["kind"] == "param"}
+    assert params == {"blk.fc.weight": ("blk", "fc.weight"), "blk.fc.bias": ("blk", "fc.bias")}
+    assert me_graph["groupNodeAttributes"]["blk/fc (call 2 of 3)"]["call"] == "2 of 3"
+
+
 def nan_net():
     class Net(nn.Layer):
         def __init__(self):

@@ -80,24 +80,25 @@ def _grad_attrs(meta: GradMeta | None, prefix: str = "") -> list[dict[str, str]]
     return out
 
 
-def _namespaces(graph: BackwardGraph) -> list[str]:
-    """Namespace of every node: its layer calls joined by ``/`` (a call named when its layer has several)."""
-    paths = call_paths(graph)
+def _call_counts(paths: list[tuple[tuple[str, int], ...]]) -> dict[str, int]:
+    """Layer path -> how many calls of it the graph shows (up to the last one seen)."""
     calls: dict[str, int] = {}
     for p in paths:
         for layer, call in p:
             calls[layer] = max(calls.get(layer, 0), call + 1)
-    out = []
-    for p in paths:
-        out.append("/".join(layer.rsplit(".", 1)[-1] + call_of(call, calls[layer]) for layer, call in p))
-    return out
+    return calls
 
 
-def _label(node: Node, namespace: str, graph: BackwardGraph, out_edges: list) -> str:
+def _namespace(path: tuple[tuple[str, int], ...], calls: dict[str, int]) -> str:
+    """Layer calls joined by ``/`` (``layers/0/relu (call 2 of 2)``): a call named when its layer has several."""
+    return "/".join(layer.rsplit(".", 1)[-1] + call_of(call, calls[layer]) for layer, call in path)
+
+
+def _label(node: Node, path: tuple[tuple[str, int], ...], out_edges: list) -> str:
     if node.kind == "param":
         name = node.param or "parameter"
-        owner = graph.layers and namespace and name.rsplit(".", 1)
-        return owner[-1] if owner and len(owner) == 2 else name
+        inside = path[-1][0] + "." if path else ""
+        return name[len(inside):] if inside and name.startswith(inside) else name
     if node.kind == "root":
         return node.name or "loss"
     if node.kind == "input":
@@ -135,7 +136,9 @@ def explorer_graph(graph: BackwardGraph, graph_id: str) -> dict[str, Any]:
         ('Exp', 'f', [{'sourceNodeId': '0', 'sourceNodeOutputId': '0', 'targetNodeInputId': '0'}])
     """
     ins, outs = graph.in_edges(), graph.out_edges()
-    spaces = _namespaces(graph)
+    paths = call_paths(graph)
+    calls = _call_counts(paths)
+    spaces = [_namespace(p, calls) for p in paths]
     sites = graph.nonfinite_sites()
     origin = sites[0].id if sites else None
     nodes = []
@@ -145,9 +148,9 @@ def explorer_graph(graph: BackwardGraph, graph_id: str) -> dict[str, Any]:
         attrs = [_kv("node", describe_node(n)), _kv("kind", n.kind)]
         if n.kind in ("op", "layer"):
             attrs.append(_kv("grad node", n.name))
-            where = layer_name(n.layer) + call_of(n.call, max(n.calls, n.call + 1)) if n.layer is not None \
-                else layer_name(None)
-            attrs.append(_kv("layer", where))
+            calls_of = max(n.calls, calls.get(n.layer or "", 1), n.call + 1)
+            attrs.append(_kv("layer", layer_name(n.layer) + call_of(n.call, calls_of) if n.layer is not None
+                             else layer_name(None)))
             if n.layer is not None and n.layer in graph.layers:
                 attrs.append(_kv("layer class", graph.layers[n.layer]))
         if n.kind == "param":
@@ -171,7 +174,7 @@ def explorer_graph(graph: BackwardGraph, graph_id: str) -> dict[str, Any]:
         attrs.append(_kv("key", n.key))
         nodes.append({
             "id": str(n.id),
-            "label": _label(n, spaces[n.id], graph, out),
+            "label": _label(n, paths[n.id], out),
             "namespace": spaces[n.id],
             "attrs": attrs,
             "incomingEdges": [{"sourceNodeId": str(e.src), "sourceNodeOutputId": str(e.slot),
@@ -179,20 +182,20 @@ def explorer_graph(graph: BackwardGraph, graph_id: str) -> dict[str, Any]:
             "outputsMetadata": [{"id": str(e.slot), "attrs": [_kv("to", describe_node(graph.nodes[e.dst]))]
                                  + _grad_attrs(e.grad)} for e in out],
         })
-    return {"id": graph_id, "nodes": nodes, "groupNodeAttributes": _group_attrs(graph, spaces),
+    return {"id": graph_id, "nodes": nodes, "groupNodeAttributes": _group_attrs(graph, paths, spaces),
             "layoutConfigs": {"keepLayersWithASingleChild": True}}
 
 
-def _group_attrs(graph: BackwardGraph, spaces: list[str]) -> dict[str, dict[str, str]]:
+def _group_attrs(graph: BackwardGraph, paths: list, spaces: list[str]) -> dict[str, dict[str, str]]:
     """What the side panel shows for each layer box, and for the whole graph (namespace ``""``)."""
-    paths = call_paths(graph)
     groups: dict[str, dict[str, str]] = {}
+    calls = _call_counts(paths)
     for p, space in zip(paths, spaces):
         parts = space.split("/")
         for k, (layer, call) in enumerate(p):
             ns = "/".join(parts[: k + 1])
             if ns not in groups:
-                groups[ns] = {"layer": layer_name(layer), "call": str(call + 1),
+                groups[ns] = {"layer": layer_name(layer), "call": f"{call + 1} of {calls[layer]}",
                               "class": graph.layers.get(layer, "?")}
     top = {"summary": graph_summary(graph).replace("\n", " ")}
     for k in ("step", "entry", "trigger", "loss", "accumulated_grad_norm", "trigger_note"):
