@@ -278,6 +278,11 @@ def test_bad_input_is_refused_clearly(tmp_path):
     with pytest.raises(ValueError, match="between 0 and 65535"):
         explore(str(tmp_path), port=70000)
     assert main(["explore", str(tmp_path / "nope")]) == 1
+    g = BackwardGraph([Node(0, "root", "loss")])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(sys.modules, "model_explorer", None)  # as if the extra were not installed
+        with pytest.raises(ImportError, match=r"paddleviz-hooks\[explorer\]"):
+            explore(g, out_dir=str(tmp_path / "m"))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
@@ -287,7 +292,7 @@ def test_bad_input_is_refused_clearly(tmp_path):
             explore(g, port=taken, out_dir=str(tmp_path / "o"))
 
 
-def test_explore_returns_at_once_and_serves_offline(tmp_path, monkeypatch):
+def test_explore_returns_at_once_and_serves_offline(tmp_path, monkeypatch, capsys):
     from paddleviz_hooks.explore import explore
 
     g = BackwardGraph([Node(0, "root", "loss"), Node(1, "op", "ExpGradNode", "Exp")], [Edge(0, 1)],
@@ -298,7 +303,8 @@ def test_explore_returns_at_once_and_serves_offline(tmp_path, monkeypatch):
     proxy.listen()
     monkeypatch.setenv("HTTPS_PROXY", f"http://127.0.0.1:{proxy.getsockname()[1]}")
     monkeypatch.setenv("https_proxy", f"http://127.0.0.1:{proxy.getsockname()[1]}")
-    with proxy, explore(g, out_dir=str(tmp_path), inline=False) as handle:
+    with proxy, explore(g, out_dir=str(tmp_path), inline=True) as handle:
+        assert "IPython.core.display.HTML" in capsys.readouterr().out  # the iframe, shown outside a notebook
         assert handle.running and handle.url.startswith("http://127.0.0.1:")
         base = handle.url.split("/?")[0]
         data = json.loads(urllib.parse.unquote(handle.url.split("data=", 1)[1]))
