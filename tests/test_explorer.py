@@ -408,11 +408,9 @@ RED_IN_PANEL = """() => Array.from(document.querySelectorAll('*'))
 @pytest.mark.skipif(not os.path.exists(CHROMIUM), reason=f"needs Debian's Chromium at {CHROMIUM}")
 def test_explore_a_nan_run_in_chromium(tmp_path):
     import shutil
-    import sys as _sys
     from pathlib import Path
 
     sync_api = pytest.importorskip("playwright.sync_api")
-    _sys.path.insert(0, os.path.dirname(__file__))
     from _fitkit import run_fit
 
     from paddleviz_hooks import BackwardGraphCallback
