@@ -13,7 +13,7 @@ $(BIN)/activate:
 	$(BIN)/pip install -q --upgrade pip
 
 $(VENV)/.installed: $(BIN)/activate pyproject.toml setup.cfg
-	$(BIN)/pip install -q -e '.[pure,test]'
+	$(BIN)/pip install -q -e '.[pure,test,explorer]'
 	touch $@
 
 # Graphviz's `dot` through apt where we may; otherwise the graphviz-pure extra

@@ -21,6 +21,10 @@ Rows (medians over repeats, every ratio taken from numbers of this same run):
   2-layer encoder: captures dropped (0 expected), drawn and left undrawn.
 * 10k nodes: a 224-layer encoder (about 10,000 nodes): captured step / plain
   step, and the first viewing PNG.
+* explorer: the same 10k-node graph exported for Model Explorer, and the time
+  from opening the page (``explore()``, headless Chromium) to the first
+  drawing of the graph, layers collapsed (skipped without the ``explorer``
+  extra, playwright or /usr/bin/chromium).
 * training thread: forward+backward inside ``capture_backward`` divided by the
   plain forward+backward, with and without ``grad_stats``.
 * peer reference: the same Transformer encoder in PyTorch drawn by
@@ -358,7 +362,7 @@ def bench_fit_every5(table: Table, quick: bool) -> None:
               ratio=step / base, seconds=step, base_seconds=base)
 
 
-def bench_huge(table: Table) -> None:
+def bench_huge(table: Table, explorer: bool = True) -> None:
     """A 224-layer encoder (about 10,000 nodes): capture, then the viewing PNG."""
     enc = paddle.nn.TransformerEncoder(paddle.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0), 224)
     x = paddle.randn([2, 4, 16])
@@ -377,6 +381,54 @@ def bench_huge(table: Table) -> None:
     dt, _ = timed(lambda: render_png(graph, info=info))
     table.add("10k nodes", "PNG for viewing (first drawing)", fmt_s(dt),
               f"{info.get('nodes')} nodes drawn, {info.get('dpi'):.0f} dpi", seconds=dt)
+    if explorer:
+        bench_explorer(table, graph)
+
+
+_DRAWN_JS = """() => {
+  const c = document.querySelector('canvas.main');
+  return !!c && c.width > 0 && document.body.innerText.includes('layer count');
+}"""
+
+
+def bench_explorer(table: Table, graph) -> None:
+    """Export for Model Explorer, then page opened -> graph drawn (collapsed) in headless Chromium."""
+    from paddleviz_hooks.sinks.explorer import export_explorer
+
+    with tempfile.TemporaryDirectory() as out:
+        dt, files = timed(lambda: export_explorer(graph, out))
+        size = os.path.getsize(files.graphs) + sum(os.path.getsize(p) for p in files.overlays.values())
+        table.add("explorer", f"export ({len(graph.nodes)} nodes, {len(files.overlays)} overlays)", fmt_s(dt),
+                  f"{size / 1e6:.1f} MB of JSON", seconds=dt)
+        try:
+            import model_explorer  # noqa: F401
+            from playwright.sync_api import sync_playwright
+        except ImportError:
+            table.add("explorer", "first drawing in the browser", "n/a", "explorer extra or playwright missing")
+            return
+        if not os.path.exists("/usr/bin/chromium"):
+            table.add("explorer", "first drawing in the browser", "n/a", "no /usr/bin/chromium")
+            return
+        from paddleviz_hooks.explore import explore
+
+        with explore(graph, out_dir=out, inline=False) as handle, sync_playwright() as p:
+            browser = p.chromium.launch(executable_path="/usr/bin/chromium", headless=True,
+                                        args=["--no-sandbox", "--disable-gpu", "--no-first-run"])
+            try:
+                page = browser.new_page(viewport={"width": 1400, "height": 900})
+                page.route(lambda u: not u.startswith("http://127.0.0.1:"), lambda r: r.abort())
+                t0 = time.perf_counter()
+                page.goto(handle.url, timeout=120_000)
+                page.wait_for_function(_DRAWN_JS, timeout=120_000, polling=50)
+                dt = time.perf_counter() - t0
+                page.wait_for_timeout(500)
+                shot = os.path.join(ROOT, "benchmarks", "results", "explorer_10k.png")
+                os.makedirs(os.path.dirname(shot), exist_ok=True)
+                page.screenshot(path=shot)
+            finally:
+                browser.close()
+        table.add("explorer", "page opened -> graph drawn, layers collapsed", fmt_s(dt),
+                  "headless Chromium, software WebGL; screenshot benchmarks/results/explorer_10k.png", seconds=dt)
 
 
 # --------------------------------------------------------------------------
@@ -668,7 +720,8 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="few repeats, shorter fit runs (a few minutes)")
     ap.add_argument("--json", metavar="PATH", default=DEFAULT_JSON, help=f"results file (default {DEFAULT_JSON})")
-    ap.add_argument("--skip", action="append", default=[], choices=["transformer", "resnet50", "huge", "fit5", "torchviz", "callback"],
+    ap.add_argument("--skip", action="append", default=[],
+                    choices=["transformer", "resnet50", "huge", "fit5", "explorer", "torchviz", "callback"],
                     help="leave out a group of rows (repeatable)")
     ap.add_argument("--callback-child", metavar="PATH", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -705,7 +758,7 @@ def main(argv: list[str] | None = None) -> int:
         bench_drawing_rate(table, "resnet50", g, reps["rate"])
         del model, g
     if "huge" not in args.skip:
-        bench_huge(table)
+        bench_huge(table, explorer="explorer" not in args.skip)
     if "fit5" not in args.skip:
         bench_fit_every5(table, quick)
     if "torchviz" not in args.skip:

@@ -17,6 +17,8 @@ command work without importing paddle):
   drawing; :func:`build_report` - the offline HTML report of a log directory.
 * :func:`show` - a graph or diff drawn for a notebook cell; in Jupyter, a graph or
   diff evaluated in a cell is drawn inline (``paddleviz_hooks.notebook``).
+* :func:`explore` / :func:`export_explorer` - every capture in Google's Model
+  Explorer, with gradient, NaN/Inf and change overlays (``[explorer]`` extra).
 
 How the modules fit together (data flows one way)::
 
@@ -53,6 +55,8 @@ _WHERE = {
     "RenderTimeout": ".render",
     "build_report": ".sinks.report",
     "show": ".notebook",
+    "explore": ".explore",
+    "export_explorer": ".sinks.explorer",
 }
 
 __all__ = sorted(_WHERE) + ["__version__"]

@@ -6,6 +6,7 @@ run is needed.
     paddleviz-hooks render GRAPH.json -o out.png [--depth N] [--max-nodes N] [--fold-repeats] [--by-type TYPE]
     paddleviz-hooks diff OLD.json NEW.json [-o diff.png]
     paddleviz-hooks report LOG_DIR -o report.html
+    paddleviz-hooks explore LOG_DIR [--host H] [--port P] [--out DIR]
 
 Errors are one line on stderr (``paddleviz-hooks: error: ...``); the exit
 status is 2 for bad usage, 1 for files that cannot be read or written, 0 on
@@ -110,6 +111,15 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("log_dir", metavar="LOG_DIR", help="the log directory (searched recursively)")
     rep.add_argument("-o", "--output", required=True, metavar="REPORT.html", help="the HTML file to write")
     rep.add_argument("--title", help="page title")
+
+    ex = sub.add_parser("explore", help="open every captured step in Model Explorer (needs the explorer extra)",
+                        description="Serve every step_*.json under LOG_DIR, with gradient-norm, NaN/Inf, "
+                                    "change and memory overlays, in Google's Model Explorer on this machine "
+                                    "until Ctrl-C (pip install 'paddleviz-hooks[explorer]').")
+    ex.add_argument("log_dir", metavar="LOG_DIR", help="the log directory (searched recursively)")
+    ex.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    ex.add_argument("--port", type=_nonnegative_int, metavar="N", help="port (default: a free one)")
+    ex.add_argument("--out", metavar="DIR", help="write the Model Explorer files here (default: a temporary directory)")
     return p
 
 
@@ -235,6 +245,29 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_explore(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from .explore import ExplorerMissing, serve
+    from .sinks.explorer import export_explorer
+    from .sinks.report import ReportError
+
+    if not os.path.isdir(args.log_dir):
+        what = "no such directory" if not os.path.exists(args.log_dir) else "not a directory"
+        raise FileError(f"cannot read log directory {args.log_dir}: {what}")
+    try:
+        files = export_explorer(args.log_dir, args.out or tempfile.mkdtemp(prefix="paddleviz-explorer-"))
+    except ReportError as exc:
+        raise FileError(str(exc)) from None
+    print(f"{len(files.graph_ids)} captures, overlays: {', '.join(files.overlays)}; files in "
+          f"{os.path.dirname(files.graphs)}", flush=True)
+    try:
+        serve(files, args.host, args.port)
+    except ExplorerMissing as exc:
+        raise FileError(str(exc)) from None
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (never raises for bad input).
 
@@ -248,8 +281,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = parser.parse_args(argv)
         if not args.command:
-            raise UsageError(f"a command is required: render, diff or report (see '{PROG} --help')")
-        handler = {"render": _cmd_render, "diff": _cmd_diff, "report": _cmd_report}[args.command]
+            raise UsageError(f"a command is required: render, diff, report or explore (see '{PROG} --help')")
+        handler = {"render": _cmd_render, "diff": _cmd_diff, "report": _cmd_report,
+                   "explore": _cmd_explore}[args.command]
         return handler(args)
     except SystemExit as exc:  # --help / --version
         return exc.code if isinstance(exc.code, int) else 0

@@ -51,7 +51,7 @@ from typing import Iterable
 
 from .graph import BackwardGraph, Edge, Node, merge_grad_metas
 
-__all__ = ["collapse_graph", "collapse_with_map", "layer_depths", "CONTAINER_TYPES"]
+__all__ = ["collapse_graph", "collapse_with_map", "layer_depths", "call_paths", "CONTAINER_TYPES"]
 
 #: Layer classes that only hold other layers and never run themselves; they
 #: do not count as a depth level.
@@ -147,6 +147,75 @@ def _node_path(node: Node, graph: BackwardGraph) -> str | None:
 # --------------------------------------------------------------------------
 # layer calls
 # --------------------------------------------------------------------------
+def call_paths(graph: BackwardGraph) -> list[tuple[tuple[str, int], ...]]:
+    """The layer calls each node lies in: the namespace of a node, by layer path and call.
+
+    Args:
+        graph: a captured graph.
+
+    Returns:
+        One tuple per node (``result[node.id]``) of ``(layer path, call
+        index)`` pairs, outermost first, from the first layer below the model
+        down to the node's own layer: an op of ``encoder.layers.0.linear1``
+        gets ``(("encoder", 0), ("encoder.layers", 0), ("encoder.layers.0",
+        0), ("encoder.layers.0.linear1", 0))``, with the call of each
+        enclosing layer taken from ``BackwardGraph.calls`` (0 where unknown).
+        Ops of the model itself, nodes outside the model, the root and input
+        leaves get ``()``. A parameter lies in the call of its owner layer
+        that used it; used by several calls (or by ops outside its layer), it
+        lies in the innermost call holding all the ops that used it, never
+        deeper than its owner. A collapsed box lies in the calls around it.
+
+    Example:
+        >>> g = BackwardGraph([Node(0, "root", "loss"), Node(1, "op", "ReluGradNode", "Relu", layer="b.act", call=1),
+        ...                    Node(2, "op", "ReluGradNode", "Relu", layer="b.act", call=0)],
+        ...                   [Edge(0, 1), Edge(1, 2)], layers={"": "Net", "b": "Block", "b.act": "ReLU"},
+        ...                   calls={"b.act#1": "b#0", "b.act#0": "b#0", "b#0": "#0"})
+        >>> call_paths(g)[1]
+        (('b', 0), ('b.act', 1))
+    """
+    paths: list[tuple[tuple[str, int], ...]] = [()] * len(graph.nodes)
+    chains: dict[tuple[str, int], tuple[tuple[str, int], ...]] = {}
+
+    def of(layer: str, call: int) -> tuple[tuple[str, int], ...]:
+        got = chains.get((layer, call))
+        if got is None:
+            chain = graph.call_chain(layer, call)
+            got = chains[(layer, call)] = tuple((p, chain.get(p, 0)) for p in _prefixes(layer)[1:])
+        return got
+
+    for n in graph.nodes:
+        if n.kind == "op" and n.layer:
+            paths[n.id] = of(n.layer, n.call)
+        elif n.kind == "layer" and n.layer and n.layer in graph.layers:
+            paths[n.id] = of(n.layer, n.call)[:-1]
+    users: dict[int, list[int]] = defaultdict(list)
+    for e in graph.edges:
+        if graph.nodes[e.dst].kind == "param":
+            users[e.dst].append(e.src)
+    for n in graph.nodes:
+        if n.kind != "param":
+            continue
+        owner = _node_path(n, graph)
+        if not owner or not users.get(n.id):
+            continue
+        depth = len(_prefixes(owner)) - 1
+        own = [paths[u][:depth] for u in users[n.id]]
+        common = own[0]
+        for p in own[1:]:
+            k = 0
+            while k < min(len(common), len(p)) and common[k] == p[k]:
+                k += 1
+            common = common[:k]
+        # never deeper than the owner, nor in another layer's calls
+        k = 0
+        owner_prefixes = _prefixes(owner)[1:]
+        while k < len(common) and common[k][0] == owner_prefixes[k]:
+            k += 1
+        paths[n.id] = common[:k]
+    return paths
+
+
 class _Calls:
     """Which call of each enclosing layer made a node (``BackwardGraph.calls``)."""
 

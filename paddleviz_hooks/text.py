@@ -25,6 +25,7 @@ __all__ = [
     "TOP_LAYER",
     "backward_role",
     "box_lines",
+    "capture_title",
     "collapse_note",
     "describe_node",
     "diff_summary",
@@ -299,6 +300,29 @@ def node_tooltip(node: Node) -> str:
     if node.kind == "layer" and node.unhooked:
         tip.append(f"no gradient data at {node.unhooked} of {plural(node.ops, 'op')}")
     return " | ".join(tip)
+
+
+def capture_title(step: Any, trigger: str | None = None, role: Any = None, index: int | None = None) -> str:
+    """The name of one capture in a list of captures: step, trigger, backward role.
+
+    Args:
+        step: the step (text or number), None when unknown.
+        trigger: what made the capture (``"scheduled"`` or None is not named).
+        role: which backward of the step it was, as :func:`backward_role` words it.
+        index: the capture's position (from 1), named when the step is unknown.
+
+    Example:
+        >>> capture_title(8, "nonfinite_loss"), capture_title("03", "scheduled", "micro-batch 2 of 2")
+        ('step 8 - trigger: nonfinite_loss', 'step 03 - micro-batch 2 of 2')
+        >>> capture_title(None, index=2)
+        'capture 2'
+    """
+    title = f"capture {'?' if index is None else index}" if step is None else f"step {step}"
+    if role not in (None, "", {}):
+        title += f" - {role}"
+    if trigger and trigger != "scheduled":
+        title += f" - trigger: {trigger}"
+    return title
 
 
 def collapse_note(collapsed: BackwardGraph, full: BackwardGraph, full_detail: str = "the SVG has every op") -> str:

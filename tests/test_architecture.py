@@ -25,6 +25,7 @@ LAYERS = [
     ("wording", {"text"}),
     ("drawing", {"render"}),
     ("sinks", {"sinks"}),
+    ("serving", {"explore"}),
     ("options", {"options"}),
     ("pipeline", {"pipeline", "triggers"}),
     ("recorder", {"recorder"}),

@@ -1,0 +1,264 @@
+"""Serving captures in Google's Model Explorer on this machine.
+
+:func:`explore` exports a log directory (or graphs) with
+:func:`paddleviz_hooks.sinks.explorer.export_explorer` and starts Model
+Explorer's web server in a child process on ``127.0.0.1``; it returns at once
+(in Jupyter it also shows the page in an iframe). ``paddleviz-hooks explore
+LOGDIR`` does the same in the foreground until Ctrl-C.
+
+The server never reaches the network: its start-up check for a newer version
+on PyPI is switched off in the child process, and no browser is opened.
+Model Explorer is an optional dependency: ``pip install paddleviz-hooks[explorer]``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.parse
+import urllib.request
+from typing import Any
+
+from .sinks.explorer import ExplorerExport, export_explorer
+
+__all__ = ["Explorer", "ExplorerMissing", "explore", "explorer_url", "serve"]
+
+DEFAULT_HOST = "127.0.0.1"
+_START_TIMEOUT = 60.0
+
+
+class ExplorerMissing(ImportError):
+    """Model Explorer is not installed."""
+
+
+def _require() -> None:
+    try:
+        import model_explorer  # noqa: F401
+    except ImportError:
+        raise ExplorerMissing(
+            "Model Explorer is not installed: pip install 'paddleviz-hooks[explorer]' "
+            "(or pip install ai-edge-model-explorer)"
+        ) from None
+
+
+def _check_host_port(host: Any, port: Any) -> None:
+    if not isinstance(host, str) or not host:
+        raise TypeError(f"host must be a non-empty str such as '127.0.0.1', got {host!r}")
+    if port is not None and (isinstance(port, bool) or not isinstance(port, int)):
+        raise TypeError(f"port must be an int or None (a free port), got {port!r}")
+    if port is not None and not 0 <= port <= 65535:
+        raise ValueError(f"port must be between 0 and 65535 (0 or None: a free port), got {port!r}")
+
+
+def _free_port(host: str, port: int | None) -> int:
+    """``port`` when it is free on ``host`` (a free one for None or 0)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server does: a port in TIME_WAIT is free
+        try:
+            s.bind((host, port or 0))
+        except OSError as exc:
+            raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror or exc} "
+                             "(pick another --port, or leave it out for a free one)") from None
+        return s.getsockname()[1]
+
+
+def explorer_url(files: ExplorerExport, host: str, port: int) -> str:
+    """The page address that opens every graph and overlay of an export.
+
+    Model Explorer reads the model and node-data paths from the ``data``
+    parameter of its address, and the graph and node to open at from its
+    ``uiState``: the NaN/Inf origin when a capture has one (``files.start``).
+    """
+    data: dict[str, Any] = {"models": [{"url": os.path.abspath(files.graphs)}],
+                            "nodeData": [os.path.abspath(p) for p in files.overlays.values()],
+                            "nodeDataTargets": ["" for _ in files.overlays]}
+    if files.start is not None:
+        graph_id, node_id = files.start
+        data["uiState"] = {"paneStates": [{
+            "deepestExpandedGroupNodeIds": [], "selectedNodeId": node_id, "selectedGraphId": graph_id,
+            "selectedCollectionLabel": files.label, "widthFraction": 1, "selected": True}]}
+    shown = f"[{host}]" if ":" in host else host
+    return f"http://{shown}:{port}/?data={urllib.parse.quote(json.dumps(data))}"
+
+
+def serve(files: ExplorerExport, host: str = DEFAULT_HOST, port: int | None = None) -> None:
+    """Run Model Explorer on an export in this process until Ctrl-C (what the CLI does).
+
+    Args:
+        files: what :func:`export_explorer` wrote.
+        host: address to listen on.
+        port: port (None: a free one).
+
+    Raises:
+        ExplorerMissing: Model Explorer is not installed.
+        ValueError: the port is taken.
+    """
+    _check_host_port(host, port)
+    _require()
+    from model_explorer import server
+    from model_explorer.config import ModelExplorerConfig
+
+    port = _free_port(host, port)
+    # the version check asks pypi.org at start-up and on every page load
+    server._check_new_version = lambda print_msg=True: {
+        "version": "", "runningVersion": "", "releaseUrl": "", "desktopAppUrl": ""}
+    cfg = ModelExplorerConfig()
+    cfg.add_model_from_path(files.graphs)
+    for path in files.overlays.values():
+        cfg.add_node_data_from_path(path)
+    print(explorer_url(files, host, port), flush=True)
+    server.start(host=host, port=port, config=cfg, no_open_in_browser=True, skip_health_check=True)
+
+
+def _in_notebook() -> bool:
+    shell = sys.modules.get("IPython")
+    try:
+        ip = shell.get_ipython() if shell is not None else None
+    except Exception:
+        return False
+    return ip is not None and type(ip).__name__ == "ZMQInteractiveShell"
+
+
+class Explorer:
+    """A running Model Explorer server (returned by :func:`explore`).
+
+    Attributes:
+        url: the page showing every capture and overlay.
+        files: the exported files it serves.
+    """
+
+    def __init__(self, url: str, files: ExplorerExport, process: subprocess.Popen, log_path: str) -> None:
+        self.url = url
+        self.files = files
+        self._process = process
+        self._log_path = log_path
+
+    @property
+    def running(self) -> bool:
+        """Whether the server process is alive."""
+        return self._process.poll() is None
+
+    def stop(self) -> None:
+        """Stop the server (its whole process group)."""
+        proc = self._process
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=10)
+            except ProcessLookupError:
+                pass
+
+    def iframe(self, height: int = 800) -> str:
+        """HTML of an iframe showing the page."""
+        from .escape import html_escape
+
+        return (f'<iframe src="{html_escape(self.url)}" width="100%" height="{int(height)}" '
+                'style="border:1px solid #ccc"></iframe>')
+
+    def __enter__(self) -> "Explorer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"Explorer({self.url if self.running else 'stopped'})"
+
+
+def explore(source: Any, *, host: str = DEFAULT_HOST, port: int | None = None, out_dir: str | None = None,
+            inline: bool | None = None, height: int = 800) -> Explorer:
+    """Open captures in Model Explorer without blocking.
+
+    Args:
+        source: a log directory, a :class:`~paddleviz_hooks.graph.BackwardGraph`
+            or a list of them.
+        host: address the server listens on.
+        port: its port (None: a free one).
+        out_dir: where the exported files go (None: a new temporary directory).
+        inline: show the page in the notebook (None: when running in Jupyter).
+        height: iframe height in pixels.
+
+    Returns:
+        An :class:`Explorer`: ``.url`` to open, ``.stop()`` to end the server.
+
+    Raises:
+        ExplorerMissing: Model Explorer is not installed.
+        TypeError / ValueError: bad arguments, an empty log directory, a taken port.
+        RuntimeError: the server did not start (its output is quoted).
+
+    Example:
+        >>> explore(42)
+        Traceback (most recent call last):
+        ...
+        TypeError: export_explorer takes a BackwardGraph, a non-empty list of them or a log directory, got int
+    """
+    _check_host_port(host, port)
+    if not isinstance(height, int) or isinstance(height, bool) or height < 100:
+        raise ValueError(f"height must be an int of at least 100 pixels, got {height!r}")
+    files = export_explorer(source, out_dir or tempfile.mkdtemp(prefix="paddleviz-explorer-"))
+    _require()
+    port = _free_port(host, port)
+    log_path = os.path.join(os.path.dirname(files.graphs), "server.log")
+    cmd = [sys.executable, "-m", "paddleviz_hooks.explore", files.graphs, *files.overlays.values(),
+           "--host", host, "--port", str(port)]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+    handle = Explorer(explorer_url(files, host, port), files, proc, log_path)
+    deadline = time.monotonic() + _START_TIMEOUT
+    shown = f"[{host}]" if ":" in host else host
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"Model Explorer exited with status {proc.returncode}: {_tail(log_path)}")
+        try:
+            with urllib.request.urlopen(f"http://{shown}:{port}/check_health", timeout=2) as r:
+                if r.read() == b"model_explorer_ok":
+                    break
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            handle.stop()
+            raise RuntimeError(f"Model Explorer did not answer within {_START_TIMEOUT:.0f} s: {_tail(log_path)}")
+        time.sleep(0.2)
+    if inline or (inline is None and _in_notebook()):
+        from IPython.display import HTML, display
+
+        display(HTML(handle.iframe(height)))
+    return handle
+
+
+def _tail(path: str) -> str:
+    try:
+        with open(path, "r", errors="replace") as f:
+            return " ".join(f.read()[-1500:].split())
+    except OSError:
+        return "(no output)"
+
+
+def _main(argv: list[str]) -> int:
+    """``python -m paddleviz_hooks.explore GRAPHS.json [OVERLAY.json ...] --host H --port P`` (used by :func:`explore`)."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m paddleviz_hooks.explore")
+    p.add_argument("graphs")
+    p.add_argument("overlays", nargs="*")
+    p.add_argument("--host", default=DEFAULT_HOST)
+    p.add_argument("--port", type=int, default=None)
+    args = p.parse_args(argv)
+    files = ExplorerExport(args.graphs, {os.path.basename(o)[:-5]: o for o in args.overlays})
+    serve(files, args.host, args.port)
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(_main(sys.argv[1:]))

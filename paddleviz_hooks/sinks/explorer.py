@@ -1,0 +1,439 @@
+"""Captures as Google's Model Explorer graphs, with node-data overlays.
+
+Model Explorer (``pip install paddleviz-hooks[explorer]``) draws graphs of
+any size with layers collapsed into boxes that open on a click, and colours
+nodes by values read from separate "node data" files. This module builds
+both as plain JSON-ready data (no server, no import of ``model_explorer``):
+
+* one graph collection, one graph per capture (its id names the step, the
+  backward and the trigger, see :func:`paddleviz_hooks.text.capture_title`);
+* op nodes in the namespace of their layer calls (``layers/0/linear1``; a
+  layer called several times gets one box per call, ``relu (call 2 of 2)``,
+  see :func:`paddleviz_hooks.collapse.call_paths`), parameters inside their
+  layers, the loss and ops outside the model at the top;
+* edges point the way gradients flow (from the node that produced a
+  gradient to the node that received it), and each node's outputs carry the
+  metadata of the gradients it produced (shape, dtype, norm, min, max, NaN,
+  Inf), or ``not observed``;
+* overlays, one file each, holding one entry per graph: NaN/Inf elements
+  (the origin node in red), the log10 of the gradient norm, the change of
+  that norm since the previous capture of the same run, the ops new since
+  that capture, and saved-for-backward bytes when the capture recorded them.
+
+Only what was observed is coloured: a node without a value is left white.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from .._fileio import atomic_write
+from ..collapse import call_paths
+from ..diff import GraphDiff, diff_graphs, node_norms
+from ..escape import safe_filename
+from ..graph import BackwardGraph, GradMeta, Node, merge_grad_metas
+from ..text import NOT_OBSERVED, backward_role, call_of, capture_title, describe_node, fmt_shape, graph_summary, layer_name
+
+__all__ = ["ExplorerExport", "explorer_graph", "explorer_overlays", "export_explorer", "GRAPHS_FILE"]
+
+GRAPHS_FILE = "backward_graphs.json"
+
+#: Overlay file stems, most useful first (the order the viewer lists them in).
+NONFINITE = "nan_inf_elements"
+GRAD_NORM = "grad_norm_log10"
+NORM_CHANGE = "grad_norm_change_log10"
+ADDED = "new_since_previous_capture"
+SAVED = "saved_for_backward_bytes"
+
+_ORIGIN_RED = "#d62728"
+_BAD_ORANGE = "#fdae6b"
+_CLEAN_GREEN = "#e5f5e0"
+_ADDED_GREEN = "#74c476"
+# low to high: blue, white, red (a diverging scale for changes); blue to yellow for sizes
+_DIVERGING = [{"stop": 0, "bgColor": "#2166ac"}, {"stop": 0.5, "bgColor": "#f7f7f7"},
+              {"stop": 1, "bgColor": "#b2182b"}]
+_SEQUENTIAL = [{"stop": 0, "bgColor": "#deebf7"}, {"stop": 0.5, "bgColor": "#6baed6"},
+               {"stop": 1, "bgColor": "#08306b", "textColor": "#ffffff"}]
+
+
+# --------------------------------------------------------------------------
+# one graph
+# --------------------------------------------------------------------------
+def _kv(key: str, value: Any) -> dict[str, str]:
+    return {"key": key, "value": str(value)}
+
+
+def _grad_attrs(meta: GradMeta | None, prefix: str = "") -> list[dict[str, str]]:
+    """Attributes of one gradient: shape, dtype, norm, min, max, NaN, Inf."""
+    if meta is None:
+        return [_kv(prefix + "gradient", NOT_OBSERVED)]
+    out = [_kv(prefix + "shape", fmt_shape(meta.shape)), _kv(prefix + "dtype", meta.dtype or "?")]
+    if meta.norm is not None:
+        out += [_kv(prefix + "norm", repr(meta.norm)), _kv(prefix + "min", repr(meta.min)),
+                _kv(prefix + "max", repr(meta.max)), _kv(prefix + "NaN", meta.nan), _kv(prefix + "Inf", meta.inf)]
+    else:
+        out.append(_kv(prefix + "statistics", NOT_OBSERVED))
+    return out
+
+
+def _call_counts(paths: list[tuple[tuple[str, int], ...]]) -> dict[str, int]:
+    """Layer path -> how many calls of it the graph shows (up to the last one seen)."""
+    calls: dict[str, int] = {}
+    for p in paths:
+        for layer, call in p:
+            calls[layer] = max(calls.get(layer, 0), call + 1)
+    return calls
+
+
+def _namespace(path: tuple[tuple[str, int], ...], calls: dict[str, int]) -> str:
+    """Layer calls joined by ``/`` (``layers/0/relu (call 2 of 2)``): a call named when its layer has several."""
+    return "/".join(layer.rsplit(".", 1)[-1] + call_of(call, calls[layer]) for layer, call in path)
+
+
+def _label(node: Node, path: tuple[tuple[str, int], ...], out_edges: list) -> str:
+    if node.kind == "param":
+        name = node.param or "parameter"
+        inside = path[-1][0] + "." if path else ""
+        return name[len(inside):] if inside and name.startswith(inside) else name
+    if node.kind == "root":
+        return node.name or "loss"
+    if node.kind == "input":
+        return "input"
+    if node.kind == "layer":
+        return layer_name(node.layer) + f" x{node.count}" * (node.count > 1)
+    if out_edges and all(e.grad is None for e in out_edges):
+        return f"{node.op} ({NOT_OBSERVED})"
+    return node.op or node.name
+
+
+def _received(node: Node, in_edges: list) -> GradMeta | None:
+    """The gradient a node received: a parameter's total, else the incoming ones combined."""
+    if node.grad is not None:
+        return node.grad
+    return merge_grad_metas([e.grad for e in in_edges if e.grad is not None])
+
+
+def explorer_graph(graph: BackwardGraph, graph_id: str) -> dict[str, Any]:
+    """One capture as a Model Explorer graph (``model_explorer.graph_builder.Graph`` as a dict).
+
+    Args:
+        graph: a captured graph.
+        graph_id: its id in the collection (unique there; shown in the graph list).
+
+    Returns:
+        JSON-ready data. Node ids are the graph's node ids as text.
+
+    Example:
+        >>> from paddleviz_hooks.graph import Edge
+        >>> g = BackwardGraph([Node(0, "root", "loss"), Node(1, "op", "ExpGradNode", "Exp", layer="f")],
+        ...                   [Edge(0, 1)], layers={"": "Net", "f": "Act"})
+        >>> n = explorer_graph(g, "step 1")["nodes"][1]
+        >>> n["label"], n["namespace"], n["incomingEdges"]
+        ('Exp', 'f', [{'sourceNodeId': '0', 'sourceNodeOutputId': '0', 'targetNodeInputId': '0'}])
+    """
+    ins, outs = graph.in_edges(), graph.out_edges()
+    paths = call_paths(graph)
+    calls = _call_counts(paths)
+    spaces = [_namespace(p, calls) for p in paths]
+    sites = graph.nonfinite_sites()
+    origin = sites[0].id if sites else None
+    nodes = []
+    for n in graph.nodes:
+        inn = sorted(ins.get(n.id, []), key=lambda e: (e.src, e.slot))
+        out = sorted(outs.get(n.id, []), key=lambda e: e.slot)
+        attrs = [_kv("node", describe_node(n)), _kv("kind", n.kind)]
+        if n.kind in ("op", "layer"):
+            attrs.append(_kv("grad node", n.name))
+            calls_of = max(n.calls, calls.get(n.layer or "", 1), n.call + 1)
+            attrs.append(_kv("layer", layer_name(n.layer) + call_of(n.call, calls_of) if n.layer is not None
+                             else layer_name(None)))
+            if n.layer is not None and n.layer in graph.layers:
+                attrs.append(_kv("layer class", graph.layers[n.layer]))
+        if n.kind == "param":
+            attrs.append(_kv("parameter", n.param))
+        if n.shape is not None:
+            attrs += [_kv("shape", fmt_shape(n.shape)), _kv("dtype", n.dtype or "?")]
+        if n.kind != "root":
+            observed = [e for e in inn if e.grad is not None]
+            if n.kind == "param":
+                attrs.append(_kv("grad", "what this backward added to param.grad"))
+            elif n.grad is None and len(observed) > 1:
+                attrs.append(_kv("grad", f"{len(observed)} received, combined (norm: root-sum-square)"))
+            attrs += _grad_attrs(_received(n, inn), "grad ")
+        if n.id == origin:
+            attrs.append(_kv("NaN/Inf origin", "yes: the first node that turned finite gradients non-finite"))
+        if n.note:
+            attrs.append(_kv("note", n.note))
+        saved = getattr(n, "saved_bytes", None)
+        if saved is not None:
+            attrs.append(_kv("saved for backward (bytes)", saved))
+        attrs.append(_kv("key", n.key))
+        nodes.append({
+            "id": str(n.id),
+            "label": _label(n, paths[n.id], out),
+            "namespace": spaces[n.id],
+            "attrs": attrs,
+            "incomingEdges": [{"sourceNodeId": str(e.src), "sourceNodeOutputId": str(e.slot),
+                               "targetNodeInputId": str(k)} for k, e in enumerate(inn)],
+            "outputsMetadata": [{"id": str(e.slot), "attrs": [_kv("to", describe_node(graph.nodes[e.dst]))]
+                                 + _grad_attrs(e.grad)} for e in out],
+        })
+    return {"id": graph_id, "nodes": nodes, "groupNodeAttributes": _group_attrs(graph, paths, spaces),
+            "layoutConfigs": {"keepLayersWithASingleChild": True}}
+
+
+def _group_attrs(graph: BackwardGraph, paths: list, spaces: list[str]) -> dict[str, dict[str, str]]:
+    """What the side panel shows for each layer box, and for the whole graph (namespace ``""``)."""
+    groups: dict[str, dict[str, str]] = {}
+    calls = _call_counts(paths)
+    for p, space in zip(paths, spaces):
+        parts = space.split("/")
+        for k, (layer, call) in enumerate(p):
+            ns = "/".join(parts[: k + 1])
+            if ns not in groups:
+                groups[ns] = {"layer": layer_name(layer), "call": f"{call + 1} of {calls[layer]}",
+                              "class": graph.layers.get(layer, "?")}
+    top = {"summary": graph_summary(graph).replace("\n", " ")}
+    for k in ("step", "entry", "trigger", "loss", "accumulated_grad_norm", "trigger_note"):
+        if k in graph.meta:
+            top[k] = str(graph.meta[k])
+    origin = graph.meta.get("nonfinite_origin")
+    if isinstance(origin, dict):
+        for k in ("op", "layer", "layer_class", "file", "line", "code"):
+            if origin.get(k) is not None:
+                top[f"NaN/Inf origin {k}"] = str(origin[k])
+    if graph.layers.get(""):
+        top["model"] = graph.layers[""]
+    groups[""] = top
+    return groups
+
+
+# --------------------------------------------------------------------------
+# overlays
+# --------------------------------------------------------------------------
+def _produced_nonfinite(graph: BackwardGraph) -> dict[int, int]:
+    """NaN/Inf elements per node: in the gradients it produced; a parameter's in its param.grad addition."""
+    count: dict[int, int] = {}
+    for e in graph.edges:
+        if e.grad is not None and e.grad.norm is not None:
+            count[e.src] = count.get(e.src, 0) + e.grad.nonfinite
+    for n in graph.nodes:
+        if n.kind == "param" and n.grad is not None and n.grad.norm is not None:
+            count[n.id] = n.grad.nonfinite
+    return count
+
+
+def _nonfinite_data(graph: BackwardGraph) -> dict[str, Any]:
+    sites = graph.nonfinite_sites()
+    origin = sites[0].id if sites else None
+    results = {}
+    for nid, c in _produced_nonfinite(graph).items():
+        r: dict[str, Any] = {"value": c}
+        if nid == origin:
+            r.update(bgColor=_ORIGIN_RED, textColor="#ffffff")
+        results[str(nid)] = r
+    return {"name": "NaN/Inf elements (origin red)", "results": results,
+            "thresholds": [{"value": 0, "bgColor": _CLEAN_GREEN}, {"value": 1e300, "bgColor": _BAD_ORANGE}],
+            # the viewer's per-layer table shows shares of the total: "NaN" (0/0) for a clean graph
+            "hideInChildrenStatsTable": True}
+
+
+def _norm_data(graph: BackwardGraph) -> dict[str, Any]:
+    by_key = {n.key: n.id for n in graph.nodes}
+    results = {}
+    for key, norm in node_norms(graph).items():
+        if math.isfinite(norm) and norm > 0 and key in by_key:
+            results[str(by_key[key])] = {"value": math.log10(norm)}
+    return {"name": "log10 grad norm", "results": results,
+            "gradient": _SEQUENTIAL, "hideAggregatedStats": ["sum"],
+            "hideInChildrenStatsTable": True}
+
+
+def _change_data(graph: BackwardGraph, diff: GraphDiff | None) -> dict[str, Any]:
+    by_key = {n.key: n.id for n in graph.nodes}
+    results = {}
+    if diff is not None:
+        for key, r in diff.node_norm_ratios.items():
+            if key in by_key and r > 0 and math.isfinite(r):
+                results[str(by_key[key])] = {"value": math.log10(r)}
+    return {"name": "log10 norm change since previous", "results": results,
+            "gradient": _DIVERGING, "hideAggregatedStats": ["sum"],
+            "hideInChildrenStatsTable": True}
+
+
+def _added_data(graph: BackwardGraph, diff: GraphDiff | None) -> dict[str, Any]:
+    by_key = {n.key: n.id for n in graph.nodes}
+    results = {}
+    if diff is not None:
+        for key in diff.added_nodes:
+            if key in by_key:
+                results[str(by_key[key])] = {"value": 1, "bgColor": _ADDED_GREEN}
+    return {"name": "new since previous capture", "results": results}
+
+
+def _saved_data(graph: BackwardGraph) -> dict[str, Any] | None:
+    results = {}
+    for n in graph.nodes:
+        v = getattr(n, "saved_bytes", None)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+            results[str(n.id)] = {"value": v}
+    if not results:
+        return None
+    return {"name": "saved for backward (bytes)", "results": results, "gradient": _SEQUENTIAL}
+
+
+def explorer_overlays(series: Iterable[tuple[str, BackwardGraph, BackwardGraph | None]]) -> dict[str, dict]:
+    """Node-data overlays for several graphs.
+
+    Args:
+        series: ``(graph id, graph, previous capture of the same run or None)``.
+
+    Returns:
+        overlay file stem -> ``{graph id: GraphNodeData as a dict}`` (Model
+        Explorer's ``ModelNodeData`` JSON), most useful first: NaN/Inf first
+        when any capture has one, else the gradient norm. The saved-bytes
+        overlay is there only when some capture recorded saved bytes; the
+        change overlays only for graphs with a previous capture.
+    """
+    out: dict[str, dict] = {NONFINITE: {}, GRAD_NORM: {}, NORM_CHANGE: {}, ADDED: {}, SAVED: {}}
+    any_bad = False
+    for gid, g, prev in series:
+        diff = diff_graphs(prev, g) if prev is not None else None
+        out[NONFINITE][gid] = _nonfinite_data(g)
+        any_bad = any_bad or any(r["value"] for r in out[NONFINITE][gid]["results"].values())
+        out[GRAD_NORM][gid] = _norm_data(g)
+        if diff is not None:
+            out[NORM_CHANGE][gid] = _change_data(g, diff)
+            out[ADDED][gid] = _added_data(g, diff)
+        saved = _saved_data(g)
+        if saved is not None:
+            out[SAVED][gid] = saved
+    order = [NONFINITE, GRAD_NORM] if any_bad else [GRAD_NORM, NONFINITE]
+    order += [NORM_CHANGE, ADDED, SAVED]
+    return {k: out[k] for k in order if out[k]}
+
+
+# --------------------------------------------------------------------------
+# files
+# --------------------------------------------------------------------------
+@dataclass
+class ExplorerExport:
+    """Files written by :func:`export_explorer`.
+
+    Attributes:
+        graphs: the graph collection file.
+        overlays: overlay name -> node-data file, most useful first.
+        graph_ids: the graph ids, in the collection's order.
+        label: the collection's label.
+        start: ``(graph id, node id)`` the page should open at: the NaN/Inf
+            origin of the first capture that has one; None otherwise.
+    """
+
+    graphs: str
+    overlays: dict[str, str] = field(default_factory=dict)
+    graph_ids: list[str] = field(default_factory=list)
+    label: str = ""
+    start: tuple[str, str] | None = None
+
+
+def _series(source: Any) -> tuple[str, list[tuple[str, BackwardGraph, BackwardGraph | None]]]:
+    """(collection label, [(graph id, graph, previous)]) from a graph, a list of graphs or a log directory."""
+    if isinstance(source, BackwardGraph):
+        source = [source]
+    if isinstance(source, (str, os.PathLike)):
+        return _series_of_dir(os.fspath(source))
+    if isinstance(source, (list, tuple)) and source and all(isinstance(g, BackwardGraph) for g in source):
+        steps = [g.meta.get("step") for g in source]
+        return "captures", _name(list(zip([""] * len(source), steps, source)))
+    raise TypeError(
+        "export_explorer takes a BackwardGraph, a non-empty list of them or a log directory, "
+        f"got {type(source).__name__}"
+    )
+
+
+def _series_of_dir(log_dir: str) -> tuple[str, list]:
+    from .report import ReportError, _NotAGraph, _read_graph, find_step_files
+
+    if not os.path.isdir(log_dir):
+        raise ValueError(f"log directory {log_dir!r} does not exist (pass the directory the recorder wrote to)")
+    items = []
+    runs = find_step_files(log_dir)
+    for (directory, suffix), files in runs.items():
+        rel = os.path.relpath(directory, log_dir)
+        run = "" if rel == "." and len(runs) == 1 else (rel if rel != "." else os.path.basename(log_dir))
+        run += f" [{suffix}]" if suffix else ""
+        for number, path in files:
+            try:
+                g = _read_graph(path)
+            except (_NotAGraph, OSError, ValueError):
+                continue
+            step = g.meta.get("step")
+            items.append((run, step if isinstance(step, int) and not isinstance(step, bool) else number, g))
+    if not items:
+        raise ReportError(f"no readable step_*.json under {log_dir}")
+    return os.path.basename(os.path.abspath(log_dir)), _name(items)
+
+
+def _role(meta: dict) -> Any:
+    role = meta.get("backward")
+    return backward_role(role) if isinstance(role, dict) else role
+
+
+def _name(items: list[tuple[str, Any, BackwardGraph]]) -> list[tuple[str, BackwardGraph, BackwardGraph | None]]:
+    """Unique ids that sort by step as text; each graph with the previous capture of its run."""
+    width = max((len(str(s)) for _, s, _ in items if isinstance(s, int) and s >= 0), default=1)
+    out, seen, last = [], set(), {}
+    for i, (run, step, g) in enumerate(items):
+        shown = str(step).zfill(width) if isinstance(step, int) and step >= 0 else step
+        index = str(i + 1).zfill(len(str(len(items))))
+        gid = (f"{run}: " if run else "") + capture_title(shown, g.meta.get("trigger"), _role(g.meta), index)
+        base, k = gid, 2
+        while gid in seen:
+            gid, k = f"{base} #{k}", k + 1
+        seen.add(gid)
+        out.append((gid, g, last.get(run)))
+        last[run] = g
+    return out
+
+
+def export_explorer(source: Any, out_dir: str) -> ExplorerExport:
+    """Write the captures and their overlays as Model Explorer files.
+
+    Args:
+        source: a :class:`~paddleviz_hooks.graph.BackwardGraph`, a list of
+            them (in capture order), or a log directory (every
+            ``step_*.json`` under it; one run per folder and file suffix).
+        out_dir: directory for ``backward_graphs.json`` and one
+            ``<overlay>.json`` per overlay (created if missing).
+
+    Returns:
+        An :class:`ExplorerExport` naming the files.
+
+    Raises:
+        TypeError: ``source`` is of another type.
+        ValueError: the log directory does not exist or holds no capture.
+
+    Example:
+        >>> import tempfile
+        >>> from paddleviz_hooks.graph import Edge
+        >>> g = BackwardGraph([Node(0, "root", "loss"), Node(1, "op", "ExpGradNode", "Exp")], [Edge(0, 1)],
+        ...                   meta={"step": 3})
+        >>> files = export_explorer(g, tempfile.mkdtemp())
+        >>> files.graph_ids, list(files.overlays)
+        (['step 3'], ['grad_norm_log10', 'nan_inf_elements'])
+    """
+    label, series = _series(source)
+    os.makedirs(out_dir, exist_ok=True)
+    collection = {"label": label, "graphs": [explorer_graph(g, gid) for gid, g, _ in series],
+                  "graphSorting": "name_asc"}
+    graphs_path = atomic_write(os.path.join(out_dir, GRAPHS_FILE), json.dumps(collection, allow_nan=False))
+    overlays = {}
+    for stem, data in explorer_overlays(series).items():
+        overlays[stem] = atomic_write(os.path.join(out_dir, safe_filename(stem) + ".json"),
+                                      json.dumps(data, allow_nan=False))
+    start = next(((gid, str(sites[0].id)) for gid, g, _ in series if (sites := g.nonfinite_sites())), None)
+    return ExplorerExport(graphs_path, overlays, [gid for gid, _, _ in series], label, start)
