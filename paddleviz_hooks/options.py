@@ -82,6 +82,7 @@ class RecorderOptions:
     view_max_px: int = 2000
     formats: tuple[str, ...] = FORMATS
     visualdl: bool = True
+    visualdl_graphs: bool = True
     run_name: str = "backward_graph"
     ranks: frozenset[int] | str | int = 0  # checked: a frozenset of ints, or "all"
     on_nonfinite: bool = False
@@ -112,6 +113,7 @@ class RecorderOptions:
         o.update(options)
         capture_first, max_captures, grad_stats = o["capture_first"], o["max_captures"], o["grad_stats"]
         view_max_nodes, view_max_px, formats, visualdl = o["view_max_nodes"], o["view_max_px"], o["formats"], o["visualdl"]
+        visualdl_graphs = o["visualdl_graphs"]
         run_name, ranks, on_nonfinite, on_grad_spike = o["run_name"], o["ranks"], o["on_nonfinite"], o["on_grad_spike"]
         on_structure_change, cooldown, queue_size = o["on_structure_change"], o["cooldown"], o["queue_size"]
         render_timeout, close_timeout, verbose = o["render_timeout"], o["close_timeout"], o["verbose"]
@@ -159,6 +161,7 @@ class RecorderOptions:
             view_max_px=_int("view_max_px", view_max_px, 64, allow_none=False),
             formats=formats,
             visualdl=_bool("visualdl", visualdl),
+            visualdl_graphs=_bool("visualdl_graphs", visualdl_graphs),
             run_name=run_name,
             ranks=rank_set,
             on_nonfinite=_bool("on_nonfinite", on_nonfinite),

@@ -17,6 +17,7 @@ from __future__ import annotations
 import heapq
 import os
 import queue
+import re
 import shutil
 import threading
 import time
@@ -28,6 +29,8 @@ from .graph import BackwardGraph
 from .options import RecorderOptions
 from .render import EngineNotFound, RenderTimeout, render_diff_png, render_png, render_svg, to_dot
 from .sinks.files import StepFiles
+from .escape import vdl_graph_name
+from .sinks.vdl_graph import write_vdl_graph
 from .sinks.visualdl import VisualDLSink, encode_like_visualdl, png_to_array
 from .text import diff_summary, graph_summary
 from .warn import WarnOnce
@@ -278,6 +281,7 @@ class CapturePipeline:
         if diff is not None and diff.structure_changed and "json" in opts.formats:
             files.write(step, "json", diff.to_json(), suffix="diff")
         self._log_data(graph, diff, step, trigger)
+        self._write_vdl_graph(graph, step, trigger)
         self.written.append(step)
         if not {"png", "svg"} & set(opts.formats) and not opts.visualdl:
             return
@@ -401,6 +405,27 @@ class CapturePipeline:
         sink.scalars(scalars, step)
         sink.flush()
 
+    def graph_dir(self, step: int, trigger: str) -> str:
+        """The folder of one capture's Graphs-tab file; its name is what VisualDL's
+        "Choose a model" list shows: run, step and trigger (``vdl_log.backward_graph-step_000008``)."""
+        label = ".".join(vdl_graph_name(part, limit=60) for part in self.display_name.split("/"))
+        label += f"-step_{int(step):06d}" + ("" if trigger == "scheduled" else f"-{vdl_graph_name(trigger)}")
+        return os.path.join(self.files.directory, "graphs", label)
+
+    def _write_vdl_graph(self, graph: BackwardGraph, step: int, trigger: str) -> None:
+        if not (self.options.visualdl and self.options.visualdl_graphs):
+            return
+        try:
+            write_vdl_graph(self.graph_dir(step, trigger), graph)
+        except Exception as exc:
+            self._warn("vdl-graph", f"step {step} was not written for VisualDL's Graphs tab: {exc!r}")
+            return
+        if not _URL_SAFE_PATH.match(self.files.directory):
+            self._warn("vdl-graph-path", (
+                f"VisualDL's Graphs tab cannot open graphs under {self.files.directory!r}: its page puts "
+                "the folder path into web addresses unencoded, so a path with spaces or & # + % "
+                "breaks it. Use a log_dir whose full path has only letters, digits and / . _ -"))
+
     def _visualdl(self):
         """The VisualDL sink, created on first use; None when VisualDL is off or missing."""
         if self._sink is None and self._use_visualdl:
@@ -411,6 +436,9 @@ class CapturePipeline:
                 self._warn("vdl", f"VisualDL is not importable ({exc}); images are kept on disk only. "
                                   "pip install visualdl")
         return self._sink
+
+
+_URL_SAFE_PATH = re.compile(r"^[A-Za-z0-9/._~:\\-]*$")
 
 
 def _title(step: int, trigger: str) -> str:
