@@ -69,8 +69,9 @@ class _Tree:
         self._made: dict[tuple[str, Any], str] = {}
         self.add("/", None, "backward graph", "backward_graph", leaf=False)
 
-    def child(self, parent: str, key: Any, text: str, type_: str, *, leaf: bool) -> str:
-        """The path of ``parent``'s child ``key`` (made on first use, named after ``text``)."""
+    def child(self, parent: str, key: Any, text: str, type_: str, *, leaf: bool, show: str = "") -> str:
+        """The path of ``parent``'s child ``key`` (made on first use, named after ``text``;
+        ``show``: the title of an opened box, default ``text``)."""
         made = self._made.get((parent, key))
         if made is not None:
             return made
@@ -82,7 +83,7 @@ class _Tree:
         self._taken[parent].add(name)
         path = ("" if parent == "/" else parent) + "/" + name
         self._made[(parent, key)] = path
-        self.add(path, parent, text, type_, leaf=leaf)
+        self.add(path, parent, show or text, type_, leaf=leaf)
         return path
 
     def add(self, path: str, parent: str | None, show: str, type_: str, *, leaf: bool) -> None:
@@ -162,7 +163,9 @@ def vdl_graph(graph: BackwardGraph) -> dict[str, Any]:
             parts = layer.split(".")
             for i, part in enumerate(parts):
                 dotted = ".".join(parts[: i + 1])
-                path = tree.child(path, ("layer", part), part, graph.layers.get(dotted, "Layer"), leaf=False)
+                cls = graph.layers.get(dotted, "Layer")
+                path = tree.child(path, ("layer", part), part, f"{part} ({cls})", leaf=False,
+                                  show=f"{dotted} ({cls})")
                 box = tree.nodes[path]
                 if "layer" not in box["attrs"]:
                     _set(box, "layer", dotted)
@@ -170,7 +173,8 @@ def vdl_graph(graph: BackwardGraph) -> dict[str, Any]:
         if call is not None and len(calls.get(layer, ())) > 1:
             n_calls = len(calls[layer])
             path = tree.child(path, ("call", call), f"call{call + 1}",
-                              graph.layers.get(layer, "Layer"), leaf=False)
+                              f"call {call + 1} of {n_calls} ({graph.layers.get(layer, 'Layer')})", leaf=False,
+                              show=f"{layer_name(layer)} call {call + 1} of {n_calls}")
             _set(tree.nodes[path], "call", f"{call + 1} of {n_calls}")
         return path
 
@@ -183,7 +187,7 @@ def vdl_graph(graph: BackwardGraph) -> dict[str, Any]:
             layer = _layer_of(graph, n)
             box = layer_box(layer, None)
             short = (n.param or "parameter").rpartition(".")[2] if layer is not None else (n.param or "parameter")
-            path = tree.child(box, ("node", n.id), short, "parameter", leaf=True)
+            path = tree.child(box, ("node", n.id), short, f"{short} (parameter)", leaf=True)
             _set(tree.nodes[path], "param", n.param or "?")
             if n.grad is not None and n.grad.norm is not None:
                 for b in [box] + tree.ancestors(box) if box != "/" else []:
@@ -209,8 +213,10 @@ def vdl_graph(graph: BackwardGraph) -> dict[str, Any]:
     inn: dict[int, list[GradMeta | None]] = defaultdict(list)
     variables, edges = [], []
     stats = any(e.grad is not None and e.grad.norm is not None for e in graph.edges)
+    names = _Tree()  # variable names: the loss's gradient is named after the loss (the graph's input)
     for i, e in enumerate(graph.edges):
-        var = f"grad_{i}"
+        first = graph.nodes[e.src]
+        var = names.child("/", i, first.name or "loss", "", leaf=True)[1:] if first.kind == "root" else f"grad_{i}"
         src, dst = leaf[e.src], leaf[e.dst]
         label = " ".join(edge_lines(e.grad, stats))
         variables.append({
@@ -247,7 +253,7 @@ def vdl_graph(graph: BackwardGraph) -> dict[str, Any]:
     sites = graph.nonfinite_sites()
     if sites:
         node = tree.nodes[leaf[sites[0].id]]
-        node["type"] = "NaN_origin_" + node["type"]
+        node["type"] = "NaN origin: " + node["type"]
         _set(node, "NaN origin", "first node to pass on a NaN/Inf gradient")
     origin = graph.meta.get("nonfinite_origin")
     if isinstance(origin, dict):
@@ -256,7 +262,7 @@ def vdl_graph(graph: BackwardGraph) -> dict[str, Any]:
         text = " ".join(x for x in (where, at, str(origin.get("code") or "")) if x) or "unknown"
         target = "/" if not origin.get("layer") else layer_box(str(origin["layer"]), None)
         if target != "/":
-            tree.nodes[target]["type"] = "NaN_origin_" + tree.nodes[target]["type"]
+            tree.nodes[target]["type"] = "NaN origin: " + tree.nodes[target]["type"]
         _set(tree.nodes[target], "NaN from", text)
         if sites:
             _set(tree.nodes[leaf[sites[0].id]], "NaN from", text)
