@@ -407,10 +407,11 @@ class CapturePipeline:
 
     def graph_dir(self, step: int, trigger: str) -> str:
         """The folder of one capture's Graphs-tab file; its name is what VisualDL's
-        "Choose a model" list shows: run, step and trigger (``vdl_log.backward_graph-step_000008``)."""
-        label = ".".join(vdl_graph_name(part, limit=60) for part in self.display_name.split("/"))
-        label += f"-step_{int(step):06d}" + ("" if trigger == "scheduled" else f"-{vdl_graph_name(trigger)}")
-        return os.path.join(self.files.directory, "graphs", label)
+        "Choose a model" list shows (cut to about 30 characters there, hence the step
+        first): step, trigger and run, ``step_000008-nonfinite_loss-vdl_log.backward_graph``."""
+        run = ".".join(vdl_graph_name(part, limit=60) for part in self.display_name.split("/"))
+        label = f"step_{int(step):06d}" + ("" if trigger == "scheduled" else f"-{vdl_graph_name(trigger)}")
+        return os.path.join(self.files.directory, "graphs", f"{label}-{run}")
 
     def _write_vdl_graph(self, graph: BackwardGraph, step: int, trigger: str) -> None:
         if not (self.options.visualdl and self.options.visualdl_graphs):

@@ -466,3 +466,98 @@ def test_two_experiments_under_one_logdir_are_two_runs(tmp_path):
             assert "backward_graph/p000" in images[run], images
             steps[run] = [r["step"] for r in srv.api("image/list", run=run, tag="backward_graph/p000")]
         assert sorted(map(len, steps.values())) == [2, 3], steps
+
+
+# --------------------------------------------------------------------------
+# VisualDL's Graphs tab: one interactive graph per capture
+# --------------------------------------------------------------------------
+SIDEBAR_JS = """() => {
+  const props = {};
+  for (const label of document.querySelectorAll('label.property-name')) {
+    const value = label.parentElement.querySelector('.argument-text');
+    if (value) props[label.getAttribute('title') || label.textContent.trim()] = value.textContent.trim();
+  }
+  return props;
+}"""
+
+
+def bring_into_view(page, locator, tries: int = 25) -> None:
+    """Pan the graph with the mouse wheel, as a person does, until ``locator`` is on screen."""
+    for _ in range(tries):
+        box = locator.bounding_box()
+        if box and 130 < box["y"] < 840 and 30 < box["x"] < 1100:
+            return
+        page.mouse.move(600, 500)
+        dx = 0 if box is None or 30 < box["x"] < 1100 else box["x"] - 560
+        dy = 300 if box is None else box["y"] - 480
+        page.mouse.wheel(dx, dy)
+        page.wait_for_timeout(250)
+    raise AssertionError(f"{locator} never came into view")
+
+
+def test_graphs_tab_lists_every_capture(server, trained):
+    log_dir, cb = trained
+    runs = server.api("graph_runs")
+    labels = [f"step_{s:06d}-{log_dir.name}.{RUN}" for s in cb.captured_steps]
+    assert [os.path.basename(r) for r in runs] == labels, runs
+    assert all(os.path.dirname(r) == os.path.realpath(log_dir / RUN / "graphs") for r in runs), runs
+    assert len(server.api("runs")) == 2, "graph folders are not scalar/image runs"
+
+
+@pytest.mark.browser
+@pytest.mark.skipif(not os.path.exists(CHROMIUM), reason=f"needs Debian's Chromium at {CHROMIUM}")
+def test_graphs_tab_in_chromium(server, trained, tmp_path):
+    """The Graphs tab lists each capture; "+" opens a layer; a click on a node shows its gradient."""
+    sync_api = pytest.importorskip("playwright.sync_api")
+    log_dir, cb = trained
+    labels = [f"step_{s:06d}-{log_dir.name}.{RUN}" for s in cb.captured_steps]
+    step1 = json.loads(step_file(log_dir / RUN, cb.captured_steps[0], "json").read_text())
+    conv = next(n for n in step1["nodes"] if n["key"] == "op:features.0[0]/Conv2d#0")
+    into_conv = [e["grad"] for e in step1["edges"] if e["dst"] == conv["id"]]
+    assert len(into_conv) == 1
+    shots = []
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1440, "height": 900})
+            page.set_default_timeout(30_000)
+            page.goto(server.url + "/app/graph/dynamic_graph", timeout=60_000)
+            graph = page.frame_locator("iframe")
+            layer = graph.locator("g[id='node-/features']")
+            layer.wait_for(timeout=60_000)
+            for label in labels:  # "Choose a model": run, step (and trigger) per capture
+                assert page.get_by_text(label, exact=True).is_visible(), label
+            # the first view shows the top-level layers closed
+            assert graph.locator("g[id^='node-/features/']").count() == 0
+            shots.append(("graphs_tab_first_view.png", page.screenshot()))
+
+            bring_into_view(page, layer)
+            layer.locator(".node-item-buttons").click()  # its "+"
+            sub = graph.locator("g[id='node-/features/0']")
+            sub.wait_for()
+            bring_into_view(page, sub)
+            sub.locator(".node-item-buttons").click()
+            op = graph.locator("g[id='node-/features/0/Conv2d']")
+            op.wait_for()
+            shots.append(("graphs_tab_layer_opened.png", page.screenshot()))
+
+            bring_into_view(page, op)
+            op.locator(".node-item-type").click()
+            page.get_by_text("Node Properties").wait_for()
+            page.wait_for_function(f"() => ({SIDEBAR_JS})().paddle !== undefined")
+            props = page.evaluate(SIDEBAR_JS)
+            shots.append(("graphs_tab_node_attributes.png", page.screenshot()))
+        finally:
+            browser.close()
+    assert props["paddle"] == conv["name"] == "Conv2dGradNodeFinal", props
+    assert props["layer"] == "features.0" and props["op"] == "Conv2d", props
+    grad = into_conv[0]
+    assert props["shape"] == "[" + ", ".join(map(str, grad["shape"])) + "]", props
+    assert props["dtype"] == grad["dtype"], props
+    for key in ("norm", "min", "max"):
+        assert float(props[key]) == grad[key], (key, props[key], grad[key])
+    assert props["NaN"] == str(grad["nan"]) and props["Inf"] == str(grad["inf"]), props
+    TEST_OUTPUT.mkdir(exist_ok=True)
+    for name, png in shots:
+        assert len(png) > 10_000, f"{name} looks empty"
+        (TEST_OUTPUT / name).write_bytes(png)

@@ -171,7 +171,7 @@ def test_recorder_writes_one_folder_per_capture(tmp_path):
             with rec.step(step):
                 net(paddle.randn([2, 4])).sum().backward()
     graphs = log_dir / "backward_graph" / "graphs"
-    assert sorted(os.listdir(graphs)) == [f"exp_a.backward_graph-step_{s:06d}" for s in (1, 2, 4)]
+    assert sorted(os.listdir(graphs)) == [f"step_{s:06d}-exp_a.backward_graph" for s in (1, 2, 4)]
     reader = GraphReader(str(log_dir))
     assert [os.path.basename(r) for r in reader.runs()] == sorted(os.listdir(graphs))
     for run in reader.runs():
