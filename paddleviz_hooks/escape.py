@@ -136,11 +136,13 @@ def json_for_script(data: Any) -> str:
 
 # \w is Unicode-aware: layer names in any script stay readable (VisualDL
 # stores and serves non-ASCII tags fine; only '%' breaks it)
-_TAG_UNSAFE = re.compile(r"[^\w.\-/]+")
+_TAG_UNSAFE = re.compile(r"[^\w.\-/~]+")
 
 
 def vdl_tag(text: str) -> str:
     """A VisualDL tag from arbitrary text (no ``%``, no spaces, no ``..``).
+
+    Letters, digits, ``_ . - / ~`` stay (``~`` sorts our groups last).
 
     Example:
         >>> vdl_tag("grad norm/../50%")

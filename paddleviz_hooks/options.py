@@ -83,6 +83,7 @@ class RecorderOptions:
     formats: tuple[str, ...] = FORMATS
     visualdl: bool = True
     visualdl_graphs: bool = True
+    visualdl_diagnostics: bool = False
     run_name: str = "backward_graph"
     ranks: frozenset[int] | str | int = 0  # checked: a frozenset of ints, or "all"
     on_nonfinite: bool = False
@@ -113,7 +114,7 @@ class RecorderOptions:
         o.update(options)
         capture_first, max_captures, grad_stats = o["capture_first"], o["max_captures"], o["grad_stats"]
         view_max_nodes, view_max_px, formats, visualdl = o["view_max_nodes"], o["view_max_px"], o["formats"], o["visualdl"]
-        visualdl_graphs = o["visualdl_graphs"]
+        visualdl_graphs, visualdl_diagnostics = o["visualdl_graphs"], o["visualdl_diagnostics"]
         run_name, ranks, on_nonfinite, on_grad_spike = o["run_name"], o["ranks"], o["on_nonfinite"], o["on_grad_spike"]
         on_structure_change, cooldown, queue_size = o["on_structure_change"], o["cooldown"], o["queue_size"]
         render_timeout, close_timeout, verbose = o["render_timeout"], o["close_timeout"], o["verbose"]
@@ -162,6 +163,7 @@ class RecorderOptions:
             formats=formats,
             visualdl=_bool("visualdl", visualdl),
             visualdl_graphs=_bool("visualdl_graphs", visualdl_graphs),
+            visualdl_diagnostics=_bool("visualdl_diagnostics", visualdl_diagnostics),
             run_name=run_name,
             ranks=rank_set,
             on_nonfinite=_bool("on_nonfinite", on_nonfinite),

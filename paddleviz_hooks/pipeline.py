@@ -31,7 +31,8 @@ from .render import EngineNotFound, RenderTimeout, render_diff_png, render_png, 
 from .sinks.files import StepFiles
 from .escape import vdl_graph_name
 from .sinks.vdl_graph import write_vdl_graph
-from .sinks.visualdl import VisualDLSink, encode_like_visualdl, png_to_array
+from .sinks.visualdl import (LAYER_NORM_GROUP, SCALAR_GROUP, TagPages, VisualDLSink, encode_like_visualdl,
+                             png_to_array)
 from .text import diff_summary, graph_summary
 from .warn import WarnOnce
 
@@ -167,6 +168,8 @@ class _Drawing:
     prev: BackwardGraph | None = field(compare=False)
     prev_path: str | None = field(compare=False)
     diff: GraphDiff | None = field(compare=False)
+    tags: list[str] = field(compare=False, default_factory=list)  # VisualDL image tags of the picture
+    diff_tag: str = field(compare=False, default="")  # ... and of the diff picture
 
 
 class CapturePipeline:
@@ -202,6 +205,7 @@ class CapturePipeline:
         self._drawer: threading.Thread | None = None
         self._drawing = 0  # drawings under way (0 or 1)
         self._sink_lock = threading.Lock()  # the data thread and the drawing thread both log
+        self._pages = TagPages()  # given out by the data thread, in capture order
 
     def submit(self, job: CaptureJob) -> bool:
         """Hand a capture over; False only when the background thread is gone for good."""
@@ -291,6 +295,12 @@ class CapturePipeline:
                            prev[0] if (keep and prev is not None) else None,
                            prev[1] if prev is not None else None,
                            diff if (diff is not None and diff.structure_changed) else None)
+        if opts.visualdl:
+            drawing.tags = [self._pages.tag("backward_graph", step)]
+            if trigger != "scheduled":
+                drawing.tags.append(self._pages.tag(f"backward_graph/trigger_{trigger}", step))
+            if drawing.diff is not None:
+                drawing.diff_tag = self._pages.tag("backward_graph/structure_change", step)
         with self._lock:
             heapq.heappush(self._backlog, drawing)
             self._wake.notify()
@@ -347,13 +357,14 @@ class CapturePipeline:
                                                max_nodes=opts.view_max_nodes, timeout=left())
                 except Exception as exc:
                     self._warn("diff-render", f"drawing the graph diff failed: {exc!r}")
-        self._log_pictures(step, trigger, png, diff_png)
+        self._log_pictures(d, png, diff_png)
 
-    def _log_pictures(self, step: int, trigger: str, png: bytes | None, diff_png: bytes | None) -> None:
+    def _log_pictures(self, d: _Drawing, png: bytes | None, diff_png: bytes | None) -> None:
         with self._sink_lock:
-            self._log_pictures_locked(step, trigger, png, diff_png)
+            self._log_pictures_locked(d, png, diff_png)
 
-    def _log_pictures_locked(self, step: int, trigger: str, png: bytes | None, diff_png: bytes | None) -> None:
+    def _log_pictures_locked(self, d: _Drawing, png: bytes | None, diff_png: bytes | None) -> None:
+        step = d.step
         files, formats = self.files, self.options.formats
         sink = self._visualdl()
         if sink is None:
@@ -367,14 +378,14 @@ class CapturePipeline:
             if "png" in formats:
                 # the same encoder VisualDL uses, so the dashboard serves these exact bytes
                 files.write(step, "png", encode_like_visualdl(array))
-            sink.image("backward_graph", array, step)
-            if trigger != "scheduled":
-                sink.image(f"trigger_{trigger}", array, step)
+            for tag in d.tags:
+                sink.image(tag, array, step)
         if diff_png is not None:
             diff_array = png_to_array(diff_png)
             if "png" in formats:
                 files.write(step, "png", encode_like_visualdl(diff_array), suffix="diff")
-            sink.image("structure_change", diff_array, step)
+            if d.diff_tag:
+                sink.image(d.diff_tag, diff_array, step)
         sink.flush()
 
     def _log_data(self, graph: BackwardGraph, diff: GraphDiff | None, step: int, trigger: str) -> None:
@@ -391,17 +402,18 @@ class CapturePipeline:
             text = f"trigger: {trigger}" + (f" ({note})" if note else "") + ";\n" + text
         if diff is not None:
             text += "\nsince the previous capture: " + diff_summary(diff)
-        sink.text("summary", text, step)
-        scalars = {
-            "backward_graph/nodes": len(graph.nodes),
-            "backward_graph/edges": len(graph.edges),
-            "backward_graph/global_grad_norm": graph.global_grad_norm(),
-            "backward_graph/accumulated_grad_norm": graph.meta.get("accumulated_grad_norm"),
-            "backward_graph/nonfinite_grads": graph.nonfinite_count(),
-            "backward_graph/capture_ms": graph.meta.get("capture_ms"),
-        }
+        sink.text(self._pages.tag("summary", step), text, step)
+        g = SCALAR_GROUP
+        scalars = {f"{g}/global_grad_norm": graph.global_grad_norm(), f"{g}/nonfinite_grads": graph.nonfinite_count()}
+        if self.options.visualdl_diagnostics:
+            scalars.update({
+                f"{g}/nodes": len(graph.nodes),
+                f"{g}/edges": len(graph.edges),
+                f"{g}/capture_ms": graph.meta.get("capture_ms"),
+                f"{g}/accumulated_grad_norm": graph.meta.get("accumulated_grad_norm"),
+            })
         for layer, norm in graph.layer_grad_norms().items():
-            scalars[f"grad_norm/{layer}"] = norm
+            scalars[f"{LAYER_NORM_GROUP}/{'top_layer_params' if layer == '(self)' else layer}"] = norm
         sink.scalars(scalars, step)
         sink.flush()
 

@@ -59,6 +59,9 @@ class BackwardGraphRecorder:
             interactive graph for VisualDL's Graphs tab (collapsible layers,
             click a node for its gradient), one folder per capture under
             ``run_name/graphs/``. Default True.
+        visualdl_diagnostics: also log the recorder's own scalars (node and
+            edge counts, capture time, accumulated ``param.grad`` norm).
+            Default False: only gradient norms and the NaN/Inf count.
         run_name: folder (and dashboard run name) under ``log_dir``.
             Default ``"backward_graph"``.
         ranks: which ranks capture under data parallel: an int, a list of
@@ -125,6 +128,7 @@ class BackwardGraphRecorder:
         formats: Sequence[str] = FORMATS,
         visualdl: bool = True,
         visualdl_graphs: bool = True,
+        visualdl_diagnostics: bool = False,
         run_name: str = "backward_graph",
         ranks: int | Sequence[int] | str = 0,
         on_nonfinite: bool = False,
@@ -141,7 +145,8 @@ class BackwardGraphRecorder:
         self.options = RecorderOptions.check(
             log_dir, every, steps, capture_first=capture_first, max_captures=max_captures,
             grad_stats=grad_stats, view_max_nodes=view_max_nodes, view_max_px=view_max_px,
-            formats=formats, visualdl=visualdl, visualdl_graphs=visualdl_graphs, run_name=run_name, ranks=ranks,
+            formats=formats, visualdl=visualdl, visualdl_graphs=visualdl_graphs,
+            visualdl_diagnostics=visualdl_diagnostics, run_name=run_name, ranks=ranks,
             on_nonfinite=on_nonfinite, on_grad_spike=on_grad_spike,
             on_structure_change=on_structure_change, cooldown=cooldown, queue_size=queue_size,
             render_timeout=render_timeout, close_timeout=close_timeout, verbose=verbose,

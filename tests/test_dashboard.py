@@ -14,6 +14,7 @@ Facts this relies on are in ``docs/visualdl.md``.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -31,7 +32,7 @@ import numpy as np
 import paddle
 import pytest
 
-from paddleviz_hooks import BackwardGraphCallback
+from paddleviz_hooks import BackwardGraph, BackwardGraphCallback
 
 REPO = Path(__file__).resolve().parents[1]
 TEST_OUTPUT = REPO / "test-output"
@@ -47,7 +48,8 @@ CHROMIUM_ARGS = [
 ]
 RUN = "backward_graph"  # our run's folder under the log dir (the callback's run_name)
 SHOWN = "vdl_log/backward_graph"  # its name in the dashboard: "<log dir>/<run_name>"
-PAGE_TAG = re.compile(r"^backward_graph/p(\d{3})$")
+PAGE_TAG = re.compile(r"^backward_graph/from_step_(\d{6})$")
+SUMMARY_TAG = re.compile(r"^summary/from_step_(\d{6})$")
 
 
 # --------------------------------------------------------------------------
@@ -221,9 +223,8 @@ class VisualDLServer:
 
 
 def our_pages(tags: list[str], pattern: re.Pattern) -> list[str]:
-    """Paged tags of one base name, in page order."""
+    """Paged tags of one base name (each named by the step it starts at), in step order."""
     pages = sorted((int(m.group(1)), t) for t in tags if (m := pattern.match(t)))
-    assert [n for n, _ in pages] == list(range(len(pages))), f"pages are not contiguous: {tags}"
     return [t for _, t in pages]
 
 
@@ -279,7 +280,10 @@ def test_both_runs_listed(server, trained):
     assert len(others) == 1, f"expected our run and paddle's VisualDL run, got {runs}"
     scalars = server.tags("scalar")
     assert {"train/loss", "train/acc"} <= set(scalars[others[0]]), scalars
-    assert "backward_graph/nodes" in scalars[SHOWN], scalars[SHOWN]
+    assert "~backward_graph/global_grad_norm" in scalars[SHOWN], scalars[SHOWN]
+    # VisualDL orders tag groups by their upper-cased names: ours come after the user's
+    groups = sorted({t.split("/")[0] for tags in scalars.values() for t in tags}, key=str.upper)
+    assert groups[-2:] == ["~backward_graph", "~grad_norm"] and "train" in groups, groups
     # our steps are numbered like paddle's train/* scalars
     _, cb = trained
     loss_steps = [s for _, s, _ in server.api("scalar/list", run=others[0], tag="train/loss")]
@@ -292,7 +296,7 @@ def test_images_served_byte_identical(server, trained):
     image_tags = server.tags("image")
     assert list(image_tags) == [SHOWN], f"only our run logs images: {image_tags}"
     pages = our_pages(image_tags[SHOWN], PAGE_TAG)
-    assert pages == ["backward_graph/p000"], image_tags[SHOWN]
+    assert pages == ["backward_graph/from_step_000001"], image_tags[SHOWN]
     listed = server.api("image/list", run=SHOWN, tag=pages[0])
     assert [rec["step"] for rec in listed] == cb.captured_steps
     for index, rec in enumerate(listed):
@@ -304,8 +308,8 @@ def test_images_served_byte_identical(server, trained):
 def test_text_and_scalars(server, trained):
     log_dir, cb = trained
     text_tags = server.tags("text")
-    pages = our_pages(text_tags[SHOWN], re.compile(r"^summary/p(\d{3})$"))
-    assert pages == ["summary/p000"], text_tags
+    pages = our_pages(text_tags[SHOWN], SUMMARY_TAG)
+    assert pages == ["summary/from_step_000001"], text_tags
     listed = server.api("text/list", run=SHOWN, tag=pages[0])
     assert [rec["step"] for rec in listed] == cb.captured_steps
     for index, rec in enumerate(listed):
@@ -313,24 +317,24 @@ def test_text_and_scalars(server, trained):
         graph = json.loads(step_file(log_dir / RUN, rec["step"], "json").read_text())
         assert f"step {rec['step']}" in text, text
         assert f"{len(graph['nodes'])} nodes" in text, text
-    nodes = server.api("scalar/list", run=SHOWN, tag="backward_graph/nodes")
-    assert [s for _, s, _ in nodes] == cb.captured_steps
-    for _, step, value in nodes:
-        graph = json.loads(step_file(log_dir / RUN, step, "json").read_text())
-        assert value == len(graph["nodes"])
+    norms = server.api("scalar/list", run=SHOWN, tag="~backward_graph/global_grad_norm")
+    assert [s for _, s, _ in norms] == cb.captured_steps
+    for _, step, value in norms:
+        graph = BackwardGraph.from_json(step_file(log_dir / RUN, step, "json").read_text())
+        assert math.isclose(value, graph.global_grad_norm(), rel_tol=1e-5), (step, value)
 
 
 def test_paged_tags_keep_every_capture(tmp_path):
-    """VisualDL keeps 10 samples per tag: 12 captures must span p000 and p001, none lost."""
+    """VisualDL keeps 10 samples per tag: 12 captures must span two pages, none lost."""
     log_dir = tmp_path / "vdl_log"  # shown as SHOWN
     cb = train(log_dir, every=1, epochs=3, with_paddle_visualdl=False)
     assert cb.captured_steps == list(range(1, 13)), (cb.captured_steps, cb.dropped_steps)
     with VisualDLServer(log_dir, tmp_path / "visualdl.log") as srv:
         image_tags = wait_until(lambda: srv.tags("image").get(SHOWN), 30, "our image tags")
         pages = our_pages(image_tags, PAGE_TAG)
-        assert pages == ["backward_graph/p000", "backward_graph/p001"], image_tags
+        assert pages == ["backward_graph/from_step_000001", "backward_graph/from_step_000011"], image_tags
         assert served_steps(srv, "image", pages) == cb.captured_steps
-        text_pages = our_pages(srv.tags("text")[SHOWN], re.compile(r"^summary/p(\d{3})$"))
+        text_pages = our_pages(srv.tags("text")[SHOWN], SUMMARY_TAG)
         assert served_steps(srv, "text", text_pages) == cb.captured_steps
         last = srv.raw("image/image", run=SHOWN, tag=pages[1], index=1)
         assert last == step_file(log_dir / RUN, 12, "png").read_bytes()
@@ -405,7 +409,7 @@ def test_dashboard_viewer_in_chromium(server, trained, tmp_path):
                 "() => { const i = document.querySelector(\"img[src^='blob:']\"); return i && i.complete && i.naturalWidth > 0; }",
                 timeout=30_000,
             )
-            assert page.get_by_text("backward_graph/p000", exact=True).count() >= 1
+            assert page.get_by_text("backward_graph/from_step_000001", exact=True).count() >= 1
             shoot(page, "dashboard_image_tab.png")
 
             card_img.click()
@@ -463,8 +467,8 @@ def test_two_experiments_under_one_logdir_are_two_runs(tmp_path):
         images = srv.tags("image")
         steps = {}
         for run in runs:
-            assert "backward_graph/p000" in images[run], images
-            steps[run] = [r["step"] for r in srv.api("image/list", run=run, tag="backward_graph/p000")]
+            assert "backward_graph/from_step_000001" in images[run], images
+            steps[run] = [r["step"] for r in srv.api("image/list", run=run, tag="backward_graph/from_step_000001")]
         assert sorted(map(len, steps.values())) == [2, 3], steps
 
 
