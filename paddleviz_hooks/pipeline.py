@@ -206,6 +206,7 @@ class CapturePipeline:
         self._drawing = 0  # drawings under way (0 or 1)
         self._sink_lock = threading.Lock()  # the data thread and the drawing thread both log
         self._pages = TagPages()  # given out by the data thread, in capture order
+        self._prev_logged: BackwardGraph | None = None  # the last capture summarised
 
     def submit(self, job: CaptureJob) -> bool:
         """Hand a capture over; False only when the background thread is gone for good."""
@@ -396,12 +397,13 @@ class CapturePipeline:
         sink = self._visualdl()
         if sink is None:
             return
-        text = graph_summary(graph)
+        text = graph_summary(graph, previous=self._prev_logged)
+        self._prev_logged = graph
         if trigger != "scheduled":
             note = graph.meta.get("trigger_note")
             text = f"trigger: {trigger}" + (f" ({note})" if note else "") + ";\n" + text
         if diff is not None:
-            text += "\nsince the previous capture: " + diff_summary(diff)
+            text += "\n" + diff_summary(diff)  # starts "step B vs step A:"
         sink.text(self._pages.tag("summary", step), text, step)
         g = SCALAR_GROUP
         scalars = {f"{g}/global_grad_norm": graph.global_grad_norm(), f"{g}/nonfinite_grads": graph.nonfinite_count()}

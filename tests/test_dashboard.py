@@ -312,11 +312,19 @@ def test_text_and_scalars(server, trained):
     assert pages == ["summary/from_step_000001"], text_tags
     listed = server.api("text/list", run=SHOWN, tag=pages[0])
     assert [rec["step"] for rec in listed] == cb.captured_steps
+    texts = []
     for index, rec in enumerate(listed):
         text = server.raw("text/text", run=SHOWN, tag=pages[0], index=index).decode("utf-8")
+        texts.append(text)
         graph = json.loads(step_file(log_dir / RUN, rec["step"], "json").read_text())
         assert f"step {rec['step']}" in text, text
         assert f"{len(graph['nodes'])} nodes" in text, text
+        assert "op:" not in text and "#0" not in text, f"node keys are for machines: {text}"
+        assert all(len(line) <= 100 for line in text.splitlines()), text
+    # the op that gives no gradient data is named once, not in every record
+    assert "not observed at 1 node (AddN)" in texts[0], texts[0]
+    assert not any("not observed" in t for t in texts[1:]), texts[1:]
+    assert f"step {cb.captured_steps[1]} vs step {cb.captured_steps[0]}:\nsame graph structure;" in texts[1]
     norms = server.api("scalar/list", run=SHOWN, tag="~backward_graph/global_grad_norm")
     assert [s for _, s, _ in norms] == cb.captured_steps
     for _, step, value in norms:

@@ -264,7 +264,7 @@ def test_structure_change_captured_with_its_diff(tmp_path):
     reader = vdl_records(run_dir)
     assert image_steps(reader, "backward_graph/structure_change") == [K]
     assert image_steps(reader, "backward_graph/trigger_structure_change") == [K]
-    assert "since the previous capture" in text_records(reader, "summary")[K]
+    assert f"step {K} vs step " in text_records(reader, "summary")[K]
 
 
 def test_structure_change_without_previous_capture(tmp_path):
