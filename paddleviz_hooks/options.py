@@ -80,6 +80,7 @@ class RecorderOptions:
     grad_stats: bool = True
     view_max_nodes: int | None = None
     view_max_px: int = 2000
+    viewer_px: int | None = 1280
     formats: tuple[str, ...] = FORMATS
     visualdl: bool = True
     visualdl_graphs: bool = True
@@ -115,6 +116,7 @@ class RecorderOptions:
         capture_first, max_captures, grad_stats = o["capture_first"], o["max_captures"], o["grad_stats"]
         view_max_nodes, view_max_px, formats, visualdl = o["view_max_nodes"], o["view_max_px"], o["formats"], o["visualdl"]
         visualdl_graphs, visualdl_diagnostics = o["visualdl_graphs"], o["visualdl_diagnostics"]
+        viewer_px = o["viewer_px"]
         run_name, ranks, on_nonfinite, on_grad_spike = o["run_name"], o["ranks"], o["on_nonfinite"], o["on_grad_spike"]
         on_structure_change, cooldown, queue_size = o["on_structure_change"], o["cooldown"], o["queue_size"]
         render_timeout, close_timeout, verbose = o["render_timeout"], o["close_timeout"], o["verbose"]
@@ -160,6 +162,7 @@ class RecorderOptions:
             grad_stats=_bool("grad_stats", grad_stats),
             view_max_nodes=_int("view_max_nodes", view_max_nodes, 2),
             view_max_px=_int("view_max_px", view_max_px, 64, allow_none=False),
+            viewer_px=_int("viewer_px", viewer_px, 64),
             formats=formats,
             visualdl=_bool("visualdl", visualdl),
             visualdl_graphs=_bool("visualdl_graphs", visualdl_graphs),

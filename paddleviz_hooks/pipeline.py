@@ -27,7 +27,7 @@ from typing import Any, Callable
 from .diff import GraphDiff, diff_graphs
 from .graph import BackwardGraph
 from .options import RecorderOptions
-from .render import EngineNotFound, RenderTimeout, render_diff_png, render_png, render_svg, to_dot
+from .render import EngineNotFound, RenderTimeout, png_size, render_diff_png, render_png, render_svg, to_dot
 from .sinks.files import StepFiles
 from .escape import vdl_graph_name
 from .sinks.vdl_graph import write_vdl_graph
@@ -36,7 +36,36 @@ from .sinks.visualdl import (LAYER_NORM_GROUP, SCALAR_GROUP, TagPages, VisualDLS
 from .text import diff_summary, graph_summary
 from .warn import WarnOnce
 
-__all__ = ["BackgroundWorker", "CaptureJob", "CapturePipeline"]
+__all__ = ["BackgroundWorker", "CaptureJob", "CapturePipeline", "VIEWER_LABEL_PX", "viewer_png"]
+
+#: Node labels (11 pt) of the VisualDL picture are at least this many pixels high
+VIEWER_LABEL_PX = 8.0
+
+
+def viewer_png(graph: BackwardGraph, options: RecorderOptions, title: str, *, timeout: float | None = 60.0,
+               info: dict[str, Any] | None = None) -> bytes:
+    """The picture logged to VisualDL, sized for its image viewer.
+
+    The viewer fits a picture into the window (about 1300x750 CSS px of a
+    1440x900 window) and never enlarges it, so the picture is drawn left to
+    right (landscape) within ``options.viewer_px`` x 9/16 of that, padded to
+    16:9 when it is a strip, with node labels at least ``VIEWER_LABEL_PX``
+    high, collapsing layers into boxes as far as that needs. The same
+    structure gets the same layout at every step (the drawing plan is
+    cached), so flipping steps compares like with like.
+    """
+    assert options.viewer_px is not None
+    width = options.viewer_px
+    height = width * 9 // 16
+    max_px = width
+    for _ in range(4):  # a drawing taller than 16:9 is drawn again, narrower, until it fits
+        png = render_png(graph, max_px=max_px, max_nodes=options.view_max_nodes, rankdir="LR",
+                         min_dpi=VIEWER_LABEL_PX * 72 / 11, timeout=timeout, title=title, info=info)
+        w, h = png_size(png)
+        if h <= height or max_px <= 64:
+            break
+        max_px = max(64, min(max_px - 1, int(max(w, h) * height / h)))
+    return png
 
 _STOP = object()
 
@@ -168,6 +197,7 @@ class _Drawing:
     prev: BackwardGraph | None = field(compare=False)
     prev_path: str | None = field(compare=False)
     diff: GraphDiff | None = field(compare=False)
+    viewer: bytes | None = field(compare=False, default=None)  # the VisualDL picture, once drawn
     tags: list[str] = field(compare=False, default_factory=list)  # VisualDL image tags of the picture
     diff_tag: str = field(compare=False, default="")  # ... and of the diff picture
 
@@ -345,6 +375,8 @@ class CapturePipeline:
                 files.write(step, "svg", render_svg(graph, timeout=left(), title=title))
             png = render_png(graph, max_px=opts.view_max_px, max_nodes=opts.view_max_nodes, timeout=left(),
                              title=title)
+            if opts.visualdl and opts.viewer_px is not None:
+                d.viewer = viewer_png(graph, opts, title, timeout=left())
         except (EngineNotFound, RenderTimeout) as exc:
             # JSON, DOT, text and scalars are already written
             self._warn(type(exc).__name__, f"step {step} was not drawn: {exc}")
@@ -379,6 +411,9 @@ class CapturePipeline:
             if "png" in formats:
                 # the same encoder VisualDL uses, so the dashboard serves these exact bytes
                 files.write(step, "png", encode_like_visualdl(array))
+            if d.viewer is not None:
+                array = png_to_array(d.viewer)
+                d.viewer = None
             for tag in d.tags:
                 sink.image(tag, array, step)
         if diff_png is not None:

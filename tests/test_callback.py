@@ -116,8 +116,9 @@ def test_visualdl_records_read_back(tmp_path):
     images = records[("image", "backward_graph/from_step_000001")]
     assert [r.id for r in images] == [1, 2, 4]
     run = tmp_path / "backward_graph"
-    for r in images:
-        assert r.image.encoded_image_string == (run / f"step_{r.id:06d}.png").read_bytes()
+    for r in images:  # the picture drawn for VisualDL's viewer: landscape, within 1280x720
+        w, h = png_size(r.image.encoded_image_string)
+        assert w > h and w <= 1280 and h <= 720, (r.id, w, h)
     texts = records[("text", "summary/from_step_000001")]
     assert [r.id for r in texts] == [1, 2, 4]
     assert "parameters reached" in texts[0].text.encoded_text_string
@@ -220,3 +221,13 @@ def test_static_mode_warns_once_and_records_nothing(tmp_path):
     assert len([w for w in got if "paddleviz_hooks" in str(w.message)]) == 1
     assert cb.captured_steps == [] and not (tmp_path / "backward_graph").exists()
     assert not dispatcher_installed()
+
+
+def test_viewer_px_none_logs_the_png_file(tmp_path):
+    cb = BackwardGraphCallback(str(tmp_path), every=4, verbose=0, formats=("json", "png"), viewer_px=None)
+    fit([cb], epochs=1)  # steps 1..5 -> captures 1, 4
+    records = read_records(str(tmp_path / "backward_graph"))
+    images = records[("image", "backward_graph/from_step_000001")]
+    assert [r.id for r in images] == [1, 4]
+    for r in images:
+        assert r.image.encoded_image_string == (tmp_path / "backward_graph" / f"step_{r.id:06d}.png").read_bytes()

@@ -188,3 +188,7 @@ def test_recorder_writes_one_folder_per_capture(tmp_path):
 def test_option_is_checked():
     with pytest.raises(TypeError, match="visualdl_graphs must be True or False, got 'yes'"):
         RecorderOptions.check(visualdl_graphs="yes")
+    with pytest.raises(TypeError, match="visualdl_diagnostics must be True or False, got 1"):
+        RecorderOptions.check(visualdl_diagnostics=1)
+    with pytest.raises(ValueError, match="viewer_px must be an int >= 64 or None, got 10"):
+        RecorderOptions.check(viewer_px=10)

@@ -298,6 +298,7 @@ def render_png(
     timeout: float | None = 120.0,
     auto_collapse: bool = True,
     info: dict[str, Any] | None = None,
+    min_dpi: float = LEGIBLE_DPI,
     **options: Any,
 ) -> bytes:
     """PNG bytes sized for viewing (VisualDL's image viewer, a browser).
@@ -331,6 +332,9 @@ def render_png(
         info: a dict to fill with the decisions taken: ``nodes`` drawn,
             ``collapsed_depth`` (None when not collapsed), ``dpi``,
             ``rankdir``, ``bands`` (columns of a wrapped strip), ``padded``.
+        min_dpi: the legibility floor (default ``LEGIBLE_DPI``); a viewer
+            that must show node labels at least N px high asks for
+            ``N * 72 / 11`` (labels are 11 pt).
         **options: collapse options (``depth``, ``by_type``, ``fold_repeats``,
             ``max_nodes``) and drawing options (``stats``, ``clusters``,
             ``legend``, ``title``; ``rankdir`` fixes the direction, otherwise
@@ -365,7 +369,7 @@ def render_png(
     if options.get("dpi") is not None:
         return run_engine(to_dot(g, **options), "png", timeout=timeout)
     rankdir = options.pop("rankdir", None)
-    key = _plan_key(graph, max_px, rankdir, auto_collapse, explicit, options, keep)
+    key = (_plan_key(graph, max_px, rankdir, auto_collapse, explicit, options, keep), min_dpi)
     cached = _PLANS.get(key)
     if cached is not None:  # same structure as an earlier drawing: reuse its decisions
         drawn = collapse_graph(graph, depth=cached.depth, **{**keep, "fold_repeats": cached.folded}) \
@@ -379,7 +383,7 @@ def render_png(
         can_collapse = auto_collapse and not explicit and any(
             n.kind == "op" and n.layer is not None for n in g.nodes
         )
-        if can_collapse and len(g.nodes) * _AREA_PER_NODE > 4 * ((max_px - 1) / LEGIBLE_DPI) ** 2:
+        if can_collapse and len(g.nodes) * _AREA_PER_NODE > 4 * ((max_px - 1) / min_dpi) ** 2:
             # far beyond legible at any arrangement: do not lay the full graph out (minutes
             # for 10,000 nodes), collapse straight away
             plan = _Plan("", 0.0, 0.0, 0.0, rankdir or "TB", 1, area=len(g.nodes) * _AREA_PER_NODE)
@@ -387,8 +391,8 @@ def render_png(
             plan = _plan_png(lambda rd: to_dot(g, rankdir=rd, **options), max_px, rankdir, timeout,
                              wrap_only_if_legible=can_collapse)
         drawn = g
-        if plan.dpi < LEGIBLE_DPI and can_collapse:
-            plan, drawn = _auto_collapse(graph, g, plan, max_px, options, keep, rankdir, timeout)
+        if plan.dpi < min_dpi and can_collapse:
+            plan, drawn = _auto_collapse(graph, g, plan, max_px, options, keep, rankdir, timeout, min_dpi)
         collapsed = drawn is not g
         used = drawn.meta.get("collapse", {}) if collapsed else {}
         _PLANS.put(key, _Decision(collapsed, used.get("depth"), bool(used.get("fold_repeats")), plan.rankdir,
@@ -467,7 +471,7 @@ def _plan_key(graph: BackwardGraph, max_px: int, rankdir: str | None, auto_colla
 
 def _auto_collapse(
     graph: BackwardGraph, g: BackwardGraph, plan: _Plan, max_px: int, options: dict[str, Any],
-    keep: dict[str, Any], rankdir: str | None, timeout: float | None,
+    keep: dict[str, Any], rankdir: str | None, timeout: float | None, min_dpi: float = LEGIBLE_DPI,
 ) -> tuple[_Plan, BackwardGraph]:
     """Collapse by depth, deepest first, until the drawing is legible."""
     deepest = max(layer_depths(graph).values(), default=0)
@@ -476,7 +480,7 @@ def _auto_collapse(
     # arrangement of an area A is a square (dpi = max_px / sqrt(A)), so a
     # depth with more nodes than this cannot reach the floor: skip its layout.
     square_dpi = (max_px - 1) / math.sqrt(max(plan.area, 1e-6))
-    hopeless = len(g.nodes) * (square_dpi / LEGIBLE_DPI) ** 2 * 1.5
+    hopeless = len(g.nodes) * (square_dpi / min_dpi) ** 2 * 1.5
     last = None
     for d in range(deepest, -1, -1):
         c = collapse_graph(graph, depth=d, **keep)
@@ -493,7 +497,7 @@ def _auto_collapse(
         p = _plan_png(lambda rd: to_dot(c, rankdir=rd, **opts), max_px, rankdir, timeout)
         if p.dpi > best.dpi:
             best, best_graph = p, c
-        if p.dpi >= LEGIBLE_DPI:
+        if p.dpi >= min_dpi:
             break
     return best, best_graph
 
