@@ -587,3 +587,30 @@ def test_graphs_tab_in_chromium(server, trained, tmp_path):
     for name, png in shots:
         assert len(png) > 10_000, f"{name} looks empty"
         (TEST_OUTPUT / name).write_bytes(png)
+
+
+@pytest.mark.browser
+@pytest.mark.skipif(not os.path.exists(CHROMIUM), reason=f"needs Debian's Chromium at {CHROMIUM}")
+def test_scalars_page_keeps_the_users_curves_first(server):
+    """The user's train/* group is first and open; ours come after it and their charts draw."""
+    sync_api = pytest.importorskip("playwright.sync_api")
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1440, "height": 900})
+            page.set_default_timeout(30_000)
+            page.goto(server.url + "/app/scalar", timeout=60_000)
+            page.get_by_text("~grad_norm", exact=True).first.wait_for(timeout=60_000)
+            page.wait_for_function("() => document.querySelectorAll('canvas').length >= 2")  # train/*
+            ys = {g: page.get_by_text(g, exact=True).first.bounding_box()["y"]
+                  for g in ("train", "~backward_graph", "~grad_norm")}
+            assert ys["train"] < ys["~backward_graph"] < ys["~grad_norm"], ys
+            charts = page.locator("canvas").count()  # chart titles and curves are drawn in canvases
+            page.get_by_text("~grad_norm", exact=True).first.click()  # opens the group: fc, features
+            page.wait_for_function(f"() => document.querySelectorAll('canvas').length >= {charts + 2}")
+            page.wait_for_timeout(1500)
+            png = page.screenshot(full_page=True)
+        finally:
+            browser.close()
+    TEST_OUTPUT.mkdir(exist_ok=True)
+    (TEST_OUTPUT / "dashboard_scalars.png").write_bytes(png)
