@@ -192,3 +192,14 @@ def test_option_is_checked():
         RecorderOptions.check(visualdl_diagnostics=1)
     with pytest.raises(ValueError, match="viewer_px must be an int >= 64 or None, got 10"):
         RecorderOptions.check(viewer_px=10)
+
+
+def test_capture_folder_names_read_as_step_trigger_run(tmp_path):
+    from paddleviz_hooks.pipeline import CapturePipeline
+    from paddleviz_hooks.sinks.files import StepFiles
+
+    files = StepFiles(str(tmp_path / "exp_b" / "backward_graph"))
+    pipe = CapturePipeline(RecorderOptions.check(str(tmp_path / "exp_b")), files, "exp_b/backward_graph", print)
+    assert os.path.relpath(pipe.graph_dir(8, "nonfinite_loss"), files.directory) == os.path.join(
+        "graphs", "step_000008-nonfinite_loss-exp_b.backward_graph")
+    assert os.path.basename(pipe.graph_dir(100, "scheduled")) == "step_000100-exp_b.backward_graph"
