@@ -203,6 +203,8 @@ def test_report_in_chromium(report, tmp_path):
             assert stage.locator("g.node.pvh-added").count() == 4
             go(CHANGED + 1)
             assert stage.locator("g.node.pvh-removed").count() == 4
+            ghosts = stage.locator("g.node.pvh-removed").evaluate_all("els => els.map(e => e.textContent)")
+            assert any("Matmul in extra" in t for t in ghosts), ghosts  # named by op and layer
 
             # the keyboard still steps after any control was used
             for control in ("#highlight", "#norms", "#fit", "#prev"):

@@ -108,7 +108,8 @@ def diff_styles(
         ghost_ids[key] = gid
         attrs = dict(DIFF_STYLE["removed_node"])
         attrs["tooltip"] = f"removed: {describe_node(n)} | {n.name} | key: {n.key}"
-        extra.append(f"{gid} [label={dot_label(*node_lines(n), '(removed)')}, {dot_attrs(attrs)}]")
+        lines = [describe_node(n)] if n.kind == "op" else node_lines(n)  # a ghost says where it was
+        extra.append(f"{gid} [label={dot_label(*lines, '(removed)')}, {dot_attrs(attrs)}]")
     for src, dst in diff.removed_edges:
         a = new_ids.get(src) or ghost_ids.get(src)
         b = new_ids.get(dst) or ghost_ids.get(dst)
