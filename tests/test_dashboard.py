@@ -492,6 +492,10 @@ def test_two_experiments_under_one_logdir_are_two_runs(tmp_path):
             assert "backward_graph/from_step_000001" in images[run], images
             steps[run] = [r["step"] for r in srv.api("image/list", run=run, tag="backward_graph/from_step_000001")]
         assert sorted(map(len, steps.values())) == [2, 3], steps
+        # the Graphs tab: every capture of both experiments, each label naming its experiment
+        graphs = [os.path.basename(r) for r in srv.api("graph_runs")]
+        assert graphs == [f"step_{s:06d}-{exp}.backward_graph" for exp, n in (("exp_a", 2), ("exp_b", 3))
+                          for s in range(1, n + 1)], graphs
 
 
 # --------------------------------------------------------------------------
