@@ -360,7 +360,7 @@ def test_paged_tags_keep_every_capture(tmp_path):
         text_pages = our_pages(srv.tags("text")[SHOWN], SUMMARY_TAG)
         assert served_steps(srv, "text", text_pages) == cb.captured_steps
         last = srv.raw("image/image", run=SHOWN, tag=pages[1], index=1)
-        assert last == step_file(log_dir / RUN, 12, "png").read_bytes()
+        assert last == expected_viewer_png(log_dir / RUN, 12)
 
 
 # --------------------------------------------------------------------------
