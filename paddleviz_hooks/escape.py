@@ -4,7 +4,8 @@ Layer names, op names, parameter names and user tags come from models and
 users. They reach DOT source (:func:`dot_quote`, :func:`dot_label`),
 Graphviz HTML-like labels (:func:`dot_html_table`), HTML pages
 (:func:`html_escape`), JSON inside ``<script>`` (:func:`json_for_script`),
-VisualDL tags (:func:`vdl_tag`) and file names (:func:`safe_filename`) only
+VisualDL tags (:func:`vdl_tag`), VisualDL graph node and folder names
+(:func:`vdl_graph_name`) and file names (:func:`safe_filename`) only
 through these helpers; SVG drawn by the layout engine is inlined into pages
 only after :func:`clean_svg` (an allowlist) accepted it. Nothing else of the
 package is imported here.
@@ -29,6 +30,7 @@ __all__ = [
     "json_for_script",
     "safe_filename",
     "shorten",
+    "vdl_graph_name",
     "vdl_tag",
 ]
 
@@ -134,11 +136,13 @@ def json_for_script(data: Any) -> str:
 
 # \w is Unicode-aware: layer names in any script stay readable (VisualDL
 # stores and serves non-ASCII tags fine; only '%' breaks it)
-_TAG_UNSAFE = re.compile(r"[^\w.\-/]+")
+_TAG_UNSAFE = re.compile(r"[^\w.\-/~]+")
 
 
 def vdl_tag(text: str) -> str:
     """A VisualDL tag from arbitrary text (no ``%``, no spaces, no ``..``).
+
+    Letters, digits, ``_ . - / ~`` stay (``~`` sorts our groups last).
 
     Example:
         >>> vdl_tag("grad norm/../50%")
@@ -146,6 +150,25 @@ def vdl_tag(text: str) -> str:
     """
     tag = _TAG_UNSAFE.sub("_", str(text)).replace("..", "_").strip("/")
     return tag[:120] or "unnamed"
+
+
+# VisualDL's Graphs page puts node names and graph folder paths into query
+# strings without encoding them: only unreserved URL characters survive
+_GRAPH_UNSAFE = re.compile(r"[^A-Za-z0-9_-]+")
+
+
+def vdl_graph_name(text: str, limit: int = 60) -> str:
+    """A node name (or folder name) for VisualDL's Graphs tab from arbitrary text.
+
+    ASCII letters, digits, ``_`` and ``-`` only (no ``/``, ``.``, ``&``,
+    ``#``, ``+``, ``%`` or spaces), never empty.
+
+    Example:
+        >>> vdl_graph_name("PyLayer:My Op+1"), vdl_graph_name("../")
+        ('PyLayer_My_Op_1', 'unnamed')
+    """
+    text = unicodedata.normalize("NFKD", str(text)).encode("ascii", "ignore").decode()
+    return _GRAPH_UNSAFE.sub("_", text).strip("_")[:limit] or "unnamed"
 
 
 _UNSAFE_FILE = re.compile(r"[^A-Za-z0-9._-]+")

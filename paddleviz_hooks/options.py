@@ -80,8 +80,11 @@ class RecorderOptions:
     grad_stats: bool = True
     view_max_nodes: int | None = None
     view_max_px: int = 2000
+    viewer_px: int | None = 1280
     formats: tuple[str, ...] = FORMATS
     visualdl: bool = True
+    visualdl_graphs: bool = True
+    visualdl_diagnostics: bool = False
     run_name: str = "backward_graph"
     ranks: frozenset[int] | str | int = 0  # checked: a frozenset of ints, or "all"
     on_nonfinite: bool = False
@@ -112,6 +115,8 @@ class RecorderOptions:
         o.update(options)
         capture_first, max_captures, grad_stats = o["capture_first"], o["max_captures"], o["grad_stats"]
         view_max_nodes, view_max_px, formats, visualdl = o["view_max_nodes"], o["view_max_px"], o["formats"], o["visualdl"]
+        visualdl_graphs, visualdl_diagnostics = o["visualdl_graphs"], o["visualdl_diagnostics"]
+        viewer_px = o["viewer_px"]
         run_name, ranks, on_nonfinite, on_grad_spike = o["run_name"], o["ranks"], o["on_nonfinite"], o["on_grad_spike"]
         on_structure_change, cooldown, queue_size = o["on_structure_change"], o["cooldown"], o["queue_size"]
         render_timeout, close_timeout, verbose = o["render_timeout"], o["close_timeout"], o["verbose"]
@@ -157,8 +162,11 @@ class RecorderOptions:
             grad_stats=_bool("grad_stats", grad_stats),
             view_max_nodes=_int("view_max_nodes", view_max_nodes, 2),
             view_max_px=_int("view_max_px", view_max_px, 64, allow_none=False),
+            viewer_px=_int("viewer_px", viewer_px, 64),
             formats=formats,
             visualdl=_bool("visualdl", visualdl),
+            visualdl_graphs=_bool("visualdl_graphs", visualdl_graphs),
+            visualdl_diagnostics=_bool("visualdl_diagnostics", visualdl_diagnostics),
             run_name=run_name,
             ranks=rank_set,
             on_nonfinite=_bool("on_nonfinite", on_nonfinite),

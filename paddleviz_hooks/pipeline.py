@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import heapq
 import os
+import re
 import queue
 import shutil
 import threading
@@ -26,13 +27,47 @@ from typing import Any, Callable
 from .diff import GraphDiff, diff_graphs
 from .graph import BackwardGraph
 from .options import RecorderOptions
-from .render import EngineNotFound, RenderTimeout, render_diff_views, render_svg, render_views, to_dot
+from .escape import vdl_graph_name
+from .render import EngineNotFound, RenderTimeout, png_size, render_diff_views, render_png, render_svg, render_views, to_dot
 from .sinks.files import StepFiles
-from .sinks.visualdl import VisualDLSink, encode_like_visualdl, png_to_array
+from .sinks.vdl_graph import write_vdl_graph
+from .sinks.visualdl import (LAYER_NORM_GROUP, SCALAR_GROUP, TagPages, VisualDLSink, encode_like_visualdl,
+                             png_to_array)
 from .text import backward_role, diff_summary, graph_summary
 from .warn import WarnOnce
 
-__all__ = ["BackgroundWorker", "CaptureJob", "CapturePipeline"]
+__all__ = ["BackgroundWorker", "CaptureJob", "CapturePipeline", "VIEWER_LABEL_PX", "viewer_png"]
+
+#: Node labels (11 pt) of the VisualDL picture are at least this many pixels high
+VIEWER_LABEL_PX = 8.0
+
+
+def viewer_png(graph: BackwardGraph, options: RecorderOptions, title: str, *, timeout: float | None = 60.0,
+               info: dict[str, Any] | None = None) -> bytes:
+    """The picture logged to VisualDL, sized for its image viewer.
+
+    The viewer fits a picture into the window (about 1300x750 CSS px of a
+    1440x900 window) and never enlarges it, so the picture is drawn left to
+    right (landscape) within ``options.viewer_px`` x 9/16 of that, padded to
+    16:9 when it is a strip, with node labels at least ``VIEWER_LABEL_PX``
+    high, collapsing layers into boxes as far as that needs. The same
+    structure gets the same layout at every step (the drawing plan is
+    cached), so flipping steps compares like with like.
+    """
+    assert options.viewer_px is not None
+    width = options.viewer_px
+    height = width * 9 // 16
+    max_px = width
+    for _ in range(4):  # a drawing taller than 16:9 is drawn again, narrower, until it fits
+        png = render_png(graph, max_px=max_px, max_nodes=options.view_max_nodes, rankdir="LR",
+                         min_dpi=VIEWER_LABEL_PX * 72 / 11, timeout=timeout, title=title, info=info)
+        w, h = png_size(png)
+        if h <= height or max_px <= 64:
+            break
+        max_px = max(64, min(max_px - 1, int(max(w, h) * height / h)))
+    return png
+
+_STOP = object()
 
 _STOP = object()
 
@@ -170,6 +205,9 @@ class _Drawing:
     prev_path: str | None = field(compare=False)
     diff: GraphDiff | None = field(compare=False)
     suffix: str = field(default="", compare=False)
+    viewer: bytes | None = field(compare=False, default=None)  # the VisualDL picture, once drawn
+    tags: list[str] = field(compare=False, default_factory=list)  # VisualDL image tags of the picture
+    diff_tag: str = field(compare=False, default="")  # ... and of the diff picture
 
 
 class CapturePipeline:
@@ -205,6 +243,8 @@ class CapturePipeline:
         self._drawer: threading.Thread | None = None
         self._drawing = 0  # drawings under way (0 or 1)
         self._sink_lock = threading.Lock()  # the data thread and the drawing thread both log
+        self._pages = TagPages()  # given out by the data thread, in capture order
+        self._prev_logged: dict[str, BackwardGraph] = {}  # suffix -> the last capture summarised
 
     def submit(self, job: CaptureJob) -> bool:
         """Hand a capture over; False only when the background thread is gone for good."""
@@ -284,6 +324,7 @@ class CapturePipeline:
         if diff is not None and diff.structure_changed and "json" in opts.formats:
             files.write(step, "json", diff.to_json(), suffix=_join(suffix, "diff"))
         self._log_data(graph, diff, step, trigger, suffix)
+        self._write_vdl_graph(graph, step, trigger, suffix)
         self.written.append(step)
         if not {"png", "svg"} & set(opts.formats) and not opts.visualdl:
             return
@@ -293,6 +334,13 @@ class CapturePipeline:
                            prev[0] if (keep and prev is not None) else None,
                            prev[1] if prev is not None else None,
                            diff if (diff is not None and diff.structure_changed) else None, suffix)
+        if opts.visualdl:
+            base = _join("backward_graph", suffix)
+            drawing.tags = [self._pages.tag(base, step)]
+            if trigger != "scheduled":
+                drawing.tags.append(self._pages.tag(f"{base}/trigger_{trigger}", step))
+            if drawing.diff is not None:
+                drawing.diff_tag = self._pages.tag(f"{base}/structure_change", step)
         with self._lock:
             heapq.heappush(self._backlog, drawing)
             self._wake.notify()
@@ -341,6 +389,8 @@ class CapturePipeline:
             if "svg" in opts.formats:
                 svg = views["svg"] if info["full_detail"] else render_svg(graph, timeout=left(), title=title)
                 files.write(step, "svg", svg, suffix=suffix)
+            if opts.visualdl and opts.viewer_px is not None:
+                d.viewer = viewer_png(graph, opts, title, timeout=left())
         except (EngineNotFound, RenderTimeout) as exc:
             # JSON, DOT, text and scalars are already written
             self._warn(type(exc).__name__, f"step {step} was not drawn: {exc}")
@@ -354,15 +404,14 @@ class CapturePipeline:
                                                  max_nodes=opts.view_max_nodes, timeout=left())["png"]
                 except Exception as exc:
                     self._warn("diff-render", f"drawing the graph diff failed: {exc!r}")
-        self._log_pictures(step, trigger, png, diff_png, suffix)
+        self._log_pictures(d, png, diff_png)
 
-    def _log_pictures(self, step: int, trigger: str, png: bytes | None, diff_png: bytes | None,
-                      suffix: str = "") -> None:
+    def _log_pictures(self, d: _Drawing, png: bytes | None, diff_png: bytes | None) -> None:
         with self._sink_lock:
-            self._log_pictures_locked(step, trigger, png, diff_png, suffix)
+            self._log_pictures_locked(d, png, diff_png)
 
-    def _log_pictures_locked(self, step: int, trigger: str, png: bytes | None, diff_png: bytes | None,
-                             suffix: str = "") -> None:
+    def _log_pictures_locked(self, d: _Drawing, png: bytes | None, diff_png: bytes | None) -> None:
+        step, suffix = d.step, d.suffix
         files, formats = self.files, self.options.formats
         sink = self._visualdl()
         if sink is None:
@@ -376,14 +425,17 @@ class CapturePipeline:
             if "png" in formats:
                 # the same encoder VisualDL uses, so the dashboard serves these exact bytes
                 files.write(step, "png", encode_like_visualdl(array), suffix=suffix)
-            sink.image(_join("backward_graph", suffix), array, step)
-            if trigger != "scheduled":
-                sink.image(_join(f"trigger_{trigger}", suffix), array, step)
+            if d.viewer is not None:
+                array = png_to_array(d.viewer)
+                d.viewer = None
+            for tag in d.tags:
+                sink.image(tag, array, step)
         if diff_png is not None:
             diff_array = png_to_array(diff_png)
             if "png" in formats:
                 files.write(step, "png", encode_like_visualdl(diff_array), suffix=_join(suffix, "diff"))
-            sink.image(_join("structure_change", suffix), diff_array, step)
+            if d.diff_tag:
+                sink.image(d.diff_tag, diff_array, step)
         sink.flush()
 
     def _log_data(self, graph: BackwardGraph, diff: GraphDiff | None, step: int, trigger: str,
@@ -396,27 +448,51 @@ class CapturePipeline:
         sink = self._visualdl()
         if sink is None:
             return
-        text = graph_summary(graph)
+        text = graph_summary(graph, previous=self._prev_logged.get(suffix))
+        self._prev_logged[suffix] = graph
         if trigger != "scheduled":
             note = graph.meta.get("trigger_note")
             text = f"trigger: {trigger}" + (f" ({note})" if note else "") + ";\n" + text
         if diff is not None:
-            text += "\nsince the previous capture: " + diff_summary(diff)
-        sink.text(_join("summary", suffix), text, step)
-        scalars = {
-            "backward_graph/nodes": len(graph.nodes),
-            "backward_graph/edges": len(graph.edges),
-            "backward_graph/global_grad_norm": graph.global_grad_norm(),
-            "backward_graph/accumulated_grad_norm": graph.meta.get("accumulated_grad_norm"),
-            "backward_graph/nonfinite_grads": graph.nonfinite_count(),
-            "backward_graph/capture_ms": graph.meta.get("capture_ms"),
-        }
+            text += "\n" + diff_summary(diff)  # starts "step B vs step A:"
+        sink.text(self._pages.tag(_join("summary", suffix), step), text, step)
+        g = SCALAR_GROUP
+        scalars = {f"{g}/global_grad_norm": graph.global_grad_norm(), f"{g}/nonfinite_grads": graph.nonfinite_count()}
+        if self.options.visualdl_diagnostics:
+            scalars.update({
+                f"{g}/nodes": len(graph.nodes),
+                f"{g}/edges": len(graph.edges),
+                f"{g}/capture_ms": graph.meta.get("capture_ms"),
+                f"{g}/accumulated_grad_norm": graph.meta.get("accumulated_grad_norm"),
+            })
         for layer, norm in graph.layer_grad_norms().items():
-            scalars[f"grad_norm/{layer}"] = norm
-        if suffix:  # a step's later backwards: their own series (backward_graph_b2/...)
+            scalars[f"{LAYER_NORM_GROUP}/{'top_layer_params' if layer == '(self)' else layer}"] = norm
+        if suffix:  # a step's later backwards: their own series (~backward_graph_b2/...)
             scalars = {_join(k.split("/", 1)[0], suffix) + "/" + k.split("/", 1)[1]: v for k, v in scalars.items()}
         sink.scalars(scalars, step)
         sink.flush()
+
+    def graph_dir(self, step: int, trigger: str, suffix: str = "") -> str:
+        """The folder of one capture's Graphs-tab file; its name is what VisualDL's
+        "Choose a model" list shows (cut to about 30 characters there, hence the step
+        first): step, trigger and run, ``step_000008-nonfinite_loss-vdl_log.backward_graph``."""
+        run = ".".join(vdl_graph_name(part, limit=60) for part in self.display_name.split("/"))
+        label = _join(f"step_{int(step):06d}", suffix) + ("" if trigger == "scheduled" else f"-{vdl_graph_name(trigger)}")
+        return os.path.join(self.files.directory, "graphs", f"{label}-{run}")
+
+    def _write_vdl_graph(self, graph: BackwardGraph, step: int, trigger: str, suffix: str = "") -> None:
+        if not (self.options.visualdl and self.options.visualdl_graphs):
+            return
+        try:
+            write_vdl_graph(self.graph_dir(step, trigger, suffix), graph)
+        except Exception as exc:
+            self._warn("vdl-graph", f"step {step} was not written for VisualDL's Graphs tab: {exc!r}")
+            return
+        if not _URL_SAFE_PATH.match(self.files.directory):
+            self._warn("vdl-graph-path", (
+                f"VisualDL's Graphs tab cannot open graphs under {self.files.directory!r}: its page puts "
+                "the folder path into web addresses unencoded, so a path with spaces or & # + % "
+                "breaks it. Use a log_dir whose full path has only letters, digits and / . _ -"))
 
     def _visualdl(self):
         """The VisualDL sink, created on first use; None when VisualDL is off or missing."""
@@ -439,3 +515,6 @@ def _title(step: int, trigger: str, graph: BackwardGraph | None = None) -> str:
 def _join(name: str, suffix: str) -> str:
     """``name`` for a step's first backward, ``name_b2`` for its second."""
     return f"{name}_{suffix}" if suffix else name
+
+
+_URL_SAFE_PATH = re.compile(r"^[A-Za-z0-9/._~:\\-]*$")

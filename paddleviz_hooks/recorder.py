@@ -52,9 +52,21 @@ class BackwardGraphRecorder:
             collapsed by layer depth). Default None: collapse only as far as
             legibility within ``view_max_px`` needs. The SVG keeps every op.
         view_max_px: longest side of the viewing PNG in pixels. Default 2000.
+        viewer_px: width of the picture logged to VisualDL, drawn apart from
+            the PNG file for VisualDL's image viewer: left to right
+            (landscape), node labels at least 8 px high when the viewer fits
+            it into a 1440x900 window, collapsed into layer boxes as far as
+            that needs. Default 1280. None logs the PNG file itself.
         formats: which files to keep per step, any of png, svg, dot, json.
             Default all four.
         visualdl: log records to VisualDL. Default True.
+        visualdl_graphs: with ``visualdl``, also write every capture as an
+            interactive graph for VisualDL's Graphs tab (collapsible layers,
+            click a node for its gradient), one folder per capture under
+            ``run_name/graphs/``. Default True.
+        visualdl_diagnostics: also log the recorder's own scalars (node and
+            edge counts, capture time, accumulated ``param.grad`` norm).
+            Default False: only gradient norms and the NaN/Inf count.
         run_name: folder (and dashboard run name) under ``log_dir``.
             Default ``"backward_graph"``.
         ranks: which ranks capture under data parallel: an int, a list of
@@ -124,8 +136,11 @@ class BackwardGraphRecorder:
         grad_stats: bool = True,
         view_max_nodes: int | None = None,
         view_max_px: int = 2000,
+        viewer_px: int | None = 1280,
         formats: Sequence[str] = FORMATS,
         visualdl: bool = True,
+        visualdl_graphs: bool = True,
+        visualdl_diagnostics: bool = False,
         run_name: str = "backward_graph",
         ranks: int | Sequence[int] | str = 0,
         on_nonfinite: bool = False,
@@ -142,7 +157,9 @@ class BackwardGraphRecorder:
         self.options = RecorderOptions.check(
             log_dir, every, steps, capture_first=capture_first, max_captures=max_captures,
             grad_stats=grad_stats, view_max_nodes=view_max_nodes, view_max_px=view_max_px,
-            formats=formats, visualdl=visualdl, run_name=run_name, ranks=ranks,
+            viewer_px=viewer_px,
+            formats=formats, visualdl=visualdl, visualdl_graphs=visualdl_graphs,
+            visualdl_diagnostics=visualdl_diagnostics, run_name=run_name, ranks=ranks,
             on_nonfinite=on_nonfinite, on_grad_spike=on_grad_spike,
             on_structure_change=on_structure_change, cooldown=cooldown, queue_size=queue_size,
             render_timeout=render_timeout, close_timeout=close_timeout, verbose=verbose,

@@ -353,8 +353,23 @@ def _sort_val(v: float) -> float:
     return v if math.isfinite(v) else math.inf
 
 
-def graph_summary(graph: BackwardGraph, top: int = 5) -> str:
+def _unobserved_ops(graph: BackwardGraph) -> list[Node]:
+    """Ops without a hook whose outgoing gradients could not be recovered elsewhere
+    (ops inside a compiled program are counted apart)."""
+    out, stats = graph.out_edges(), bool(graph.meta.get("grad_stats"))
+    return [n for n in graph.nodes if n.kind == "op" and not n.hooked and n.note != PROGRAM_OP_NOTE and any(
+        e.grad is None or (stats and e.grad.norm is None) for e in out.get(n.id, []))]
+
+
+def graph_summary(graph: BackwardGraph, top: int = 5, previous: BackwardGraph | None = None) -> str:
     """A compact multi-line summary of one capture (one fact per line).
+
+    Args:
+        graph: the capture.
+        top: how many layers the gradient-norm line names.
+        previous: the capture before it: facts that have not changed since
+            (which ops give no gradient data, unnamed leaves) are not
+            repeated.
 
     Example:
         >>> from paddleviz_hooks.graph import Edge
@@ -376,37 +391,38 @@ def graph_summary(graph: BackwardGraph, top: int = 5) -> str:
         f"{len(params)} parameters reached;",
     ]
     leaves = sum(1 for n in graph.nodes if n.kind == "input")
-    if leaves and not params:
+    if leaves and not params and not (previous is not None and not previous.params()
+                                      and any(n.kind == "input" for n in previous.nodes)):
         lines.append(f"{leaves} unnamed leaf tensors reached (capture_backward(model) names parameters);")
     nested = graph.meta.get("nested")
     if isinstance(nested, int) and nested:
         lines.append(f"{plural(nested, 'backward')} run inside this one (recompute) drawn at the nodes that ran them;")
     gn = graph.global_grad_norm()
-    if gn is not None:
-        lines.append(f"global grad norm {gn:.4g} (this backward);")
     acc = graph.meta.get("accumulated_grad_norm")
-    if isinstance(acc, float) and (gn is None or not math.isclose(acc, gn, rel_tol=1e-6)):
+    acc_differs = isinstance(acc, float) and (gn is None or not math.isclose(acc, gn, rel_tol=1e-6))
+    if gn is not None:
+        lines.append(f"global grad norm {gn:.4g}" + (" (this backward);" if acc_differs else ";"))
+    if acc_differs:
         lines.append(f"accumulated param.grad norm {fmt_num(acc, 4)} (what the optimizer applies);")
     norms = graph.layer_grad_norms()
     if norms:
         biggest = sorted(norms.items(), key=lambda kv: -_sort_val(kv[1]))[:top]
-        lines.append("largest grad norms: " + ", ".join(f"{k} {v:.3g}" for k, v in biggest) + ";")
+        lines.append("largest grad norms: " + ", ".join(
+            f"{TOP_LAYER if k == '(self)' else k} {v:.3g}" for k, v in biggest) + ";")
     sites = graph.nonfinite_sites()
-    out, stats = graph.out_edges(), bool(graph.meta.get("grad_stats"))
-    # nodes without a hook whose outgoing gradients could not be recovered elsewhere
-    unhooked = [n for n in graph.nodes if n.kind == "op" and not n.hooked and n.note != PROGRAM_OP_NOTE and any(
-        e.grad is None or (stats and e.grad.norm is None) for e in out.get(n.id, []))]
+    unhooked = _unobserved_ops(graph)
     compiled = sum(1 for n in graph.nodes if n.kind == "op" and n.note == PROGRAM_OP_NOTE)
     bad_params = [name for name, m in params.items() if m is not None and m.nonfinite]
     if sites:
         first = sites[0]
-        lines.append(f"NaN/Inf gradients at {len(sites)} nodes, first at {describe_node(first)} (node {first.key});")
+        lines.append(f"NaN/Inf gradients at {plural(len(sites), 'node')}, first at {describe_node(first)};")
     elif graph.nonfinite_count():
         lines.append(f"NaN/Inf in the gradients of {plural(len(bad_params), 'parameter')}: {_names(bad_params)};")
     elif graph.meta.get("grad_stats"):
         lines.append("no NaN/Inf in the observed gradients;" if unhooked or compiled else "no NaN/Inf gradients;")
-    if unhooked:
-        kinds = sorted({n.op for n in unhooked})
+    kinds = sorted({n.op for n in unhooked})
+    # named once, and again only when the set changes (no repeated boilerplate step after step)
+    if unhooked and (previous is None or kinds != sorted({n.op for n in _unobserved_ops(previous)})):
         lines.append(f"gradients {NOT_OBSERVED} at {plural(len(unhooked), 'node')} ({', '.join(kinds)});")
     if compiled:
         lines.append(f"{plural(compiled, 'op')} {PROGRAM_OP_NOTE} (parameter gradients behind them are exact);")

@@ -9,6 +9,7 @@ run without it.
 from __future__ import annotations
 
 import os
+import re
 import threading
 import warnings
 from contextlib import contextmanager
@@ -186,9 +187,16 @@ def vdl_records(run_dir: str | os.PathLike):
     return LogReader(file_path=os.path.join(run_dir, files[0]))
 
 
+def page_tags(tags, base: str) -> list[str]:
+    """The pages of ``base`` (``backward_graph/from_step_000001``, or with a name,
+    ``backward_graph/trigger_x_from_step_000001``), in step order."""
+    sep = "_" if "/" in base else "/"
+    return sorted(t for t in tags if re.fullmatch(re.escape(base + sep) + r"from_step_\d{6}", t))
+
+
 def image_steps(reader, base: str) -> list[int]:
-    """Steps logged under every page ``base/pNNN`` of an image tag, in order."""
-    tags = sorted(t for t in reader.get_tags().get("image", []) if t.startswith(base + "/p"))
+    """Steps logged under every page of an image tag, in order."""
+    tags = page_tags(reader.get_tags().get("image", []), base)
     steps = []
     for t in tags:
         steps.extend(r.id for r in reader.get_data("image", t))
@@ -196,7 +204,7 @@ def image_steps(reader, base: str) -> list[int]:
 
 
 def text_records(reader, base: str) -> dict[int, str]:
-    tags = sorted(t for t in reader.get_tags().get("text", []) if t.startswith(base + "/p"))
+    tags = page_tags(reader.get_tags().get("text", []), base)
     out = {}
     for t in tags:
         for r in reader.get_data("text", t):

@@ -113,27 +113,41 @@ def test_visualdl_records_read_back(tmp_path):
     cb = BackwardGraphCallback(str(tmp_path), every=2, verbose=0)
     fit([cb], epochs=1)  # steps 1..5 -> captures 1, 2, 4
     records = read_records(str(tmp_path / "backward_graph"))
-    images = records[("image", "backward_graph/p000")]
+    images = records[("image", "backward_graph/from_step_000001")]
     assert [r.id for r in images] == [1, 2, 4]
     run = tmp_path / "backward_graph"
-    for r in images:
-        assert r.image.encoded_image_string == (run / f"step_{r.id:06d}.png").read_bytes()
-    texts = records[("text", "summary/p000")]
+    for r in images:  # the picture drawn for VisualDL's viewer: landscape, within 1280x720
+        w, h = png_size(r.image.encoded_image_string)
+        assert w > h and w <= 1280 and h <= 720, (r.id, w, h)
+    texts = records[("text", "summary/from_step_000001")]
     assert [r.id for r in texts] == [1, 2, 4]
     assert "parameters reached" in texts[0].text.encoded_text_string
-    nodes = records[("scalar", "backward_graph/nodes")]
-    assert [r.id for r in nodes] == [1, 2, 4]
+    norms = records[("scalar", "~backward_graph/global_grad_norm")]
+    assert [r.id for r in norms] == [1, 2, 4]
     g = BackwardGraph.from_json((run / "step_000002.json").read_text())
+    assert abs(norms[1].value - g.global_grad_norm()) <= 1e-5 * g.global_grad_norm()
+    # by default only gradient norms and the NaN/Inf count, after the user's groups
+    assert sorted(tag for kind, tag in records if kind == "scalar") == [
+        "~backward_graph/global_grad_norm", "~backward_graph/nonfinite_grads", "~grad_norm/body", "~grad_norm/head"]
+
+
+def test_visualdl_diagnostics_are_opt_in(tmp_path):
+    cb = BackwardGraphCallback(str(tmp_path), every=2, verbose=0, formats=("json",), visualdl_diagnostics=True)
+    fit([cb], epochs=1)
+    records = read_records(str(tmp_path / "backward_graph"))
+    nodes = records[("scalar", "~backward_graph/nodes")]
+    assert [r.id for r in nodes] == [1, 2, 4]
+    g = BackwardGraph.from_json((tmp_path / "backward_graph" / "step_000002.json").read_text())
     assert nodes[1].value == len(g.nodes)
-    assert ("scalar", "grad_norm/head") in records and ("scalar", "backward_graph/capture_ms") in records
+    assert ("scalar", "~backward_graph/capture_ms") in records
 
 
 def test_tags_page_every_ten_captures(tmp_path):
     cb = BackwardGraphCallback(str(tmp_path), every=1, verbose=0, formats=("json", "png"), queue_size=32)
     fit([cb], epochs=3, n=40)  # 15 steps, all captured
     records = read_records(str(tmp_path / "backward_graph"))
-    p0 = [r.id for r in records[("image", "backward_graph/p000")]]
-    p1 = [r.id for r in records[("image", "backward_graph/p001")]]
+    p0 = [r.id for r in records[("image", "backward_graph/from_step_000001")]]
+    p1 = [r.id for r in records[("image", "backward_graph/from_step_000011")]]
     assert p0 == list(range(1, 11)) and p1 == list(range(11, 16))
 
 
@@ -214,3 +228,13 @@ def test_static_mode_warns_once_and_records_nothing(tmp_path):
     assert len([w for w in got if "paddleviz_hooks" in str(w.message)]) == 1
     assert cb.captured_steps == [] and not (tmp_path / "backward_graph").exists()
     assert not dispatcher_installed()
+
+
+def test_viewer_px_none_logs_the_png_file(tmp_path):
+    cb = BackwardGraphCallback(str(tmp_path), every=4, verbose=0, formats=("json", "png"), viewer_px=None)
+    fit([cb], epochs=1)  # steps 1..5 -> captures 1, 4
+    records = read_records(str(tmp_path / "backward_graph"))
+    images = records[("image", "backward_graph/from_step_000001")]
+    assert [r.id for r in images] == [1, 4]
+    for r in images:
+        assert r.image.encoded_image_string == (tmp_path / "backward_graph" / f"step_{r.id:06d}.png").read_bytes()

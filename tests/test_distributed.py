@@ -298,7 +298,7 @@ def test_dashboard_shows_each_rank_as_a_run(launched, tmp_path):
         # named "<log dir>/<run_name>[/rank_K]"
         assert sorted(runs) == ["all/backward_graph", "all/backward_graph/rank_1"], runs
         for run in runs:
-            listed = json.loads(get("/app/api/image/list", run=run, tag="backward_graph/p000")[1])["data"]
+            listed = json.loads(get("/app/api/image/list", run=run, tag="backward_graph/from_step_000001")[1])["data"]
             assert [rec["step"] for rec in listed] == EXPECTED_STEPS, (run, listed)
     finally:
         if proc.poll() is None:

@@ -189,8 +189,8 @@ def test_hostile_names_through_the_callback(tmp_path, capsys):
     for kind in ("image", "text", "scalar"):
         for tag in tags.get(kind, []):
             assert "%" not in tag and ".." not in tag and " " not in tag and "\n" not in tag, tag
-    # (the layer named ".." has parameters "...weight": its group is "", its tag "grad_norm")
-    grad_tags = [t for t in tags["scalar"] if t == "grad_norm" or t.startswith("grad_norm/")]
+    # (the layer named ".." has parameters "...weight": its group is "", its tag "~grad_norm")
+    grad_tags = [t for t in tags["scalar"] if t == "~grad_norm" or t.startswith("~grad_norm/")]
     assert len(grad_tags) == len(HOSTILE) + 2, grad_tags  # one per top-level layer, plus inner and head
     for t in grad_tags:
         assert len(reader.get_data("scalar", t)) == 3, t

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import re
+
 import numpy as np
 import paddle
 import paddle.nn as nn
@@ -77,9 +80,14 @@ def test_hand_loop_and_model_fit_write_the_same_records(tmp_path):
     assert rec.captured_steps == cb.captured_steps == [1, 4, 8, 12]
     assert rec.triggers == cb.triggers
     loop_dir, fit_dir = tmp_path / "loop" / "backward_graph", tmp_path / "fit" / "backward_graph"
-    loop_files = [f for f in files_under(loop_dir) if not f.startswith("vdlrecords")]
-    fit_files = [f for f in files_under(fit_dir) if not f.startswith("vdlrecords")]
+    def same_names(files, run):  # Graphs-tab folders name their log dir; files their time
+        return [re.sub(r"vdlgraph\.\d+\.log$", "vdlgraph.T.log", f.replace(f"-{run}.backward_graph", "-RUN"))
+                for f in files if not f.startswith("vdlrecords")]
+
+    loop_files = same_names(files_under(loop_dir), "loop")
+    fit_files = same_names(files_under(fit_dir), "fit")
     assert loop_files == fit_files
+    assert os.path.join("graphs", "step_000012-RUN", "vdlgraph.T.log") in loop_files
     assert "step_000012.png" in loop_files and "step_000012.json" in loop_files
     assert _tags_and_steps(loop_dir) == _tags_and_steps(fit_dir)
 

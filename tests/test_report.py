@@ -194,7 +194,7 @@ def test_report_in_chromium(report, tmp_path):
             go(CHANGED)
             assert stage.locator("g.node.pvh-added").count() == 4  # Matmul, Add, weight, bias
             assert stage.locator("g.edge.pvh-added").count() == 5
-            assert page.locator("#mode").inner_text() == f"changes since step {(CHANGED - 1) * 10}"
+            assert page.locator("#mode").inner_text() == f"structure changed since step {(CHANGED - 1) * 10}"
             panel = page.locator(f"#panel-0-{CHANGED}")
             assert panel.is_visible() and panel.locator(".badge.added").count() == 4
             page.locator("#highlight").uncheck()
@@ -203,6 +203,19 @@ def test_report_in_chromium(report, tmp_path):
             assert stage.locator("g.node.pvh-added").count() == 4
             go(CHANGED + 1)
             assert stage.locator("g.node.pvh-removed").count() == 4
+            ghosts = stage.locator("g.node.pvh-removed").evaluate_all("els => els.map(e => e.textContent)")
+            assert any(re.search(r"Matmul\s+in extra\s+\(removed\)", t) for t in ghosts), ghosts  # named by op and layer
+
+            # the keyboard still steps after any control was used
+            for control in ("#highlight", "#norms", "#fit", "#prev"):
+                before = label.inner_text()
+                page.locator(control).click()
+                if control in ("#highlight", "#norms"):
+                    page.locator(control).click()  # back as it was
+                before = label.inner_text()
+                page.keyboard.press("ArrowRight")
+                assert label.inner_text() != before, f"ArrowRight after using {control}"
+            go(NAN_AT)
 
             # NaN/Inf sites are listed, origin first
             go(NAN_AT)
@@ -266,6 +279,51 @@ def test_report_in_chromium(report, tmp_path):
     assert errors == [] and dialogs == []
     assert network and network[0] == url
     assert all(r == url or r.startswith(("data:", "blob:")) for r in network), network
+
+
+@pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="needs Debian's Chromium at /usr/bin/chromium")
+def test_report_colours_gradient_norm_changes_only_when_asked(tmp_path):
+    """Two captures of one structure whose gradients grew x1000: by default the second shows
+    the plain graph; "colour gradient-norm changes" shows the diff with coloured edges."""
+    from playwright.sync_api import sync_playwright
+
+    run = tmp_path / "log" / "backward_graph"
+    run.mkdir(parents=True)
+    paddle.seed(0)
+    net = paddle.nn.Sequential(paddle.nn.Linear(4, 3), paddle.nn.Tanh(), paddle.nn.Linear(3, 2))
+    x = paddle.randn([2, 4])
+    with capture_backward(net) as cap:
+        for scale in (1.0, 1000.0):
+            (net(x).sum() * scale).backward()
+    for step, g in zip((1, 2), cap.graphs):
+        g.meta["step"] = step
+        (run / f"step_{step:06d}.json").write_text(g.to_json())
+    out = tmp_path / "report.html"
+    build_report(str(tmp_path / "log"), str(out))
+    ratio = "g.edge.pvh-ratio-up, g.edge.pvh-ratio-down"
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=[
+            "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+            "--disable-background-networking", "--disable-component-update", "--disable-sync"])
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 900})
+            page.goto(out.as_uri())
+            page.wait_for_selector("#stage svg")
+            page.keyboard.press("ArrowRight")
+            assert page.locator("#step-label").inner_text().startswith("step 2 ")
+            stage = page.locator("#stage")
+            assert page.locator("#mode").inner_text() == "graph" and stage.locator(ratio).count() == 0
+            page.locator("#norms").check()
+            assert page.locator("#mode").inner_text() == "changes since step 1"
+            assert stage.locator(ratio).count() > 0
+            colour = "e => getComputedStyle(e.querySelector('path')).stroke"
+            assert stage.locator(ratio).first.evaluate(colour) == "rgb(217, 72, 15)"  # orange: up
+            page.locator("#norms").uncheck()
+            assert stage.locator(ratio).count() == 0
+            page.keyboard.press("ArrowLeft")  # the checkbox gave the keyboard back
+            assert page.locator("#step-label").inner_text().startswith("step 1 ")
+        finally:
+            browser.close()
 
 
 def steps_x(i: int) -> float:

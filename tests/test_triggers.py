@@ -122,9 +122,9 @@ def test_nonfinite_captures_the_step_and_names_the_origin(tmp_path, capsys):
     assert "trigger: nonfinite_loss" in texts[K]
     assert "first at Log in block.penalty" in texts[K]
     # ... under its own image tag as well as the main one ...
-    assert image_steps(reader, "trigger_nonfinite_loss") == [K]
+    assert image_steps(reader, "backward_graph/trigger_nonfinite_loss") == [K]
     assert image_steps(reader, "backward_graph") == [K]
-    assert "trigger_nonfinite_loss/p000" in reader.get_tags()["image"]
+    assert "backward_graph/trigger_nonfinite_loss_from_step_%06d" % K in reader.get_tags()["image"]
     # ... and in the printed notice
     out = capsys.readouterr().out
     assert f"captured step {K} (trigger: nonfinite_loss)" in out
@@ -213,7 +213,7 @@ def test_grad_spike_captures_the_next_step(tmp_path, capsys):
     assert g.meta["trigger"] == "grad_spike"
     assert g.meta["trigger_note"] == f"grad_spike seen at step {k}"
     reader = vdl_records(tmp_path / "vdl" / "backward_graph")
-    assert image_steps(reader, "trigger_grad_spike") == [k + 1]
+    assert image_steps(reader, "backward_graph/trigger_grad_spike") == [k + 1]
     assert f"grad_spike seen at step {k}" in text_records(reader, "summary")[k + 1]
     out = capsys.readouterr().out
     assert f"at step {k} is" in out and f"capturing step {k + 1}" in out
@@ -262,9 +262,9 @@ def test_structure_change_captured_with_its_diff(tmp_path):
     assert sorted(diff.params_started) == ["extra.bias", "extra.weight"]
     assert (run_dir / f"step_{K:06d}_diff.png").exists()
     reader = vdl_records(run_dir)
-    assert image_steps(reader, "structure_change") == [K]
-    assert image_steps(reader, "trigger_structure_change") == [K]
-    assert "since the previous capture" in text_records(reader, "summary")[K]
+    assert image_steps(reader, "backward_graph/structure_change") == [K]
+    assert image_steps(reader, "backward_graph/trigger_structure_change") == [K]
+    assert f"step {K} vs step " in text_records(reader, "summary")[K]
 
 
 def test_structure_change_without_previous_capture(tmp_path):

@@ -24,7 +24,7 @@ from ..collapse import collapse_graph, layer_depths
 from ..diff import GraphDiff, diff_graphs, norm_ratio
 from ..escape import dot_attrs, dot_html_table, dot_label
 from ..graph import BackwardGraph, merge_grad_metas
-from ..text import collapse_note, describe_node, edge_lines, fmt_num, fmt_ratio, ghost_lines, node_lines
+from ..text import collapse_note, describe_node, edge_lines, fmt_num, fmt_ratio, ghost_lines
 from .dot import to_dot
 from .draw import LEGIBLE_DPI, render_png, render_svg, render_views
 

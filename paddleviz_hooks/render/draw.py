@@ -360,6 +360,7 @@ def render_png(
     timeout: float | None = 120.0,
     auto_collapse: bool = True,
     info: dict[str, Any] | None = None,
+    min_dpi: float = LEGIBLE_DPI,
     **options: Any,
 ) -> bytes:
     """PNG bytes sized for viewing (VisualDL's image viewer, a browser).
@@ -394,6 +395,9 @@ def render_png(
             ``collapsed_depth`` (None when not collapsed), ``folded`` (repeated
             layers folded into one box), ``dpi``,
             ``rankdir``, ``bands`` (columns of a wrapped strip), ``padded``.
+        min_dpi: the legibility floor (default ``LEGIBLE_DPI``); a viewer
+            that must show node labels at least N px high asks for
+            ``N * 72 / 11`` (labels are 11 pt).
         **options: collapse options (``depth``, ``by_type``, ``fold_repeats``,
             ``max_nodes``) and drawing options (``stats``, ``clusters``,
             ``legend``, ``title``; ``rankdir`` fixes the direction, otherwise
@@ -421,7 +425,7 @@ def render_png(
         >>> data = render_png(cap.graph, max_nodes=3)    # an explicit node budget
     """
     return render_views(graph, ("png",), max_px=max_px, timeout=timeout, auto_collapse=auto_collapse, info=info,
-                        **options)["png"]
+                        min_dpi=min_dpi, **options)["png"]
 
 
 def render_views(
@@ -433,6 +437,7 @@ def render_views(
     auto_collapse: bool = True,
     info: dict[str, Any] | None = None,
     full_detail: str | None = None,
+    min_dpi: float = LEGIBLE_DPI,
     **options: Any,
 ) -> dict[str, bytes]:
     """The viewing picture of :func:`render_png` in each of ``formats``, from one final engine run.
@@ -444,7 +449,7 @@ def render_views(
     different graph and needs :func:`render_svg`.
 
     Args:
-        graph, max_px, timeout, auto_collapse, **options: as for :func:`render_png`.
+        graph, max_px, timeout, auto_collapse, min_dpi, **options: as for :func:`render_png`.
         formats: ``"png"`` and/or ``"svg"``; ``()`` only decides (fills ``info``).
         info: as for :func:`render_png`, plus ``full_detail`` and ``fold_repeats``.
         full_detail: how to see every op, said in the title of a collapsed
@@ -476,7 +481,7 @@ def render_views(
             info.update(full_detail=g is graph)
         return _draw(to_dot(g, **options), tuple(formats), (), timeout)
     rankdir = options.pop("rankdir", None)
-    key = _plan_key(graph, max_px, rankdir, auto_collapse, explicit, options, keep)
+    key = (_plan_key(graph, max_px, rankdir, auto_collapse, explicit, options, keep), min_dpi)
     cached = _PLANS.get(key)
     if cached is not None:  # same structure as an earlier drawing: reuse its decisions
         drawn = collapse_graph(graph, depth=cached.depth, **{**keep, "fold_repeats": cached.folded}) \
@@ -490,7 +495,7 @@ def render_views(
         can_collapse = auto_collapse and not explicit and any(
             n.kind == "op" and n.layer is not None for n in g.nodes
         )
-        if can_collapse and len(g.nodes) * _AREA_PER_NODE > 4 * ((max_px - 1) / LEGIBLE_DPI) ** 2:
+        if can_collapse and len(g.nodes) * _AREA_PER_NODE > 4 * ((max_px - 1) / min_dpi) ** 2:
             # far beyond legible at any arrangement: do not lay the full graph out (minutes
             # for 10,000 nodes), collapse straight away
             plan = _Plan("", 0.0, 0.0, 0.0, rankdir or "TB", 1, area=len(g.nodes) * _AREA_PER_NODE)
@@ -498,8 +503,9 @@ def render_views(
             plan = _plan_png(lambda rd: to_dot(g, rankdir=rd, **options), max_px, rankdir, timeout,
                              wrap_only_if_legible=can_collapse)
         drawn = g
-        if plan.dpi < LEGIBLE_DPI and can_collapse:
-            plan, drawn = _auto_collapse(graph, g, plan, max_px, options, keep, rankdir, timeout, full_detail)
+        if plan.dpi < min_dpi and can_collapse:
+            plan, drawn = _auto_collapse(graph, g, plan, max_px, options, keep, rankdir, timeout, full_detail,
+                                         min_dpi)
         collapsed = drawn is not g
         used = drawn.meta.get("collapse", {}) if collapsed else {}
         _PLANS.put(key, _Decision(collapsed, used.get("depth"), bool(used.get("fold_repeats")), plan.rankdir,
@@ -609,6 +615,7 @@ def _plan_key(graph: BackwardGraph, max_px: int, rankdir: str | None, auto_colla
 def _auto_collapse(
     graph: BackwardGraph, g: BackwardGraph, plan: _Plan, max_px: int, options: dict[str, Any],
     keep: dict[str, Any], rankdir: str | None, timeout: float | None, full_detail: str | None = None,
+    min_dpi: float = LEGIBLE_DPI,
 ) -> tuple[_Plan, BackwardGraph]:
     """Collapse by depth, deepest first, until the drawing is legible."""
     deepest = max(layer_depths(graph).values(), default=0)
@@ -617,7 +624,7 @@ def _auto_collapse(
     # arrangement of an area A is a square (dpi = max_px / sqrt(A)), so a
     # depth with more nodes than this cannot reach the floor: skip its layout.
     square_dpi = (max_px - 1) / math.sqrt(max(plan.area, 1e-6))
-    hopeless = len(g.nodes) * (square_dpi / LEGIBLE_DPI) ** 2 * 1.5
+    hopeless = len(g.nodes) * (square_dpi / min_dpi) ** 2 * 1.5
     last = None
     for d in range(deepest, -1, -1):
         c = collapse_graph(graph, depth=d, **keep)
@@ -634,7 +641,7 @@ def _auto_collapse(
         p = _plan_png(lambda rd: to_dot(c, rankdir=rd, **opts), max_px, rankdir, timeout)
         if p.dpi > best.dpi:
             best, best_graph = p, c
-        if p.dpi >= LEGIBLE_DPI:
+        if p.dpi >= min_dpi:
             break
     return best, best_graph
 

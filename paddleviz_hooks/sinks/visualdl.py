@@ -1,9 +1,11 @@
 """VisualDL records for captured steps, designed around the dashboard's limits.
 
 VisualDL keeps only 10 image and 10 text samples per run and tag (see
-``docs/visualdl.md``), so image and text tags are paged: captures
-1-10 go to ``.../p000``, 11-20 to ``.../p001`` and so on, and every capture
-stays reachable. Scalars keep 1000 samples and are not paged.
+``docs/visualdl.md``), so image and text tags are paged, ten captures a page,
+each page named by the step it starts at: ``backward_graph/from_step_000001``,
+``backward_graph/from_step_000100``... Every capture stays reachable. Scalars
+keep 1000 samples and are not paged; their groups start with ``~`` so that
+VisualDL, which sorts groups by name, lists them after the user's own curves.
 """
 
 from __future__ import annotations
@@ -16,9 +18,44 @@ from typing import Any
 
 from ..escape import vdl_tag
 
-__all__ = ["VisualDLSink", "png_to_array", "encode_like_visualdl", "PAGE"]
+__all__ = ["VisualDLSink", "TagPages", "png_to_array", "encode_like_visualdl", "PAGE", "SCALAR_GROUP",
+           "LAYER_NORM_GROUP"]
 
 PAGE = 10  # VisualDL's per-tag sample budget for images and text
+#: Scalar groups: '~' sorts after letters, digits and '_' in VisualDL's group order
+SCALAR_GROUP = "~backward_graph"
+LAYER_NORM_GROUP = "~grad_norm"
+
+
+class TagPages:
+    """Page tags, ten samples a page, each page named by its first sample's step.
+
+    Pages are given out in capture order (the data thread), so a page's name
+    tells the steps it holds even when its pictures are drawn out of order.
+
+    Example:
+        >>> pages = TagPages()
+        >>> [pages.tag("backward_graph", s) for s in (1, 10, 20)][-1]
+        'backward_graph/from_step_000001'
+        >>> [pages.tag("backward_graph", s) for s in range(30, 110, 10)][-1]
+        'backward_graph/from_step_000100'
+        >>> pages.tag("backward_graph/trigger_grad_spike", 7)
+        'backward_graph/trigger_grad_spike_from_step_000007'
+    """
+
+    def __init__(self) -> None:
+        self._counts: dict[str, int] = defaultdict(int)
+        self._current: dict[str, str] = {}
+
+    def tag(self, base: str, step: int) -> str:
+        """The tag for the next sample of ``base`` (a group, or ``group/name``) at ``step``."""
+        base = vdl_tag(base)
+        n = self._counts[base]
+        self._counts[base] = n + 1
+        if n % PAGE == 0:
+            sep = "_" if "/" in base else "/"
+            self._current[base] = f"{base}{sep}from_step_{int(step):06d}"
+        return self._current[base]
 
 
 def png_to_array(png: bytes) -> Any:
@@ -53,27 +90,17 @@ class VisualDLSink:
         from visualdl import LogWriter
 
         self._writer = LogWriter(logdir=run_dir, display_name=display_name)
-        self._counts: dict[str, int] = defaultdict(int)
         self._scalar_tags: dict[str, str] = {}  # raw name -> tag, unique per raw name
         self._tag_owner: dict[str, str] = {}  # tag -> the raw name that has it
         self.file_name = self._writer.file_name
 
-    def paged_tag(self, base: str) -> str:
-        """The tag for the next sample of ``base``, turning pages every 10."""
-        base = vdl_tag(base)
-        n = self._counts[base]
-        self._counts[base] = n + 1
-        return f"{base}/p{n // PAGE:03d}"
-
-    def image(self, base: str, array: Any, step: int) -> str:
-        tag = self.paged_tag(base)
+    def image(self, tag: str, array: Any, step: int) -> None:
+        """One image sample under ``tag`` (a :class:`TagPages` tag)."""
         self._writer.add_image(tag=tag, img=array, step=step)
-        return tag
 
-    def text(self, base: str, text: str, step: int) -> str:
-        tag = self.paged_tag(base)
+    def text(self, tag: str, text: str, step: int) -> None:
+        """One text sample under ``tag`` (a :class:`TagPages` tag)."""
         self._writer.add_text(tag=tag, text_string=text, step=step)
-        return tag
 
     def scalars(self, values: dict[str, float | None], step: int) -> None:
         for tag, value in values.items():

@@ -9,6 +9,7 @@ var vp = document.getElementById("viewport");
 var note = document.getElementById("viewer-note");
 var mode = document.getElementById("mode");
 var hl = document.getElementById("highlight");
+var norms = document.getElementById("norms");
 var runSel = document.getElementById("run-select");
 var run = 0, idx = -1, scale = 1, tx = 0, ty = 0, userView = false;
 
@@ -36,7 +37,8 @@ function autoView(){  // readable: fit, but no smaller than 100% while the width
   var sz = svgSize(); if (!sz) return;
   var all = Math.min(vp.clientWidth / sz[0], vp.clientHeight / sz[1]);
   place(Math.min(1.5, Math.max(all, Math.min(1, vp.clientWidth / sz[0]))) * 0.96);
-  var mark = stage.querySelector(".pvh-added, .pvh-removed, .pvh-ratio-up, .pvh-ratio-down");
+  var mark = stage.querySelector(norms.checked ? ".pvh-added, .pvh-removed, .pvh-ratio-up, .pvh-ratio-down"
+                                               : ".pvh-added, .pvh-removed");
   if (!mark) return;
   var v = vp.getBoundingClientRect(), m = mark.getBoundingClientRect();
   if (m.top >= v.top && m.bottom <= v.bottom) return;
@@ -55,12 +57,15 @@ function show(r, i){
   slider.max = String(steps.length - 1);
   slider.value = String(i);
   label.textContent = "step " + st.step + "  (" + (i + 1) + " of " + steps.length + ")";
-  var useDiff = hl.checked && st.diff !== null;
+  // structure changes by default; gradient-norm colouring only when asked for
+  var useDiff = st.diff !== null && ((hl.checked && st.changed) || norms.checked);
   var svg = useDiff ? DATA.svgs[st.diff] : (st.svg !== null ? DATA.svgs[st.svg] : null);
   stage.innerHTML = svg === null ? "" : svg;
+  stage.classList.toggle("no-norms", !norms.checked);
   var s = stage.querySelector("svg");
   if (s) { var sz = svgSize(); s.style.width = sz[0] + "px"; s.style.height = sz[1] + "px"; }
-  mode.textContent = useDiff ? "changes since step " + steps[i - 1].step : (st.svg === null ? "no drawing" : "graph");
+  mode.textContent = !useDiff ? (st.svg === null ? "no drawing" : "graph")
+    : (norms.checked ? "changes since step " : "structure changed since step ") + steps[i - 1].step;
   mode.className = useDiff ? "diff" : "";
   note.textContent = svg === null ? "No drawing for this step (see the panel)." : "wheel: zoom, drag: pan, F: fit all, 1: 100%, A: automatic view";
   document.getElementById("panel-" + r + "-" + i).hidden = false;
@@ -88,6 +93,11 @@ function buildStrip(){
 }
 slider.addEventListener("input", function(){ show(run, parseInt(slider.value, 10)); });
 hl.addEventListener("change", function(){ show(run, idx); });
+norms.addEventListener("change", function(){ show(run, idx); });
+// a used control gives the keyboard back to the viewer (arrows step, F/1/A zoom)
+document.querySelectorAll("header button, header input[type=checkbox], header select").forEach(function(c){
+  c.addEventListener(c.tagName === "SELECT" ? "change" : "click", function(){ c.blur(); });
+});
 document.getElementById("fit").addEventListener("click", function(){ userView = true; fit(); });
 document.getElementById("prev").addEventListener("click", function(){ show(run, idx - 1); });
 document.getElementById("next").addEventListener("click", function(){ show(run, idx + 1); });
@@ -100,8 +110,10 @@ document.querySelectorAll("button.jump").forEach(function(b){
   });
 });
 document.addEventListener("keydown", function(e){
-  var t = e.target && e.target.tagName;
-  if (t === "INPUT" || t === "SELECT" || t === "TEXTAREA") return;
+  var t = e.target;
+  if (t && (t.tagName === "TEXTAREA" || t.tagName === "SELECT" ||
+            (t.tagName === "INPUT" && !/^(range|checkbox|radio|button)$/.test(t.type)))) return;
+  if (t === slider && (e.key === "ArrowRight" || e.key === "ArrowLeft")) return;  // the slider steps itself
   if (e.key === "ArrowRight") { show(run, idx + 1); e.preventDefault(); }
   else if (e.key === "ArrowLeft") { show(run, idx - 1); e.preventDefault(); }
   else if (e.key === "f" || e.key === "F" || e.key === "0") { userView = true; fit(); }

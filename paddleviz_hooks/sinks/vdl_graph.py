@@ -1,0 +1,292 @@
+"""A captured graph as a VisualDL Graphs-tab file (interactive, one per capture).
+
+VisualDL's **Graphs** tab shows any directory under ``--logdir`` that holds
+a file named ``vdlgraph.*`` (the JSON model format of its own ``add_graph``)
+as one entry of its "Choose a model" list, labelled by the directory's last
+path component. Layers become collapsible boxes (``/`` in node names), an
+edge is drawn where one node's output variable is another's input, and a
+click on a node lists its attributes. See ``docs/visualdl.md``.
+
+Here every layer is a box (its first view shows the top-level layers), every
+call of a layer that ran more than once is a box of its own, parameters sit
+in their layer, the loss is the graph's input, edges are labelled with the
+gradient's shape and norm, and each node carries the gradient it received.
+The first node with a non-finite gradient is flagged in its type.
+
+Example:
+    >>> from paddleviz_hooks.graph import BackwardGraph, Edge, GradMeta, Node
+    >>> g = BackwardGraph(
+    ...     nodes=[Node(0, "root", "loss", "loss"),
+    ...            Node(1, "op", "MatmulGradNode", "Matmul", layer="fc", hooked=True),
+    ...            Node(2, "param", "GradNodeAccumulation", "Parameter", param="fc.weight")],
+    ...     edges=[Edge(0, 1, grad=GradMeta((), "float32", norm=1.0)),
+    ...            Edge(1, 2, grad=GradMeta((3, 2), "float32", norm=2.0))],
+    ...     layers={"": "Net", "fc": "Linear"})
+    >>> data = vdl_graph(g)
+    >>> sorted(n["name"] for n in data["nodes"])
+    ['/', '/fc', '/fc/Matmul', '/fc/weight', '/loss']
+    >>> [v["shape"] for v in data["vars"]]
+    [['[] f32 |g| 1'], ['[3, 2] f32 |g| 2']]
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import time
+from collections import defaultdict
+from typing import Any
+
+from .._fileio import atomic_write
+from ..escape import vdl_graph_name
+from ..graph import BackwardGraph, GradMeta, Node
+from ..text import NOT_OBSERVED, edge_lines, fmt_num, layer_name
+
+__all__ = ["vdl_graph", "write_vdl_graph", "VDL_GRAPH_VERSION"]
+
+VDL_GRAPH_VERSION = "1.0.0"  # the version string VisualDL's own add_graph writes
+_CAMEL = re.compile(r"(?<=[a-z0-9])(?=[A-Z])")
+
+
+def _op_type(op: str) -> str:
+    """``Matmul`` -> ``matmul_grad``: Paddle's op names, so VisualDL colours them like Paddle ops."""
+    return _CAMEL.sub("_", op.replace("PyLayer:", "pylayer_")).lower().replace(".", "_") + "_grad"
+
+
+def _exact(v: float | None) -> str:
+    """A float in full (the shortest text that reads back as the same number)."""
+    return fmt_num(v) if v is None or not math.isfinite(v) else repr(float(v))
+
+
+class _Tree:
+    """Node paths: every name URL-safe and unique among its siblings."""
+
+    def __init__(self) -> None:
+        self.nodes: dict[str, dict[str, Any]] = {}
+        self._taken: dict[str, set[str]] = defaultdict(set)
+        self._made: dict[tuple[str, Any], str] = {}
+        self.add("/", None, "backward graph", "backward_graph", leaf=False)
+
+    def child(self, parent: str, key: Any, text: str, type_: str, *, leaf: bool, show: str = "") -> str:
+        """The path of ``parent``'s child ``key`` (made on first use, named after ``text``;
+        ``show``: the title of an opened box, default ``text``)."""
+        made = self._made.get((parent, key))
+        if made is not None:
+            return made
+        base = vdl_graph_name(text)
+        name, k = base, 1
+        while name in self._taken[parent]:
+            k += 1
+            name = f"{base}_{k}"
+        self._taken[parent].add(name)
+        path = ("" if parent == "/" else parent) + "/" + name
+        self._made[(parent, key)] = path
+        self.add(path, parent, show or text, type_, leaf=leaf)
+        return path
+
+    def add(self, path: str, parent: str | None, show: str, type_: str, *, leaf: bool) -> None:
+        self.nodes[path] = {
+            "name": path, "show_name": show, "type": type_, "attrs": {}, "attr_types": {},
+            "input_vars": {}, "output_vars": {}, "children_node": [], "is_leaf_node": leaf,
+            "parent_node": parent or "", "input_nodes": [], "output_nodes": [],
+            "edge_input_nodes": [], "edge_output_nodes": [],
+        }
+        if parent is not None:
+            self.nodes[parent]["children_node"].append(path)
+
+    def ancestors(self, path: str) -> list[str]:
+        """Boxes holding ``path``, innermost first, without the root."""
+        out = []
+        parent = self.nodes[path]["parent_node"]
+        while parent and parent != "/":
+            out.append(parent)
+            parent = self.nodes[parent]["parent_node"]
+        return out
+
+
+def _set(node: dict[str, Any], key: str, value: Any) -> None:
+    node["attrs"][key] = str(value)
+    node["attr_types"][key] = "STRING"
+
+
+def _grad_attrs(node: dict[str, Any], metas: list[GradMeta | None]) -> None:
+    """The gradient a node received (one value per incoming gradient, ``; ``-separated)."""
+    if not metas:
+        return
+    if len(metas) > 1:
+        _set(node, "grads in", f"{len(metas)} (values listed in that order)")
+
+    def each(fn) -> str:
+        return "; ".join(NOT_OBSERVED if m is None else fn(m) for m in metas)
+
+    _set(node, "shape", each(lambda m: "?" if m.shape is None else "[" + ", ".join(map(str, m.shape)) + "]"))
+    _set(node, "dtype", each(lambda m: m.dtype or "?"))
+    if any(m is not None and m.norm is not None for m in metas):
+        _set(node, "norm", each(lambda m: _exact(m.norm)))
+        _set(node, "min", each(lambda m: _exact(m.min)))
+        _set(node, "max", each(lambda m: _exact(m.max)))
+        _set(node, "NaN", each(lambda m: str(m.nan)))
+        _set(node, "Inf", each(lambda m: str(m.inf)))
+
+
+def _layer_of(graph: BackwardGraph, n: Node) -> str | None:
+    """Dotted layer path a node belongs in; a parameter goes to the layer that owns it."""
+    if n.kind == "param" and n.param is not None:
+        owner = n.param.rpartition(".")[0]
+        return owner if owner in graph.layers else (None if graph.layers else owner)
+    return n.layer if n.kind == "op" else None
+
+
+def vdl_graph(graph: BackwardGraph) -> dict[str, Any]:
+    """VisualDL's graph JSON (``{"version", "nodes", "vars", "edges"}``) for one capture.
+
+    Args:
+        graph: a full captured graph (not collapsed).
+
+    Returns:
+        A dict that VisualDL's ``visualdl.component.graph.Model`` loads.
+    """
+    tree = _Tree()
+    calls: dict[str | None, set[int]] = defaultdict(set)
+    for n in graph.nodes:
+        if n.kind == "op":
+            calls[n.layer].add(n.call)
+    norms: dict[str, list[float]] = defaultdict(list)  # box path -> its parameters' gradient norms
+
+    def layer_box(layer: str | None, call: int | None) -> str:
+        if layer is None:
+            return "/"
+        path = "/"
+        if layer:
+            parts = layer.split(".")
+            for i, part in enumerate(parts):
+                dotted = ".".join(parts[: i + 1])
+                cls = graph.layers.get(dotted, "Layer")
+                path = tree.child(path, ("layer", part), part, f"{part} ({cls})", leaf=False,
+                                  show=f"{dotted} ({cls})")
+                box = tree.nodes[path]
+                if "layer" not in box["attrs"]:
+                    _set(box, "layer", dotted)
+                    _set(box, "class", graph.layers.get(dotted, "?"))
+        if call is not None and len(calls.get(layer, ())) > 1:
+            n_calls = len(calls[layer])
+            path = tree.child(path, ("call", call), f"call{call + 1}",
+                              f"call {call + 1} of {n_calls} ({graph.layers.get(layer, 'Layer')})", leaf=False,
+                              show=f"{layer_name(layer)} call {call + 1} of {n_calls}")
+            _set(tree.nodes[path], "call", f"{call + 1} of {n_calls}")
+        return path
+
+    # leaves
+    leaf: dict[int, str] = {}
+    for n in graph.nodes:
+        if n.kind == "root":
+            path = tree.child("/", ("node", n.id), n.name or "loss", "feed", leaf=True)
+        elif n.kind == "param":
+            layer = _layer_of(graph, n)
+            box = layer_box(layer, None)
+            short = (n.param or "parameter").rpartition(".")[2] if layer is not None else (n.param or "parameter")
+            path = tree.child(box, ("node", n.id), short, f"{short} (parameter)", leaf=True)
+            _set(tree.nodes[path], "param", n.param or "?")
+            if n.grad is not None and n.grad.norm is not None:
+                for b in [box] + tree.ancestors(box) if box != "/" else []:
+                    norms[b].append(n.grad.norm)
+        elif n.kind == "op":
+            box = layer_box(n.layer, n.call)
+            path = tree.child(box, ("node", n.id), n.op or n.name, _op_type(n.op or n.name), leaf=True)
+            where = layer_name(n.layer) if n.layer is not None else "outside the model"
+            if len(calls.get(n.layer, ())) > 1:
+                where += f" (call {n.call + 1})"
+            node = tree.nodes[path]
+            _set(node, "op", n.op)
+            _set(node, "paddle", n.name)
+            _set(node, "layer", where)
+            if not n.hooked:
+                _set(node, "observed", "no" + (f": {n.note}" if n.note else ""))
+        else:  # an input leaf, or a node kind this version does not know
+            path = tree.child("/", ("node", n.id), n.kind, n.kind, leaf=True)
+        leaf[n.id] = path
+        _set(tree.nodes[path], "key", n.key or n.id)
+
+    # gradients: one variable per edge; boxes list those crossing their border
+    inn: dict[int, list[GradMeta | None]] = defaultdict(list)
+    variables, edges = [], []
+    stats = any(e.grad is not None and e.grad.norm is not None for e in graph.edges)
+    names = _Tree()  # variable names: the loss's gradient is named after the loss (the graph's input)
+    for i, e in enumerate(graph.edges):
+        first = graph.nodes[e.src]
+        var = names.child("/", i, first.name or "loss", "", leaf=True)[1:] if first.kind == "root" else f"grad_{i}"
+        src, dst = leaf[e.src], leaf[e.dst]
+        label = " ".join(edge_lines(e.grad, stats))
+        variables.append({
+            "name": var, "shape": [label], "type": "gradient",
+            "dtype": (e.grad.dtype if e.grad is not None else None) or "?", "value": [],
+            "persistable": False, "attrs": {}, "from_node": src, "to_nodes": [dst],
+        })
+        edges.append({"from_node": src, "to_node": dst, "vars": [var], "label": label})
+        inn[e.dst].append(e.grad)
+        s, d = tree.nodes[src], tree.nodes[dst]
+        s["output_vars"].setdefault("grad_out", []).append(var)
+        d["input_vars"].setdefault("grad_in", []).append(var)
+        s["output_nodes"].append(dst)
+        d["input_nodes"].append(src)
+        s["edge_output_nodes"].append(dst)
+        d["edge_input_nodes"].append(src)
+        up_s, up_d = tree.ancestors(src), tree.ancestors(dst)
+        for box in set(up_s) - set(up_d):
+            tree.nodes[box]["output_vars"].setdefault("Y", []).append(var)
+            tree.nodes[box]["output_nodes"].append(dst)
+        for box in set(up_d) - set(up_s):
+            tree.nodes[box]["input_vars"].setdefault("X", []).append(var)
+            tree.nodes[box]["input_nodes"].append(src)
+
+    for n in graph.nodes:
+        node = tree.nodes[leaf[n.id]]
+        if n.kind == "param" and n.grad is not None:
+            _grad_attrs(node, [n.grad])  # what this backward added to param.grad
+        elif n.kind != "root":
+            _grad_attrs(node, inn.get(n.id, []))
+    for box, values in norms.items():
+        _set(tree.nodes[box], "param |g|", _exact(math.sqrt(sum(v * v for v in values))))
+
+    sites = graph.nonfinite_sites()
+    if sites:
+        node = tree.nodes[leaf[sites[0].id]]
+        node["type"] = "NaN origin: " + node["type"]
+        _set(node, "NaN origin", "first node to pass on a NaN/Inf gradient")
+    origin = graph.meta.get("nonfinite_origin")
+    if isinstance(origin, dict):
+        where = " ".join(str(origin[k]) for k in ("op", "layer") if origin.get(k))
+        at = f"{origin.get('file')}:{origin.get('line')}" if origin.get("file") else ""
+        text = " ".join(x for x in (where, at, str(origin.get("code") or "")) if x) or "unknown"
+        target = "/" if not origin.get("layer") else layer_box(str(origin["layer"]), None)
+        if target != "/":
+            tree.nodes[target]["type"] = "NaN origin: " + tree.nodes[target]["type"]
+        _set(tree.nodes[target], "NaN from", text)
+        if sites:
+            _set(tree.nodes[leaf[sites[0].id]], "NaN from", text)
+
+    return {"version": VDL_GRAPH_VERSION, "nodes": list(tree.nodes.values()), "vars": variables, "edges": edges}
+
+
+def write_vdl_graph(directory: str, graph: BackwardGraph) -> str:
+    """Write one capture's Graphs-tab file into ``directory`` (its own: one graph per directory).
+
+    The file appears whole or not at all (written under a temporary name
+    VisualDL ignores, then renamed).
+
+    Args:
+        directory: created if missing; its last path component is the
+            capture's label in VisualDL's "Choose a model" list.
+        graph: the captured graph.
+
+    Returns:
+        The path of the ``vdlgraph.<unix seconds>.log`` file written.
+
+    Raises:
+        OSError: the directory cannot be written.
+    """
+    os.makedirs(directory, exist_ok=True)
+    text = json.dumps(vdl_graph(graph), allow_nan=False, separators=(",", ":"))
+    return atomic_write(os.path.join(directory, f"vdlgraph.{int(time.time()):010d}.log"), text)
