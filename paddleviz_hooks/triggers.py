@@ -2,8 +2,9 @@
 
 * ``nonfinite_loss``: the loss is NaN/Inf when its backward starts; that
   backward is captured.
-* ``nonfinite_grad``: the loss was finite but a gradient turned NaN/Inf; the
-  next step is captured.
+* ``nonfinite_grad``: the loss was finite but a gradient turned NaN/Inf
+  (checked after the backward, before the optimizer step); the recorder
+  captures that same step by replaying it, or the next step when it cannot.
 * ``grad_spike``: the global gradient norm exceeded ``on_grad_spike`` times
   the running median; the next step is captured.
 * ``structure_change``: the graph differs from the last capture's.
@@ -122,22 +123,38 @@ class Triggers:
             self.captured_now = True
         return trigger
 
-    def after_backward(self, step: int, params: Any) -> None:
-        """After every backward: watch the gradients (non-finite, spikes)."""
+    def after_backward(self, step: int, params: Any, can_replay: bool = False) -> str | None:
+        """After every backward: watch the gradients (non-finite, spikes).
+
+        Args:
+            step: the step.
+            params: the model's parameters (their ``grad`` is read).
+            can_replay: whether the caller can capture this step by replaying it.
+
+        Returns:
+            ``"nonfinite_grad"`` when the caller is to capture this very step
+            (by a replay), else None.
+        """
         opts = self.options
         if not opts.on_nonfinite and opts.on_grad_spike is None:
-            return
+            return None
         norm = global_grad_norm(params)
         if norm is None:
-            return
+            return None
         if not math.isfinite(norm):
             # a NaN/Inf loss is the nonfinite_loss trigger's (its gradients are
             # NaN too); notices only for a capture that will really happen
-            if (opts.on_nonfinite and not self.captured_now and not self._loss_nonfinite
-                    and self._can_fire("nonfinite_grad", step + 1)):
-                self._pending = ("nonfinite_grad", step)
-                self._notice(f"non-finite gradients at step {step} with a finite loss; capturing step {step + 1}")
-            return
+            if opts.on_nonfinite and not self.captured_now and not self._loss_nonfinite:
+                if can_replay and self._fire("nonfinite_grad", step):
+                    self.captured_now = True
+                    self._notice(f"non-finite gradients at step {step} with a finite loss; "
+                                 f"capturing step {step} (replayed before the update)")
+                    return "nonfinite_grad"
+                if self._can_fire("nonfinite_grad", step + 1):
+                    self._pending = ("nonfinite_grad", step)
+                    self._notice(f"non-finite gradients at step {step} with a finite loss; "
+                                 f"capturing step {step + 1}")
+            return None
         if opts.on_grad_spike is not None and len(self._norms) >= 5:
             median = statistics.median(self._norms)
             if (median > 0 and norm > opts.on_grad_spike * median and not self.captured_now
@@ -146,3 +163,4 @@ class Triggers:
                 self._notice(f"gradient norm {norm:.4g} at step {step} is {norm / median:.1f}x the running "
                              f"median {median:.4g}; capturing step {step + 1}")
         self._norms.append(norm)
+        return None
