@@ -407,6 +407,13 @@ class BackwardGraphRecorder:
             self._warn("replay-empty", f"replaying step {self.global_step} gave no backward graph")
             return
         graph = cap.graphs[-1]
+        if not graph.nonfinite_count():
+            # the forward depends on more than its inputs and the RNG (a counter...):
+            # a finite replay would misrepresent the step; capture the next one instead
+            self._triggers.defer(self.global_step)
+            self._notice(f"the replay of step {self.global_step} did not reproduce its NaN/Inf gradients; "
+                         f"capturing step {self.global_step + 1}")
+            return
         graph.meta.pop("loss", None)  # its root is the model's output, not the loss
         for n in graph.nodes:
             if n.kind == "root":

@@ -224,6 +224,10 @@ def describe_origin(origin: dict[str, Any]) -> str:
     if kind == "input":
         return "NaN/Inf already in the input data (the batch given to the model)"
     op, layer = origin.get("op"), origin.get("layer")
+    if kind == "weights":
+        cls = f" ({origin['layer_class']})" if origin.get("layer_class") else ""
+        return (f"NaN/Inf already in the weights, first in layer '{layer_name(layer)}'{cls}: "
+                "an earlier update wrote it")
     if kind == "forward":
         where = f" in layer '{layer_name(layer)}'" if layer is not None else f" {OUTSIDE_MODEL}"
         if origin.get("layer_class"):

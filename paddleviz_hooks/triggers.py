@@ -69,6 +69,7 @@ class Triggers:
         self.note: str | None = None  # why a pending trigger fired, for the capture's record
         self.captured_now = False
         self._loss_nonfinite = False
+        self._fired_before: int | None = None
 
     def new_step(self) -> None:
         self.captured_now = False
@@ -123,6 +124,15 @@ class Triggers:
             self.captured_now = True
         return trigger
 
+    def defer(self, step: int) -> None:
+        """The same-step capture of ``nonfinite_grad`` at ``step`` could not be made: capture the next step."""
+        if self._fired_before is None:
+            self._last_fired.pop("nonfinite_grad", None)
+        else:
+            self._last_fired["nonfinite_grad"] = self._fired_before
+        if self._can_fire("nonfinite_grad", step + 1):
+            self._pending = ("nonfinite_grad", step)
+
     def after_backward(self, step: int, params: Any, can_replay: bool = False) -> str | None:
         """After every backward: watch the gradients (non-finite, spikes).
 
@@ -145,6 +155,7 @@ class Triggers:
             # a NaN/Inf loss is the nonfinite_loss trigger's (its gradients are
             # NaN too); notices only for a capture that will really happen
             if opts.on_nonfinite and not self.captured_now and not self._loss_nonfinite:
+                self._fired_before = self._last_fired.get("nonfinite_grad")
                 if can_replay and self._fire("nonfinite_grad", step):
                     self.captured_now = True
                     self._notice(f"non-finite gradients at step {step} with a finite loss; "

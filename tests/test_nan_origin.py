@@ -292,6 +292,7 @@ def test_find_nonfinite_origin_restores_rng_batchnorm_and_the_users_flags(capfd)
         state = paddle.get_rng_state()
         bn = {k: v.numpy().tobytes() for k, v in net.state_dict().items()}
         _assert_sqrt_origin(find_nonfinite_origin(net, x))
+        assert find_nonfinite_origin(net, -x) is None  # a finite forward: dropout draws, BatchNorm updates
         after = _next_draw()
         paddle.set_rng_state(state)
         assert _next_draw() == after  # the replay's dropout draws were given back

@@ -54,6 +54,8 @@ ORIGIN_KEYS = ("kind", "op", "layer", "layer_class", "file", "line", "code", "ke
 
 #: ``forward``: an op of the model's forward made it (op, layer, file, line, code);
 #: ``input``: the batch itself holds NaN/Inf;
+#: ``weights``: a parameter already holds NaN/Inf (an earlier update wrote it;
+#: ``layer`` is the layer of the first such parameter);
 #: ``outside``: the model's outputs were finite, so the loss function (or the
 #: labels) made it; ``op``/``layer`` name the first non-finite gradient;
 #: ``backward``: the forward is finite everywhere; the NaN/Inf is made in the
@@ -61,7 +63,7 @@ ORIGIN_KEYS = ("kind", "op", "layer", "layer_class", "file", "line", "code", "ke
 #: ``not_reproduced``: the replay of the step was finite although the step was
 #: not (the forward depends on more than its inputs and the RNG, e.g. a
 #: counter); ``op``/``layer`` name the first non-finite gradient, if any.
-KINDS = ("forward", "input", "outside", "backward", "not_reproduced")
+KINDS = ("forward", "input", "weights", "outside", "backward", "not_reproduced")
 
 _FLAGS = ("FLAGS_check_nan_inf", "FLAGS_check_nan_inf_level")
 _PADDLE_DIR = os.path.dirname(os.path.abspath(paddle.__file__)) + os.sep
@@ -297,6 +299,11 @@ def locate(layer: paddle.nn.Layer, kept: StepInputs, graph: BackwardGraph | None
     """
     if has_nonfinite((kept.args, kept.kwargs)):
         return _origin("input")
+    for name, p in layer.named_parameters():
+        if not p.stop_gradient and has_nonfinite(p):
+            owner = strip_wrapper_prefix(name).rpartition(".")[0]
+            sub = dict(layer.named_sublayers(include_self=True)).get(name.rpartition(".")[0])
+            return _origin("weights", layer=owner, layer_class=type(sub).__name__ if sub is not None else None)
     found = _checked_forward(layer, kept.args, kept.kwargs, kept.rng)
     if found is not None:
         found["key"] = _node_key(graph, found)
