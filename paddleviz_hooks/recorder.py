@@ -175,6 +175,7 @@ class BackwardGraphRecorder:
         self._watch: BackwardCapture | None = None
         self._kept: StepInputs | None = None  # the step's inputs, for replays (on_nonfinite)
         self._replaying = False
+        self._replay_trigger: str | None = None  # a NaN loss seen when its backward started
         self._pipeline: CapturePipeline | None = None
         # this step: graphs waiting for its end, backwards seen (per entry), micro-batches announced
         self._pending: list[BackwardGraph] = []
@@ -236,7 +237,7 @@ class BackwardGraphRecorder:
                 self._kept = None
                 self._warn("keep-inputs", f"NaN/Inf origins will not be located: {exc!r}")
         if opts.watching:
-            self._watch = self._new_capture()
+            self._watch = self._new_capture(watch=True)
             try:
                 self._watch.__enter__()
             except Exception as exc:
@@ -315,7 +316,7 @@ class BackwardGraphRecorder:
             self._kept.reset()
         if self.options.scheduled(step) and self._budget_left():
             self._armed = "scheduled"
-            if self._watch is None:
+            if self._watch is None or not self._watch_names_layers:
                 self._step_capture = self._new_capture()
                 try:
                     self._step_capture.__enter__()
@@ -367,14 +368,29 @@ class BackwardGraphRecorder:
         if self.options.verbose:
             print(f"[paddleviz-hooks] {text}")
 
-    def _new_capture(self) -> BackwardCapture:
+    @property
+    def _watch_names_layers(self) -> bool:
+        """Whether the trigger watch keeps layer-attribution hooks on every step.
+
+        Only triggers that capture the real backward need them (a gradient spike
+        captures the next step, a structure change the step itself). NaN/Inf
+        steps are captured by replaying them, with attribution for that replay
+        only, so ``on_nonfinite`` alone costs next to nothing per step.
+        """
+        opts = self.options
+        return opts.on_grad_spike is not None or opts.on_structure_change or self._kept is None
+
+    def _new_capture(self, watch: bool = False) -> BackwardCapture:
+        """The trigger watch (``watch=True``) or a scheduled step's capture."""
+        names = not watch or self._watch_names_layers
         return BackwardCapture(
-            self.model,
+            self.model if names else None,
+            params=None if names else self.model,
             grad_stats=self.options.grad_stats,
             on_graph=self._on_graph,
             keep_graphs=False,
-            when=self._decide,
-            after_backward=self._after_backward if self.options.watching else None,
+            when=self._decide_watch if watch else self._decide,
+            after_backward=self._after_backward if watch else None,
             warn=self._warn,  # one warning per cause for the whole run
         )
 
@@ -383,15 +399,32 @@ class BackwardGraphRecorder:
         self._seen.append(cap.entry_now if cap is not None else "backward")
         return self._triggers.decide(self.global_step, self._armed, roots, walk)
 
+    def _decide_watch(self, roots: list[Any], walk: Any) -> str | None:
+        if self._step_capture is not None:
+            return None  # this step's own capture (naming layers) decides and captures
+        trigger = self._decide(roots, walk)
+        kept = self._kept
+        if (trigger == "nonfinite_loss" and not self._watch_names_layers and kept is not None and kept.seen
+                and kept.hooked):
+            self._replay_trigger = trigger  # captured by a replay when this backward is over
+            return None
+        return trigger
+
     def _after_backward(self, ok: bool) -> None:
-        if not ok or self.model is None or self._replaying:
+        if self._replaying:
+            return
+        pending, self._replay_trigger = self._replay_trigger, None
+        if not ok or self.model is None:
+            return
+        if pending is not None:
+            self._capture_replayed(pending)
             return
         kept = self._kept
         can_replay = kept is not None and kept.seen and bool(kept.out_grads)
         if self._triggers.after_backward(self.global_step, self.model.parameters(), can_replay):
-            self._capture_replayed()
+            self._capture_replayed("nonfinite_grad")
 
-    def _capture_replayed(self) -> None:
+    def _capture_replayed(self, trigger: str) -> None:
         """Capture this step by replaying its forward and backward (param.grad untouched)."""
         cap = BackwardCapture(self.model, grad_stats=self.options.grad_stats, warn=self._warn)
         self._replaying = True
@@ -407,7 +440,7 @@ class BackwardGraphRecorder:
             self._warn("replay-empty", f"replaying step {self.global_step} gave no backward graph")
             return
         graph = cap.graphs[-1]
-        if not graph.nonfinite_count():
+        if trigger == "nonfinite_grad" and not graph.nonfinite_count():
             # the forward depends on more than its inputs and the RNG (a counter...):
             # a finite replay would misrepresent the step; capture the next one instead
             self._triggers.defer(self.global_step)
@@ -415,10 +448,12 @@ class BackwardGraphRecorder:
                          f"capturing step {self.global_step + 1}")
             return
         graph.meta.pop("loss", None)  # its root is the model's output, not the loss
+        if self._triggers.loss is not None:
+            graph.meta["loss"] = self._triggers.loss  # the step's real loss
         for n in graph.nodes:
             if n.kind == "root":
                 n.name = n.op = MODEL_OUTPUT
-        graph.meta.update(trigger="nonfinite_grad", replayed=True)
+        graph.meta.update(trigger=trigger, replayed=True)
         self._on_graph(graph)
 
     def _locate(self, graph: BackwardGraph, trigger: str) -> None:

@@ -238,7 +238,10 @@ def describe_origin(origin: dict[str, Any]) -> str:
             if origin.get("code"):
                 at += f": {origin['code']}"
         return f"NaN/Inf first produced by op '{op}'{where}{at}"
-    first = f"first non-finite gradient at {op} {node_where(layer)}" if op else "no non-finite gradient observed"
+    if op == MODEL_OUTPUT:  # a replayed step: NaN/Inf reached the model with the loss's gradient
+        first = f"first non-finite gradient at the {MODEL_OUTPUT}"
+    else:
+        first = f"first non-finite gradient at {op} {node_where(layer)}" if op else "no non-finite gradient observed"
     if kind == "outside":
         return f"the model's forward is finite: NaN/Inf made {OUTSIDE_MODEL} (loss function or labels); {first}"
     if kind == "backward":

@@ -25,7 +25,7 @@ import paddle
 from .capture import structure_fingerprint
 from .options import RecorderOptions
 
-__all__ = ["Triggers", "global_grad_norm"]
+__all__ = ["Triggers", "global_grad_norm", "grads_nonfinite"]
 
 
 def global_grad_norm(params: Any) -> float | None:
@@ -46,6 +46,27 @@ def global_grad_norm(params: Any) -> float | None:
         return None
     total = float(paddle.add_n(sq)) if len(sq) > 1 else float(sq[0])
     return math.sqrt(max(total, 0.0)) if not math.isnan(total) else math.nan
+
+
+def grads_nonfinite(params: Any) -> bool | None:
+    """Whether any initialised ``p.grad`` of ``params`` holds NaN/Inf (None without any).
+
+    One sum per gradient, summed on the device, one host transfer; a sum
+    that is not finite is confirmed per tensor, so finite gradients whose
+    sum overflows are not taken for NaN/Inf.
+    """
+    grads = []
+    for p in params:
+        g = p.grad
+        if g is not None and g._is_initialized():
+            grads.append(g if g.dtype in (paddle.float32, paddle.float64) else g.astype("float32"))
+    if not grads:
+        return None
+    sums = [g.sum() for g in grads]
+    total = float(paddle.add_n(sums)) if len(sums) > 1 else float(sums[0])
+    if math.isfinite(total):
+        return False
+    return any(not bool(paddle.isfinite(g).all()) for g in grads)
 
 
 class Triggers:
@@ -70,10 +91,12 @@ class Triggers:
         self.captured_now = False
         self._loss_nonfinite = False
         self._fired_before: int | None = None
+        self.loss: float | None = None  # the loss when this step's backward started (on_nonfinite)
 
     def new_step(self) -> None:
         self.captured_now = False
         self._loss_nonfinite = False
+        self.loss = None
 
     def _can_fire(self, trigger: str, step: int) -> bool:
         last = self._last_fired.get(trigger)
@@ -95,8 +118,8 @@ class Triggers:
             return armed
         opts = self.options
         trigger = None
-        loss_bad = (opts.on_nonfinite and len(roots) == 1 and roots[0].size == 1
-                    and not math.isfinite(float(roots[0])))
+        self.loss = float(roots[0]) if opts.on_nonfinite and len(roots) == 1 and roots[0].size == 1 else None
+        loss_bad = self.loss is not None and not math.isfinite(self.loss)
         self._loss_nonfinite = loss_bad
         if armed:
             trigger = armed
@@ -148,7 +171,13 @@ class Triggers:
         opts = self.options
         if not opts.on_nonfinite and opts.on_grad_spike is None:
             return None
-        norm = global_grad_norm(params)
+        if opts.on_grad_spike is None:
+            # NaN/Inf only: a plain sum per gradient reads each once (5.7 vs 23-26 ms
+            # for resnet50's 161 gradients with square().sum())
+            bad = grads_nonfinite(params)
+            norm = None if bad is None else (math.nan if bad else 0.0)
+        else:
+            norm = global_grad_norm(params)
         if norm is None:
             return None
         if not math.isfinite(norm):

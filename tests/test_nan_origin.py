@@ -159,15 +159,16 @@ def test_sqrt_in_a_sublayer_is_named_everywhere_and_training_is_bit_identical(tm
     o = g.meta["nonfinite_origin"]
     _assert_sqrt_origin(o)
     assert o["key"] == "op:block[0]/Sqrt#0" and o["key"] in g.node_by_key()
-    # gradients alone name the loss: the origin is the forward op, not that
-    assert g.nonfinite_sites()[0].op == "CrossEntropyWithSoftmax"
+    # replayed before the update (the model's part, from the gradient its output received):
+    # gradients alone would name the model output, NaN from the loss on; the origin is the forward op
+    assert g.meta["replayed"] is True and math.isnan(g.meta["loss"])
+    assert g.nonfinite_sites()[0].kind == "root" and g.nonfinite_sites()[0].op == "model output"
 
     text = describe_origin(o)
     assert text == (f"NaN/Inf first produced by op 'sqrt' in layer 'block' (SqrtBlock) at "
                     f"test_nan_origin.py:{line_of('sqrt')}: return paddle.sqrt(h)  # origin:sqrt")
     out = capsys.readouterr().out
-    assert f"captured step {K} (trigger: nonfinite_loss); {text}; first non-finite gradient at " \
-           "CrossEntropyWithSoftmax outside the model" in out
+    assert f"captured step {K} (trigger: nonfinite_loss); {text}; first non-finite gradient at model output" in out
     assert "[PRECISION]" not in out and "op=sqrt" not in out  # the checker's own line is swallowed
     texts = text_records(vdl_records(tmp_path / "vdl" / "backward_graph"), "summary")
     assert text in texts[K]

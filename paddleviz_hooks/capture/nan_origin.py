@@ -134,6 +134,7 @@ class StepInputs:
         self.rng: Any = None
         self.outputs: Any = None
         self.out_grads: dict[int, Any] = {}
+        self.hooked = 0  # outputs whose gradient is being kept
         self._recording = False
 
     @property
@@ -161,6 +162,7 @@ class StepInputs:
             for i, t in enumerate(tensors_in(outputs)):
                 if not t.stop_gradient and grad_fn(t) is not None:
                     t.register_hook(self._grad_hook(i))
+                    self.hooked += 1
         except Exception:
             pass
         return None
@@ -308,12 +310,13 @@ def locate(layer: paddle.nn.Layer, kept: StepInputs, graph: BackwardGraph | None
     if found is not None:
         found["key"] = _node_key(graph, found)
         return found
-    replay_finite = graph is not None and graph.meta.get("replayed") and not graph.nonfinite_count()
-    if has_nonfinite(kept.outputs) or replay_finite:
+    if has_nonfinite(kept.outputs):
         return _first_gradient("not_reproduced", graph)
     first = _first_gradient("backward", graph)
     if loss_nonfinite or (first["key"] is not None and first["layer"] is None):
         first["kind"] = "outside"
+    elif graph is not None and graph.meta.get("replayed") and not graph.nonfinite_count():
+        first["kind"] = "not_reproduced"
     return first
 
 
