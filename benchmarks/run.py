@@ -633,8 +633,9 @@ def nan_origin_rows(table: Table, quick: bool) -> None:
 
     from paddleviz_hooks import BackwardGraphRecorder, find_nonfinite_origin
     from paddleviz_hooks.capture.nan_origin import StepInputs, replay_step
+    from paddleviz_hooks.triggers import grads_nonfinite
 
-    blocks, per_block = (2, 4) if quick else (5, 6)
+    pairs = 12 if quick else 40
     with tempfile.TemporaryDirectory(prefix="pvh-bench-") as tmp:
         for name in ("encoder", "resnet50"):
             paddle.seed(0)
@@ -646,32 +647,47 @@ def nan_origin_rows(table: Table, quick: bool) -> None:
                 model = resnet50(num_classes=10)
                 x = paddle.randn([2, 3, 64, 64])
             opt = paddle.optimizer.SGD(learning_rate=1e-4, parameters=model.parameters())
+            rec = BackwardGraphRecorder(os.path.join(tmp, name), model, steps=[10**9], capture_first=False,
+                                        on_nonfinite=True, visualdl=False, formats=("json",), verbose=0)
 
-            def step(rec=None):
+            def step(with_rec: bool) -> float:
+                if with_rec:
+                    rec.open()  # hooks and patch go in outside the timed step
                 t = time.perf_counter()
-                with (rec.step() if rec is not None else _null()):
+                with (rec.step() if with_rec else _null()):
                     loss = model(x).mean()
                     loss.backward()
                 opt.step()
                 opt.clear_grad()
-                return time.perf_counter() - t
+                dt = time.perf_counter() - t
+                if with_rec:
+                    rec.close()
+                return dt
 
             for _ in range(2):
-                step()  # warm-up
-            none, ours = [], []
-            for b in range(blocks):  # alternate blocks so drift hits both alike
-                none += [step() for _ in range(per_block)]
-                rec = BackwardGraphRecorder(os.path.join(tmp, f"{name}{b}"), model, steps=[10**9],
-                                            capture_first=False, on_nonfinite=True, visualdl=False,
-                                            formats=("json",), verbose=0)
-                with rec:
-                    step(rec)  # the first step after opening is not timed
-                    ours += [step(rec) for _ in range(per_block)]
-                assert rec.captured_steps == []
+                step(False)
+                step(True)
+            none, ours, ratios = [], [], []
+            for i in range(pairs):  # adjacent pairs, order alternating: the machine's load drifts
+                first = bool(i % 2)
+                a, b = step(first), step(not first)
+                n, o = (b, a) if first else (a, b)
+                none.append(n)
+                ours.append(o)
+                ratios.append(o / n)
+            assert rec.captured_steps == []
             base, v = med(none), med(ours)
-            table.add(f"nan:{name}", "uncaptured step, on_nonfinite=True / none", f"{v / base:.3f}x",
-                      f"{v * 1000:.1f} vs {base * 1000:.1f} ms, {len(ours)} vs {len(none)} steps",
-                      ratio=v / base, seconds=v, base_seconds=base)
+            table.add(f"nan:{name}", "uncaptured step, on_nonfinite=True / none", f"{med(ratios):.3f}x",
+                      f"median of {pairs} adjacent pairs; {v * 1000:.1f} vs {base * 1000:.1f} ms median step, "
+                      f"fastest {min(ours) * 1000:.1f} vs {min(none) * 1000:.1f} ms",
+                      ratio=med(ratios), seconds=v, base_seconds=base)
+            loss = model(x).mean()
+            loss.backward()
+            check = min(timed(lambda: grads_nonfinite(model.parameters()))[0] for _ in range(5))
+            opt.clear_grad()
+            table.add(f"nan:{name}", "NaN/Inf check after backward / fastest plain step",
+                      f"{check / min(none):.3f}x", f"{check * 1000:.2f} ms (one sum per gradient)",
+                      ratio=check / min(none), seconds=check)
             locate = [timed(lambda: find_nonfinite_origin(model, x))[0] for _ in range(2 if quick else 3)]
             table.add(f"nan:{name}", "one locate (checked forward) / plain step", f"{med(locate) / base:.2f}x",
                       f"{fmt_s(med(locate))}", ratio=med(locate) / base, seconds=med(locate))
@@ -686,6 +702,15 @@ def nan_origin_rows(table: Table, quick: bool) -> None:
             table.add(f"nan:{name}", "replayed capture of the step / plain step", f"{med(replays) / base:.2f}x",
                       f"{fmt_s(med(replays))} (forward + backward under capture_backward)",
                       ratio=med(replays) / base, seconds=med(replays))
+            if name == "resnet50":  # the check reads every gradient once: its share shrinks as the input grows
+                big = paddle.randn([2, 3, 224, 224])
+                full = []
+                for _ in range(2 if quick else 3):
+                    dt, _ = timed(lambda: model(big).mean().backward())
+                    full.append(dt)
+                    opt.clear_grad()
+                table.add(f"nan:{name}", "NaN/Inf check / fastest plain step at 224x224", f"{check / min(full):.3f}x",
+                          f"{check * 1000:.2f} vs {min(full) * 1000:.0f} ms", ratio=check / min(full))
             del model, opt
 
 
