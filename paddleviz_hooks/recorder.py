@@ -70,6 +70,8 @@ class BackwardGraphRecorder:
             forward op where the NaN/Inf started (its layer, file and line),
             found by replaying that step's forward once under Paddle's
             numerics checker; everything the replay touches is restored.
+            Replays are single-process only: under data parallel a NaN/Inf
+            loss captures its own backward and NaN/Inf gradients the next step.
             Default False.
         on_grad_spike: capture the step after one whose global gradient norm
             exceeds this factor times the running median. Default None (off).
@@ -230,7 +232,9 @@ class BackwardGraphRecorder:
             self._pipeline = CapturePipeline(opts, files, display, self._warn)
             if opts.verbose:
                 print(f"[paddleviz-hooks] backward graphs -> {os.path.abspath(run_dir)}")
-        if opts.on_nonfinite and self.model is not None:
+        # a replay runs on one rank only: under data parallel its collectives (SyncBatchNorm,
+        # gradient all-reduce) would wait for ranks that do not replay, so none is made there
+        if opts.on_nonfinite and self.model is not None and paddle.distributed.get_world_size() == 1:
             try:
                 self._kept = StepInputs(self.model).install()
             except Exception as exc:
@@ -390,7 +394,8 @@ class BackwardGraphRecorder:
             on_graph=self._on_graph,
             keep_graphs=False,
             when=self._decide_watch if watch else self._decide,
-            after_backward=self._after_backward if watch else None,
+            after_backward=self._after_backward if (watch or self._watch is None and self.options.watching)
+            else None,
             warn=self._warn,  # one warning per cause for the whole run
         )
 

@@ -345,3 +345,30 @@ def test_nan_in_the_loss_function_is_outside_the_model(tmp_path):
     assert (o["kind"], o["layer"], o["line"]) == ("outside", None, None)
     assert o["op"] == g.nonfinite_sites()[0].op and g.nonfinite_sites()[0].layer is None
     assert describe_origin(o).startswith("the model's forward is finite: NaN/Inf made outside the model")
+
+
+def test_on_nonfinite_alone_keeps_two_hooks_on_the_model_and_scheduled_steps_still_name_layers(tmp_path):
+    """The per-step cost of on_nonfinite: two hooks on the top layer (no layer hooks on every
+    sublayer); a scheduled capture still attributes ops to layers; an exception removes it all."""
+    paddle.seed(0)
+    net = SqrtNet()
+    data = SignedData(8, bad=99)
+    rec = BackwardGraphRecorder(str(tmp_path / "vdl"), net, every=2, capture_first=False, on_nonfinite=True,
+                                verbose=0, visualdl=False, formats=("json",))
+    hooks = []
+    for step in (1, 2):
+        with rec.step(step):
+            hooks.append({path: len(sub._forward_pre_hooks) + len(sub._forward_post_hooks)
+                          for path, sub in net.named_sublayers(include_self=True)})
+            net(paddle.to_tensor(data.x[:2])).mean().backward()
+        net.clear_gradients()
+    assert hooks[0] == {path: (2 if path == "" else 0) for path in hooks[0]}  # step 1: not scheduled
+    assert hooks[1]["block.lin"] == 2  # step 2 is scheduled: its capture names layers
+    with pytest.raises(ZeroDivisionError):
+        with rec.step(3):
+            net(paddle.to_tensor(data.x[:2]))
+            1 / 0
+    assert no_leftover_hooks(net) and not dispatcher_installed()  # the exception closed the recorder
+    g = BackwardGraph.from_json((tmp_path / "vdl" / "backward_graph" / "step_000002.json").read_text())
+    assert {n.layer for n in g.nodes if n.kind == "op"} >= {"block", "block.lin", "head", "bn"}
+    assert "nonfinite_origin" not in g.meta

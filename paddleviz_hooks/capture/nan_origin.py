@@ -217,11 +217,18 @@ def _restored(layer: paddle.nn.Layer, rng: Any = None) -> Iterator[None]:
 def _numerics_checker() -> Iterator[None]:
     """Paddle's numerics checker at level 0 for the block; its fd-1 line never reaches the user."""
     old = paddle.get_flags(list(_FLAGS))
-    sys.stdout.flush()
-    saved = os.dup(1)
+    try:
+        sys.stdout.flush()
+    except Exception:
+        pass
+    try:
+        saved: int | None = os.dup(1)
+    except OSError:  # no file descriptor 1: nothing to hide the line from
+        saved = None
     sink = tempfile.TemporaryFile()
     try:
-        os.dup2(sink.fileno(), 1)
+        if saved is not None:
+            os.dup2(sink.fileno(), 1)
         paddle.set_flags({_FLAGS[0]: True, _FLAGS[1]: 0})
         yield
     finally:
@@ -230,8 +237,9 @@ def _numerics_checker() -> Iterator[None]:
             ctypes.CDLL(None).fflush(None)  # C stdio buffers go to the sink, not to the user
         except Exception:
             pass
-        os.dup2(saved, 1)
-        os.close(saved)
+        if saved is not None:
+            os.dup2(saved, 1)
+            os.close(saved)
         sink.close()
 
 
