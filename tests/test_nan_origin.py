@@ -372,3 +372,18 @@ def test_on_nonfinite_alone_keeps_two_hooks_on_the_model_and_scheduled_steps_sti
     g = BackwardGraph.from_json((tmp_path / "vdl" / "backward_graph" / "step_000002.json").read_text())
     assert {n.layer for n in g.nodes if n.kind == "op"} >= {"block", "block.lin", "head", "bn"}
     assert "nonfinite_origin" not in g.meta
+
+
+def test_model_fit_with_a_swallowed_nan_is_bit_identical_and_captured_at_that_step(tmp_path):
+    plain = _fit(SwallowNet)
+    after_plain = _next_draw()
+    cb = _cb(tmp_path)
+    res = _fit(SwallowNet, callbacks=[cb])
+    after_ours = _next_draw()
+    assert np.isfinite(res.losses).all()  # relu(NaN) == 0: every loss is finite
+    assert_same_run(plain, res)  # two replays (graph, checked forward) changed nothing
+    assert after_ours == after_plain
+    assert cb.captured_steps == [K] and cb.triggers == {K: "nonfinite_grad"}
+    g = _graph(tmp_path, K)
+    assert g.meta["replayed"] is True and math.isfinite(g.meta["loss"])
+    _assert_sqrt_origin(g.meta["nonfinite_origin"])
