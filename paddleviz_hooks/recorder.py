@@ -318,17 +318,18 @@ class BackwardGraphRecorder:
         self._triggers.new_step()
         if self._kept is not None:
             self._kept.reset()
-        if self.options.scheduled(step) and self._budget_left():
+        scheduled = self.options.scheduled(step) and self._budget_left()
+        if scheduled:
             self._armed = "scheduled"
-            if self._watch is None or not self._watch_names_layers:
-                self._step_capture = self._new_capture()
-                try:
-                    self._step_capture.__enter__()
-                except Exception as exc:
-                    self._step_capture = None
-                    self._warn("arm", f"capture could not start: {exc!r}")
-            return True
-        return False
+        # a capture of this step's own backward needs layer hooks during its forward
+        if (scheduled or self._triggers.pending) and (self._watch is None or not self._watch_names_layers):
+            self._step_capture = self._new_capture()
+            try:
+                self._step_capture.__enter__()
+            except Exception as exc:
+                self._step_capture = None
+                self._warn("arm", f"capture could not start: {exc!r}")
+        return scheduled
 
     def end_step(self) -> None:
         """The training step is over: remove what :meth:`begin_step` armed."""

@@ -93,6 +93,11 @@ class Triggers:
         self._fired_before: int | None = None
         self.loss: float | None = None  # the loss when this step's backward started (on_nonfinite)
 
+    @property
+    def pending(self) -> bool:
+        """Whether a trigger fired earlier waits to capture the next backward."""
+        return self._pending is not None
+
     def new_step(self) -> None:
         self.captured_now = False
         self._loss_nonfinite = False

@@ -163,6 +163,8 @@ def test_nonfinite_gradients_with_finite_loss_capture_the_next_step(tmp_path, ca
     assert f"non-finite gradients at step {K} with a finite loss; capturing step {K} (replayed" in out
     assert f"the replay of step {K} did not reproduce its NaN/Inf gradients; capturing step {K + 1}" in out
     assert out.count("non-finite gradients at step") == 1
+    # that capture is of the real backward, its ops attributed to layers
+    assert {n.layer for n in g.nodes if n.kind == "op"} >= {"body.0", "body.2"}
     # by then the update has written NaN into the weights, and the capture says so
     o = g.meta["nonfinite_origin"]
     assert (o["kind"], o["layer"], o["layer_class"]) == ("weights", "body.0", "Linear")
