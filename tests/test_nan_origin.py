@@ -387,3 +387,20 @@ def test_model_fit_with_a_swallowed_nan_is_bit_identical_and_captured_at_that_st
     g = _graph(tmp_path, K)
     assert g.meta["replayed"] is True and math.isfinite(g.meta["loss"])
     _assert_sqrt_origin(g.meta["nonfinite_origin"])
+
+
+def test_the_checked_forward_runs_in_a_fresh_thread_each_time():
+    """Paddle's checker grows a per-thread string with every op it checks, so a thread that
+    checked forwards before checks slower: each locate gets a new thread (constant cost)."""
+    import threading
+
+    seen = []
+
+    class Probe(nn.Layer):
+        def forward(self, x):
+            seen.append(threading.current_thread())  # the object: idents are reused
+            return paddle.log(x)
+
+    for _ in range(3):
+        assert find_nonfinite_origin(Probe(), paddle.to_tensor([-1.0]))["op"] == "log"
+    assert len({id(t) for t in seen}) == 3 and threading.main_thread() not in seen
