@@ -404,3 +404,13 @@ def test_the_checked_forward_runs_in_a_fresh_thread_each_time():
     for _ in range(3):
         assert find_nonfinite_origin(Probe(), paddle.to_tensor([-1.0]))["op"] == "log"
     assert len({id(t) for t in seen}) == 3 and threading.main_thread() not in seen
+
+
+def test_nan_already_in_the_weights_is_named_with_its_layer():
+    net = SqrtNet()
+    with paddle.no_grad():
+        net.head.weight[0, 0] = math.nan
+    o = find_nonfinite_origin(net, paddle.ones([2, D]))
+    assert (o["kind"], o["op"], o["layer"], o["layer_class"], o["line"]) == ("weights", None, "head", "Linear", None)
+    assert describe_origin(o) == ("NaN/Inf already in the weights, first in layer 'head' (Linear): "
+                                  "an earlier update wrote it")

@@ -339,11 +339,9 @@ def locate(layer: paddle.nn.Layer, kept: StepInputs, graph: BackwardGraph | None
     """
     if has_nonfinite((kept.args, kept.kwargs)):
         return _origin("input")
-    for name, p in layer.named_parameters():
-        if not p.stop_gradient and has_nonfinite(p):
-            owner = strip_wrapper_prefix(name).rpartition(".")[0]
-            sub = dict(layer.named_sublayers(include_self=True)).get(name.rpartition(".")[0])
-            return _origin("weights", layer=owner, layer_class=type(sub).__name__ if sub is not None else None)
+    weights = _nonfinite_weights(layer)
+    if weights is not None:
+        return weights
     found = _checked_forward(layer, kept.args, kept.kwargs, kept.rng)
     if found is not None:
         found["key"] = _node_key(graph, found)
@@ -356,6 +354,17 @@ def locate(layer: paddle.nn.Layer, kept: StepInputs, graph: BackwardGraph | None
     elif graph is not None and graph.meta.get("replayed") and not graph.nonfinite_count():
         first["kind"] = "not_reproduced"
     return first
+
+
+def _nonfinite_weights(layer: paddle.nn.Layer) -> dict[str, Any] | None:
+    """The ``weights`` origin when a trainable parameter already holds NaN/Inf."""
+    for name, p in layer.named_parameters():
+        if not p.stop_gradient and has_nonfinite(p):
+            path = name.rpartition(".")[0]
+            sub = dict(layer.named_sublayers(include_self=True)).get(path)
+            return _origin("weights", layer=strip_wrapper_prefix(path),
+                           layer_class=type(sub).__name__ if sub is not None else None)
+    return None
 
 
 def _norm_op(name: str) -> str:
@@ -417,7 +426,8 @@ def find_nonfinite_origin(model: paddle.nn.Layer, *inputs: Any, **kwargs: Any) -
     Returns:
         None when the forward is finite everywhere; else a dict with
         ``kind`` (``"forward"``: an op of the forward; ``"input"``: the
-        inputs hold NaN/Inf), ``op`` (Paddle's op type, e.g. ``"sqrt"``),
+        inputs hold NaN/Inf; ``"weights"``: a trainable parameter does,
+        ``layer`` names its layer), ``op`` (Paddle's op type, e.g. ``"sqrt"``),
         ``layer`` (dotted sublayer path, ``""`` for the model itself),
         ``layer_class``, ``file``, ``line`` and ``code`` (the source line
         that called the op), and ``key`` (None: no graph here).
@@ -440,4 +450,4 @@ def find_nonfinite_origin(model: paddle.nn.Layer, *inputs: Any, **kwargs: Any) -
                         "call find_nonfinite_origin(model, x) with your model and its inputs")
     if has_nonfinite((inputs, kwargs)):
         return _origin("input")
-    return _checked_forward(model, inputs, kwargs, None)
+    return _nonfinite_weights(model) or _checked_forward(model, inputs, kwargs, None)
