@@ -401,6 +401,8 @@ class BackwardGraphRecorder:
         )
 
     def _decide(self, roots: list[Any], walk: Any) -> str | None:
+        if self._replaying:
+            return None  # our own replay's backward is no backward of the step
         cap = self._watch or self._step_capture
         self._seen.append(cap.entry_now if cap is not None else "backward")
         return self._triggers.decide(self.global_step, self._armed, roots, walk)
@@ -459,6 +461,9 @@ class BackwardGraphRecorder:
         for n in graph.nodes:
             if n.kind == "root":
                 n.name = n.op = MODEL_OUTPUT
+        info = graph.meta.get("backward")
+        if isinstance(info, dict) and self._seen:
+            info["entry"] = self._seen[-1]  # it stands for the step's latest backward, not a paddle.grad
         graph.meta.update(trigger=trigger, replayed=True)
         self._on_graph(graph)
 

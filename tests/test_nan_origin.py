@@ -414,3 +414,25 @@ def test_nan_already_in_the_weights_is_named_with_its_layer():
     assert (o["kind"], o["op"], o["layer"], o["layer_class"], o["line"]) == ("weights", None, "head", "Linear", None)
     assert describe_origin(o) == ("NaN/Inf already in the weights, first in layer 'head' (Linear): "
                                   "an earlier update wrote it")
+
+
+def test_gradient_accumulation_replays_the_micro_batch_that_went_wrong(tmp_path):
+    """Two micro-batches per step; the second of step 2 is negative: that one is replayed."""
+    paddle.seed(0)
+    net = SwallowNet()
+    data = SignedData(8, bad=4)  # batch 4 = step 2, micro-batch 2
+    rec = BackwardGraphRecorder(str(tmp_path / "vdl"), net, every=10**6, capture_first=False,
+                                on_nonfinite=True, verbose=0, visualdl=False, formats=("json",))
+    with rec:
+        for step in (1, 2):
+            with rec.step(step, micro_batches=2):
+                for mb in (0, 1):
+                    b = 2 * (step - 1) + mb
+                    net(paddle.to_tensor(data.x[2 * b: 2 * b + 2])).square().mean().backward()
+            net.clear_gradients()
+    assert rec.captured_steps == [2] and rec.triggers == {2: "nonfinite_grad"}
+    # the step's second backward, saved as such
+    g = BackwardGraph.from_json((tmp_path / "vdl" / "backward_graph" / "step_000002_b2.json").read_text())
+    assert g.meta["replayed"] is True and g.nonfinite_count() > 0
+    assert g.meta["backward"]["role"] == "micro-batch 2 of 2"
+    _assert_sqrt_origin(g.meta["nonfinite_origin"])

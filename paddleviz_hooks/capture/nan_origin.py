@@ -95,13 +95,16 @@ def _origin(kind: str, **fields: Any) -> dict[str, Any]:
 
 
 class StepInputs:
-    """What the top layer's first call of the current step received and returned.
+    """What the top layer's latest call in the current step received and returned.
+
+    The latest call is the one whose backward ran last (with gradient
+    accumulation, the current micro-batch).
 
     Args:
         layer: the model (the layer called once per step).
 
     Attributes:
-        args, kwargs: the inputs of the first call since :meth:`reset`
+        args, kwargs: the inputs of the latest call since :meth:`reset`
             (references, not copies), or None when the layer was not called.
         rng: ``paddle.get_rng_state()`` when that call started.
         outputs: what it returned.
@@ -137,6 +140,7 @@ class StepInputs:
         self.out_grads: dict[int, Any] = {}
         self.hooked = 0  # outputs whose gradient is being kept
         self._recording = False
+        self._call = getattr(self, "_call", 0) + 1  # hooks of earlier calls no longer write
 
     @property
     def seen(self) -> bool:
@@ -144,9 +148,10 @@ class StepInputs:
         return self.args is not None
 
     def _pre(self, layer: Any, args: tuple, kwargs: dict) -> None:
-        if self.paused or self.args is not None:
+        if self.paused or self._recording:  # a replay, or the layer calling itself
             return None
         try:
+            self.reset()
             self.args, self.kwargs = tuple(args), dict(kwargs)
             self.rng = paddle.get_rng_state()
             self._recording = True
@@ -162,16 +167,17 @@ class StepInputs:
             self.outputs = outputs
             for i, t in enumerate(tensors_in(outputs)):
                 if not t.stop_gradient and grad_fn(t) is not None:
-                    t.register_hook(self._grad_hook(i))
+                    t.register_hook(self._grad_hook(i, self._call))
                     self.hooked += 1
         except Exception:
             pass
         return None
 
-    def _grad_hook(self, i: int):
+    def _grad_hook(self, i: int, call: int):
         def hook(grad: Any) -> None:
             try:
-                self.out_grads[i] = grad
+                if call == self._call:
+                    self.out_grads[i] = grad
             except Exception:
                 pass
             return None  # the gradient is never changed
@@ -342,7 +348,11 @@ def locate(layer: paddle.nn.Layer, kept: StepInputs, graph: BackwardGraph | None
     weights = _nonfinite_weights(layer)
     if weights is not None:
         return weights
-    found = _checked_forward(layer, kept.args, kept.kwargs, kept.rng)
+    kept.paused = True
+    try:
+        found = _checked_forward(layer, kept.args, kept.kwargs, kept.rng)
+    finally:
+        kept.paused = False
     if found is not None:
         found["key"] = _node_key(graph, found)
         return found
