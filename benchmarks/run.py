@@ -40,6 +40,13 @@ Rows (medians over repeats, every ratio taken from numbers of this same run):
   at step 100 vs the last step with ``every=10`` (skipped when the callback is
   not available).
 
+* nan: with ``on_nonfinite=True``, the uncaptured-step time of a hand-written
+  loop (``BackwardGraphRecorder``) divided by the time without it, on the
+  6-layer encoder and resnet50 (batch 2, 64x64); and the cost of locating a
+  NaN's origin (``find_nonfinite_origin``: one forward under Paddle's
+  numerics checker) and of replaying the step under capture, each divided by
+  a plain step.
+
 Results go to ``benchmarks/results/latest.json`` (git-ignored) unless
 ``--json`` says otherwise. Timings on shared machines are noisy: compare
 ratios from one run, not absolute times across runs.
@@ -620,6 +627,107 @@ def model_fit_rows(table: Table, quick: bool) -> None:
                           f"captured {captured[label][:6]}", ratio=v / base, seconds=v, base_seconds=base)
 
 
+def nan_origin_rows(table: Table, quick: bool) -> None:
+    """on_nonfinite=True: uncaptured-step ratio, and the cost of one locate and one replayed capture."""
+    from paddle.vision.models import resnet50
+
+    from paddleviz_hooks import BackwardGraphRecorder, find_nonfinite_origin
+    from paddleviz_hooks.capture.nan_origin import StepInputs, replay_step
+    from paddleviz_hooks.triggers import grads_nonfinite
+
+    pairs = 12 if quick else 40
+    with tempfile.TemporaryDirectory(prefix="pvh-bench-") as tmp:
+        for name in ("encoder", "resnet50"):
+            paddle.seed(0)
+            if name == "encoder":
+                layer = paddle.nn.TransformerEncoderLayer(TR_D, TR_HEADS, TR_FF, dropout=0.1)
+                model = paddle.nn.TransformerEncoder(layer, TR_LAYERS)
+                x = paddle.randn([TR_BATCH, TR_SEQ, TR_D])
+            else:
+                model = resnet50(num_classes=10)
+                x = paddle.randn([2, 3, 64, 64])
+            opt = paddle.optimizer.SGD(learning_rate=1e-4, parameters=model.parameters())
+            rec = BackwardGraphRecorder(os.path.join(tmp, name), model, steps=[10**9], capture_first=False,
+                                        on_nonfinite=True, visualdl=False, formats=("json",), verbose=0)
+
+            def step(with_rec: bool) -> float:
+                if with_rec:
+                    rec.open()  # hooks and patch go in outside the timed step
+                t = time.perf_counter()
+                with (rec.step() if with_rec else _null()):
+                    loss = model(x).mean()
+                    loss.backward()
+                opt.step()
+                opt.clear_grad()
+                dt = time.perf_counter() - t
+                if with_rec:
+                    rec.close()
+                return dt
+
+            for _ in range(2):
+                step(False)
+                step(True)
+            none, ours, ratios = [], [], []
+            for i in range(pairs):  # adjacent pairs, order alternating: the machine's load drifts
+                first = bool(i % 2)
+                a, b = step(first), step(not first)
+                n, o = (b, a) if first else (a, b)
+                none.append(n)
+                ours.append(o)
+                ratios.append(o / n)
+            assert rec.captured_steps == []
+            base, v = med(none), med(ours)
+            table.add(f"nan:{name}", "uncaptured step, on_nonfinite=True / none", f"{med(ratios):.3f}x",
+                      f"median of {pairs} adjacent pairs; {v * 1000:.1f} vs {base * 1000:.1f} ms median step, "
+                      f"fastest {min(ours) * 1000:.1f} vs {min(none) * 1000:.1f} ms",
+                      ratio=med(ratios), seconds=v, base_seconds=base)
+            loss = model(x).mean()
+            loss.backward()
+            check = min(timed(lambda: grads_nonfinite(model.parameters()))[0] for _ in range(5))
+            opt.clear_grad()
+            table.add(f"nan:{name}", "NaN/Inf check after backward / fastest plain step",
+                      f"{check / min(none):.3f}x", f"{check * 1000:.2f} ms (one sum per gradient)",
+                      ratio=check / min(none), seconds=check)
+            locate = [timed(lambda: find_nonfinite_origin(model, x))[0] for _ in range(2 if quick else 3)]
+            table.add(f"nan:{name}", "one locate (checked forward) / plain step", f"{med(locate) / base:.2f}x",
+                      f"{fmt_s(med(locate))}", ratio=med(locate) / base, seconds=med(locate))
+            kept = StepInputs(model).install()
+            replays = []
+            for _ in range(2 if quick else 3):
+                kept.reset()
+                model(x).mean().backward()
+                replays.append(timed(lambda: _replay_captured(model, kept, replay_step))[0])
+                opt.clear_grad()
+            kept.remove()
+            table.add(f"nan:{name}", "replayed capture of the step / plain step", f"{med(replays) / base:.2f}x",
+                      f"{fmt_s(med(replays))} (forward + backward under capture_backward)",
+                      ratio=med(replays) / base, seconds=med(replays))
+            if name == "resnet50":  # the check reads every gradient once: its share shrinks as the input grows
+                big = paddle.randn([2, 3, 224, 224])
+                full = []
+                for _ in range(2 if quick else 3):
+                    dt, _ = timed(lambda: model(big).mean().backward())
+                    full.append(dt)
+                    opt.clear_grad()
+                table.add(f"nan:{name}", "NaN/Inf check / fastest plain step at 224x224", f"{check / min(full):.3f}x",
+                          f"{check * 1000:.2f} vs {min(full) * 1000:.0f} ms", ratio=check / min(full))
+            del model, opt
+
+
+def _replay_captured(model, kept, replay_step) -> None:
+    with capture_backward(model) as cap:
+        replay_step(model, kept)
+    assert cap.graphs
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+
 def bench_callback(table: Table, quick: bool) -> None:
     """Run the callback rows in a fresh process, so RSS is not inflated by the models above."""
     if _callback_class() is None:
@@ -721,7 +829,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="few repeats, shorter fit runs (a few minutes)")
     ap.add_argument("--json", metavar="PATH", default=DEFAULT_JSON, help=f"results file (default {DEFAULT_JSON})")
     ap.add_argument("--skip", action="append", default=[],
-                    choices=["transformer", "resnet50", "huge", "fit5", "explorer", "torchviz", "callback"],
+                    choices=["transformer", "resnet50", "huge", "fit5", "explorer", "torchviz", "callback", "nan"],
                     help="leave out a group of rows (repeatable)")
     ap.add_argument("--callback-child", metavar="PATH", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -765,6 +873,8 @@ def main(argv: list[str] | None = None) -> int:
         bench_torchviz(table, reps["render"], ours_view)
     if "callback" not in args.skip:
         bench_callback(table, quick)
+    if "nan" not in args.skip:
+        nan_origin_rows(table, quick)
 
     table.print()
     elapsed = time.time() - started

@@ -8,6 +8,8 @@ command work without importing paddle):
   VisualDL records for any training loop.
 * :class:`BackwardGraphCallback` - the recorder driven by ``Model.fit``.
 * :func:`capture_backward` - context manager capturing every backward in a block.
+* :func:`find_nonfinite_origin` - the forward op, layer and source line where
+  a NaN/Inf is first produced (one checked forward of a batch).
 * :func:`make_graph` / :func:`graph_of` - the graph of a tensor before backward
   (``make_graph`` is a drop-in for the ``paddleviz`` prototype).
 * :class:`BackwardGraph`, :class:`GraphDiff` - the plain data model and
@@ -35,6 +37,7 @@ from ._version import __version__
 _WHERE = {
     "BackwardCapture": ".capture",
     "capture_backward": ".capture",
+    "find_nonfinite_origin": ".capture.nan_origin",
     "graph_of": ".compat",
     "make_graph": ".compat",
     "BackwardGraphCallback": ".callbacks",

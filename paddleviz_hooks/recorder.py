@@ -10,17 +10,19 @@ the same recorder from ``Model.fit``.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from typing import Any, Iterable, Iterator, Sequence
 
 import paddle
 
 from .capture import BackwardCapture
+from .capture.nan_origin import StepInputs, locate, replay_step
 from .graph import BackwardGraph
 from .options import FORMATS, RecorderOptions
 from .pipeline import CaptureJob, CapturePipeline
 from .sinks.files import StepFiles
-from .text import backward_role, describe_node
+from .text import MODEL_OUTPUT, backward_role, describe_node, describe_origin
 from .triggers import Triggers, global_grad_norm
 from .warn import WarnOnce
 
@@ -73,8 +75,16 @@ class BackwardGraphRecorder:
             ints, or ``"all"`` (rank K writes to ``run_name/rank_K``).
             Default 0.
         on_nonfinite: capture a step whose loss is NaN/Inf (checked when its
-            backward starts); when only gradients turn non-finite, capture
-            the next step. Default False.
+            backward starts), or whose gradients are NaN/Inf with a finite
+            loss (checked after the backward, before the optimizer step; that
+            same step is replayed from its inputs under capture, before the
+            weights change). With ``model`` given, the capture also names the
+            forward op where the NaN/Inf started (its layer, file and line),
+            found by replaying that step's forward once under Paddle's
+            numerics checker; everything the replay touches is restored.
+            Replays are single-process only: under data parallel a NaN/Inf
+            loss captures its own backward and NaN/Inf gradients the next step.
+            Default False.
         on_grad_spike: capture the step after one whose global gradient norm
             exceeds this factor times the running median. Default None (off).
         on_structure_change: capture a step whose graph structure differs
@@ -182,6 +192,9 @@ class BackwardGraphRecorder:
         self._armed: str | None = None
         self._step_capture: BackwardCapture | None = None
         self._watch: BackwardCapture | None = None
+        self._kept: StepInputs | None = None  # the step's inputs, for replays (on_nonfinite)
+        self._replaying = False
+        self._replay_trigger: str | None = None  # a NaN loss seen when its backward started
         self._pipeline: CapturePipeline | None = None
         # this step: graphs waiting for its end, backwards seen (per entry), micro-batches announced
         self._pending: list[BackwardGraph] = []
@@ -236,8 +249,16 @@ class BackwardGraphRecorder:
             self._pipeline = CapturePipeline(opts, files, display, self._warn)
             if opts.verbose:
                 print(f"[paddleviz-hooks] backward graphs -> {os.path.abspath(run_dir)}")
+        # a replay runs on one rank only: under data parallel its collectives (SyncBatchNorm,
+        # gradient all-reduce) would wait for ranks that do not replay, so none is made there
+        if opts.on_nonfinite and self.model is not None and paddle.distributed.get_world_size() == 1:
+            try:
+                self._kept = StepInputs(self.model).install()
+            except Exception as exc:
+                self._kept = None
+                self._warn("keep-inputs", f"NaN/Inf origins will not be located: {exc!r}")
         if opts.watching:
-            self._watch = self._new_capture()
+            self._watch = self._new_capture(watch=True)
             try:
                 self._watch.__enter__()
             except Exception as exc:
@@ -257,6 +278,9 @@ class BackwardGraphRecorder:
                 cap.__exit__(None, None, None)
         self._step_capture = self._watch = None
         self._flush()
+        kept, self._kept = self._kept, None
+        if kept is not None:
+            kept.remove()
         pipeline, self._pipeline = self._pipeline, None
         if pipeline is not None:
             pipeline.close()
@@ -309,21 +333,26 @@ class BackwardGraphRecorder:
         if not self._active:
             return False
         self._triggers.new_step()
-        if self.options.scheduled(step) and self._budget_left():
+        if self._kept is not None:
+            self._kept.reset()
+        scheduled = self.options.scheduled(step) and self._budget_left()
+        if scheduled:
             self._armed = "scheduled"
-            if self._watch is None:
-                self._step_capture = self._new_capture()
-                try:
-                    self._step_capture.__enter__()
-                except Exception as exc:
-                    self._step_capture = None
-                    self._warn("arm", f"capture could not start: {exc!r}")
-            return True
-        return False
+        # a capture of this step's own backward needs layer hooks during its forward
+        if (scheduled or self._triggers.pending) and (self._watch is None or not self._watch_names_layers):
+            self._step_capture = self._new_capture()
+            try:
+                self._step_capture.__enter__()
+            except Exception as exc:
+                self._step_capture = None
+                self._warn("arm", f"capture could not start: {exc!r}")
+        return scheduled
 
     def end_step(self) -> None:
         """The training step is over: remove what :meth:`begin_step` armed."""
         self._armed = None
+        if self._kept is not None:
+            self._kept.reset()  # no reference to the step's tensors outlives it
         cap, self._step_capture = self._step_capture, None
         if cap is not None:
             cap.__exit__(None, None, None)
@@ -361,25 +390,115 @@ class BackwardGraphRecorder:
         if self.options.verbose:
             print(f"[paddleviz-hooks] {text}")
 
-    def _new_capture(self) -> BackwardCapture:
+    @property
+    def _watch_names_layers(self) -> bool:
+        """Whether the trigger watch keeps layer-attribution hooks on every step.
+
+        Only triggers that capture the real backward need them (a gradient spike
+        captures the next step, a structure change the step itself). NaN/Inf
+        steps are captured by replaying them, with attribution for that replay
+        only, so ``on_nonfinite`` alone costs next to nothing per step.
+        """
+        opts = self.options
+        return opts.on_grad_spike is not None or opts.on_structure_change or self._kept is None
+
+    def _new_capture(self, watch: bool = False) -> BackwardCapture:
+        """The trigger watch (``watch=True``) or a scheduled step's capture."""
+        names = not watch or self._watch_names_layers
         return BackwardCapture(
-            self.model,
+            self.model if names else None,
+            params=None if names else self.model,
             grad_stats=self.options.grad_stats,
             on_graph=self._on_graph,
             keep_graphs=False,
-            when=self._decide,
-            after_backward=self._after_backward if self.options.watching else None,
+            when=self._decide_watch if watch else self._decide,
+            after_backward=self._after_backward if (watch or self._watch is None and self.options.watching)
+            else None,
             warn=self._warn,  # one warning per cause for the whole run
         )
 
     def _decide(self, roots: list[Any], walk: Any) -> str | None:
+        if self._replaying:
+            return None  # our own replay's backward is no backward of the step
         cap = self._watch or self._step_capture
         self._seen.append(cap.entry_now if cap is not None else "backward")
         return self._triggers.decide(self.global_step, self._armed, roots, walk)
 
+    def _decide_watch(self, roots: list[Any], walk: Any) -> str | None:
+        if self._step_capture is not None:
+            return None  # this step's own capture (naming layers) decides and captures
+        trigger = self._decide(roots, walk)
+        kept = self._kept
+        if (trigger == "nonfinite_loss" and not self._watch_names_layers and kept is not None and kept.seen
+                and kept.hooked):
+            self._replay_trigger = trigger  # captured by a replay when this backward is over
+            return None
+        return trigger
+
     def _after_backward(self, ok: bool) -> None:
-        if ok and self.model is not None:
-            self._triggers.after_backward(self.global_step, self.model.parameters())
+        if self._replaying:
+            return
+        pending, self._replay_trigger = self._replay_trigger, None
+        if not ok or self.model is None:
+            return
+        if pending is not None:
+            self._capture_replayed(pending)
+            return
+        kept = self._kept
+        can_replay = kept is not None and kept.seen and bool(kept.out_grads)
+        if self._triggers.after_backward(self.global_step, self.model.parameters(), can_replay):
+            self._capture_replayed("nonfinite_grad")
+
+    def _capture_replayed(self, trigger: str) -> None:
+        """Capture this step by replaying its forward and backward (param.grad untouched)."""
+        cap = BackwardCapture(self.model, grad_stats=self.options.grad_stats, warn=self._warn)
+        self._replaying = True
+        try:
+            with cap:
+                replay_step(self.model, self._kept)
+        except Exception as exc:
+            self._warn("replay", f"replaying step {self.global_step} to capture it failed: {exc!r}")
+            return
+        finally:
+            self._replaying = False
+        if not cap.graphs:
+            self._warn("replay-empty", f"replaying step {self.global_step} gave no backward graph")
+            return
+        graph = cap.graphs[-1]
+        if trigger == "nonfinite_grad" and not graph.nonfinite_count():
+            # the forward depends on more than its inputs and the RNG (a counter...):
+            # a finite replay would misrepresent the step; capture the next one instead
+            self._triggers.defer(self.global_step)
+            self._notice(f"the replay of step {self.global_step} did not reproduce its NaN/Inf gradients; "
+                         f"capturing step {self.global_step + 1}")
+            return
+        graph.meta.pop("loss", None)  # its root is the model's output, not the loss
+        if self._triggers.loss is not None:
+            graph.meta["loss"] = self._triggers.loss  # the step's real loss
+        for n in graph.nodes:
+            if n.kind == "root":
+                n.name = n.op = MODEL_OUTPUT
+        info = graph.meta.get("backward")
+        if isinstance(info, dict) and self._seen:
+            info["entry"] = self._seen[-1]  # it stands for the step's latest backward, not a paddle.grad
+        graph.meta.update(trigger=trigger, replayed=True)
+        self._on_graph(graph)
+
+    def _locate(self, graph: BackwardGraph, trigger: str) -> None:
+        """Name where this step's NaN/Inf started (``graph.meta["nonfinite_origin"]``)."""
+        kept = self._kept
+        loss = graph.meta.get("loss")
+        loss_bad = isinstance(loss, float) and not math.isfinite(loss)
+        if kept is None or not kept.seen or not (trigger.startswith("nonfinite") or loss_bad
+                                                 or graph.nonfinite_count()):
+            return
+        self._replaying = True
+        try:
+            graph.meta["nonfinite_origin"] = locate(self.model, kept, graph, loss_nonfinite=loss_bad)
+        except Exception as exc:
+            self._warn("locate", f"locating where the NaN/Inf started failed: {exc!r}")
+        finally:
+            self._replaying = False
 
     def _on_graph(self, graph: BackwardGraph) -> None:
         """Training thread: a graph was captured; it waits for the end of its step."""
@@ -400,11 +519,15 @@ class BackwardGraphRecorder:
                 self._applied_norm = global_grad_norm(self.model.parameters())
             except Exception as exc:
                 self._warn("accumulated", f"reading param.grad failed: {exc!r}")
+        self._locate(graph, trigger)
         if self._triggers.note is not None:
             graph.meta["trigger_note"], self._triggers.note = self._triggers.note, None
         if trigger != "scheduled":
             sites = graph.nonfinite_sites()
             origin = f"; first non-finite gradient at {describe_node(sites[0])}" if sites else ""
+            found = graph.meta.get("nonfinite_origin")
+            if found is not None:
+                origin = f"; {describe_origin(found)}" + (origin if found["kind"] in ("forward", "input") else "")
             self._notice(f"captured step {step} (trigger: {trigger}){origin}")
         self._pending.append(graph)
 

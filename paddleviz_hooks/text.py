@@ -13,6 +13,7 @@ them with spaces (VisualDL's text tab does).
 from __future__ import annotations
 
 import math
+import os
 from typing import Any, Iterable
 
 from .diff import GraphDiff
@@ -21,6 +22,7 @@ from .hazards import PROGRAM_OP_NOTE
 
 __all__ = [
     "NOT_OBSERVED",
+    "MODEL_OUTPUT",
     "OUTSIDE_MODEL",
     "TOP_LAYER",
     "backward_role",
@@ -28,6 +30,7 @@ __all__ = [
     "capture_title",
     "collapse_note",
     "describe_node",
+    "describe_origin",
     "diff_summary",
     "edge_lines",
     "fmt_num",
@@ -40,6 +43,7 @@ __all__ = [
     "node_tooltip",
     "node_where",
     "notebook_full_detail",
+    "origin_mark",
     "plural",
     "summarize",
 ]
@@ -48,6 +52,8 @@ __all__ = [
 TOP_LAYER = "<top>"
 #: How an op that no layer ran is placed (the loss function, a user's own code).
 OUTSIDE_MODEL = "outside the model"
+#: The root of a replayed step's graph: the model's output (the loss ops are outside it).
+MODEL_OUTPUT = "model output"
 #: A gradient that flowed but could not be seen (its producer takes no hook).
 NOT_OBSERVED = "not observed"
 
@@ -201,6 +207,66 @@ def describe_node(info: Node | dict[str, Any]) -> str:
         return (f"layer {layer_name(get('layer'))} ({get('name') or '?'})"
                 + _call_suffix(get("call") or 0, get("calls") or 1))
     return f"{get('op') or '?'} {node_where(get('layer'), get('call') or 0)}"
+
+
+def describe_origin(origin: dict[str, Any]) -> str:
+    """Where a NaN/Inf started, from ``graph.meta["nonfinite_origin"]`` (kinds in
+    ``paddleviz_hooks.capture.nan_origin.KINDS``).
+
+    Example:
+        >>> print(describe_origin({"kind": "forward", "op": "sqrt", "layer": "block", "layer_class": "Block",
+        ...                        "file": "/src/model.py", "line": 16, "code": "h = paddle.sqrt(h)"}))
+        NaN/Inf first produced by op 'sqrt' in layer 'block' (Block) at model.py:16: h = paddle.sqrt(h)
+        >>> print(describe_origin({"kind": "input"}))
+        NaN/Inf already in the input data (the batch given to the model)
+    """
+    kind = origin.get("kind")
+    if kind == "input":
+        return "NaN/Inf already in the input data (the batch given to the model)"
+    op, layer = origin.get("op"), origin.get("layer")
+    if kind == "weights":
+        cls = f" ({origin['layer_class']})" if origin.get("layer_class") else ""
+        return (f"NaN/Inf already in the weights, first in layer '{layer_name(layer)}'{cls}: "
+                "an earlier update wrote it")
+    if kind == "forward":
+        where = f" in layer '{layer_name(layer)}'" if layer is not None else f" {OUTSIDE_MODEL}"
+        if origin.get("layer_class"):
+            where += f" ({origin['layer_class']})"
+        at = ""
+        if origin.get("file"):
+            at = f" at {os.path.basename(str(origin['file']))}:{origin.get('line')}"
+            if origin.get("code"):
+                at += f": {origin['code']}"
+        return f"NaN/Inf first produced by op '{op}'{where}{at}"
+    if op == MODEL_OUTPUT:  # a replayed step: NaN/Inf reached the model with the loss's gradient
+        first = f"first non-finite gradient at the {MODEL_OUTPUT}"
+    else:
+        first = f"first non-finite gradient at {op} {node_where(layer)}" if op else "no non-finite gradient observed"
+    if kind == "outside":
+        return f"the model's forward is finite: NaN/Inf made {OUTSIDE_MODEL} (loss function or labels); {first}"
+    if kind == "backward":
+        return f"the forward is finite everywhere: NaN/Inf made in the backward; {first}"
+    if kind == "not_reproduced":
+        return ("the replay of this step did not reproduce its NaN/Inf (the forward depends on more than "
+                f"its inputs and the random state, e.g. a counter); {first}")
+    return first
+
+
+def origin_mark(origin: dict[str, Any]) -> str:
+    """The line drawn on the node where a NaN/Inf started.
+
+    Example:
+        >>> origin_mark({"kind": "forward", "op": "sqrt", "file": "/src/model.py", "line": 16})
+        'NaN/Inf starts here: sqrt, model.py:16'
+        >>> origin_mark({"kind": "backward", "op": "Sqrt"})
+        'NaN/Inf starts here (in the backward)'
+    """
+    if origin.get("kind") == "forward":
+        at = f", {os.path.basename(str(origin['file']))}:{origin.get('line')}" if origin.get("file") else ""
+        return f"NaN/Inf starts here: {origin.get('op')}{at}"
+    if origin.get("kind") == "backward":
+        return "NaN/Inf starts here (in the backward)"
+    return "first NaN/Inf gradient"
 
 
 # --------------------------------------------------------------------------
@@ -413,6 +479,11 @@ def graph_summary(graph: BackwardGraph, top: int = 5, previous: BackwardGraph | 
     unhooked = _unobserved_ops(graph)
     compiled = sum(1 for n in graph.nodes if n.kind == "op" and n.note == PROGRAM_OP_NOTE)
     bad_params = [name for name, m in params.items() if m is not None and m.nonfinite]
+    origin = graph.meta.get("nonfinite_origin")
+    if isinstance(origin, dict):
+        lines.append(describe_origin(origin) + ";")
+        if graph.meta.get("replayed"):
+            lines.append("graph replayed from the step's inputs before the update (param.grad untouched);")
     if sites:
         first = sites[0]
         lines.append(f"NaN/Inf gradients at {plural(len(sites), 'node')}, first at {describe_node(first)};")

@@ -2,8 +2,9 @@
 
 * ``nonfinite_loss``: the loss is NaN/Inf when its backward starts; that
   backward is captured.
-* ``nonfinite_grad``: the loss was finite but a gradient turned NaN/Inf; the
-  next step is captured.
+* ``nonfinite_grad``: the loss was finite but a gradient turned NaN/Inf
+  (checked after the backward, before the optimizer step); the recorder
+  captures that same step by replaying it, or the next step when it cannot.
 * ``grad_spike``: the global gradient norm exceeded ``on_grad_spike`` times
   the running median; the next step is captured.
 * ``structure_change``: the graph differs from the last capture's.
@@ -24,7 +25,7 @@ import paddle
 from .capture import structure_fingerprint
 from .options import RecorderOptions
 
-__all__ = ["Triggers", "global_grad_norm"]
+__all__ = ["Triggers", "global_grad_norm", "grads_nonfinite"]
 
 
 def global_grad_norm(params: Any) -> float | None:
@@ -45,6 +46,27 @@ def global_grad_norm(params: Any) -> float | None:
         return None
     total = float(paddle.add_n(sq)) if len(sq) > 1 else float(sq[0])
     return math.sqrt(max(total, 0.0)) if not math.isnan(total) else math.nan
+
+
+def grads_nonfinite(params: Any) -> bool | None:
+    """Whether any initialised ``p.grad`` of ``params`` holds NaN/Inf (None without any).
+
+    One sum per gradient, summed on the device, one host transfer; a sum
+    that is not finite is confirmed per tensor, so finite gradients whose
+    sum overflows are not taken for NaN/Inf.
+    """
+    grads = []
+    for p in params:
+        g = p.grad
+        if g is not None and g._is_initialized():
+            grads.append(g if g.dtype in (paddle.float32, paddle.float64) else g.astype("float32"))
+    if not grads:
+        return None
+    sums = [g.sum() for g in grads]
+    total = float(paddle.add_n(sums)) if len(sums) > 1 else float(sums[0])
+    if math.isfinite(total):
+        return False
+    return any(not bool(paddle.isfinite(g).all()) for g in grads)
 
 
 class Triggers:
@@ -68,10 +90,18 @@ class Triggers:
         self.note: str | None = None  # why a pending trigger fired, for the capture's record
         self.captured_now = False
         self._loss_nonfinite = False
+        self._fired_before: int | None = None
+        self.loss: float | None = None  # the loss when this step's backward started (on_nonfinite)
+
+    @property
+    def pending(self) -> bool:
+        """Whether a trigger fired earlier waits to capture the next backward."""
+        return self._pending is not None
 
     def new_step(self) -> None:
         self.captured_now = False
         self._loss_nonfinite = False
+        self.loss = None
 
     def _can_fire(self, trigger: str, step: int) -> bool:
         last = self._last_fired.get(trigger)
@@ -93,8 +123,8 @@ class Triggers:
             return armed
         opts = self.options
         trigger = None
-        loss_bad = (opts.on_nonfinite and len(roots) == 1 and roots[0].size == 1
-                    and not math.isfinite(float(roots[0])))
+        self.loss = float(roots[0]) if opts.on_nonfinite and len(roots) == 1 and roots[0].size == 1 else None
+        loss_bad = self.loss is not None and not math.isfinite(self.loss)
         self._loss_nonfinite = loss_bad
         if armed:
             trigger = armed
@@ -122,22 +152,54 @@ class Triggers:
             self.captured_now = True
         return trigger
 
-    def after_backward(self, step: int, params: Any) -> None:
-        """After every backward: watch the gradients (non-finite, spikes)."""
+    def defer(self, step: int) -> None:
+        """The same-step capture of ``nonfinite_grad`` at ``step`` could not be made: capture the next step."""
+        if self._fired_before is None:
+            self._last_fired.pop("nonfinite_grad", None)
+        else:
+            self._last_fired["nonfinite_grad"] = self._fired_before
+        if self._can_fire("nonfinite_grad", step + 1):
+            self._pending = ("nonfinite_grad", step)
+
+    def after_backward(self, step: int, params: Any, can_replay: bool = False) -> str | None:
+        """After every backward: watch the gradients (non-finite, spikes).
+
+        Args:
+            step: the step.
+            params: the model's parameters (their ``grad`` is read).
+            can_replay: whether the caller can capture this step by replaying it.
+
+        Returns:
+            ``"nonfinite_grad"`` when the caller is to capture this very step
+            (by a replay), else None.
+        """
         opts = self.options
         if not opts.on_nonfinite and opts.on_grad_spike is None:
-            return
-        norm = global_grad_norm(params)
+            return None
+        if opts.on_grad_spike is None:
+            # NaN/Inf only: a plain sum per gradient reads each once (5.7 vs 23-26 ms
+            # for resnet50's 161 gradients with square().sum())
+            bad = grads_nonfinite(params)
+            norm = None if bad is None else (math.nan if bad else 0.0)
+        else:
+            norm = global_grad_norm(params)
         if norm is None:
-            return
+            return None
         if not math.isfinite(norm):
             # a NaN/Inf loss is the nonfinite_loss trigger's (its gradients are
             # NaN too); notices only for a capture that will really happen
-            if (opts.on_nonfinite and not self.captured_now and not self._loss_nonfinite
-                    and self._can_fire("nonfinite_grad", step + 1)):
-                self._pending = ("nonfinite_grad", step)
-                self._notice(f"non-finite gradients at step {step} with a finite loss; capturing step {step + 1}")
-            return
+            if opts.on_nonfinite and not self.captured_now and not self._loss_nonfinite:
+                self._fired_before = self._last_fired.get("nonfinite_grad")
+                if can_replay and self._fire("nonfinite_grad", step):
+                    self.captured_now = True
+                    self._notice(f"non-finite gradients at step {step} with a finite loss; "
+                                 f"capturing step {step} (replayed before the update)")
+                    return "nonfinite_grad"
+                if self._can_fire("nonfinite_grad", step + 1):
+                    self._pending = ("nonfinite_grad", step)
+                    self._notice(f"non-finite gradients at step {step} with a finite loss; "
+                                 f"capturing step {step + 1}")
+            return None
         if opts.on_grad_spike is not None and len(self._norms) >= 5:
             median = statistics.median(self._norms)
             if (median > 0 and norm > opts.on_grad_spike * median and not self.captured_now
@@ -146,3 +208,4 @@ class Triggers:
                 self._notice(f"gradient norm {norm:.4g} at step {step} is {norm / median:.1f}x the running "
                              f"median {median:.4g}; capturing step {step + 1}")
         self._norms.append(norm)
+        return None

@@ -135,8 +135,10 @@ def test_nonfinite_captures_the_step_and_names_the_origin(tmp_path, capsys):
 
 def test_nonfinite_gradients_with_finite_loss_capture_the_next_step(tmp_path, capsys):
     """Inf inputs: Linear gives NaN, ReLU maps NaN to 0, the loss stays finite,
-    only the weight gradient is NaN; that is seen after the backward, so the
-    next step is captured."""
+    only the weight gradient is NaN; that is seen after the backward. The
+    step is replayed at once, but the forward depends on a counter, so the
+    replay is finite: rather than show a finite graph for a NaN step, the
+    next step is captured (tests/test_nan_origin.py has replays that work)."""
 
     class Blowup(nn.Layer):
         def __init__(self):
@@ -158,8 +160,16 @@ def test_nonfinite_gradients_with_finite_loss_capture_the_next_step(tmp_path, ca
     g = _graph(tmp_path, K + 1)
     assert g.meta["trigger_note"] == f"nonfinite_grad seen at step {K}"
     out = capsys.readouterr().out
-    assert f"non-finite gradients at step {K} with a finite loss; capturing step {K + 1}" in out
+    assert f"non-finite gradients at step {K} with a finite loss; capturing step {K} (replayed" in out
+    assert f"the replay of step {K} did not reproduce its NaN/Inf gradients; capturing step {K + 1}" in out
     assert out.count("non-finite gradients at step") == 1
+    # that capture is of the real backward, its ops attributed to layers
+    assert {n.layer for n in g.nodes if n.kind == "op"} >= {"body.0", "body.2"}
+    # by then the update has written NaN into the weights, and the capture says so
+    o = g.meta["nonfinite_origin"]
+    assert (o["kind"], o["layer"], o["layer_class"]) == ("weights", "body.0", "Linear")
+    assert f"captured step {K + 1} (trigger: nonfinite_grad); NaN/Inf already in the weights, first in " \
+           "layer 'body.0' (Linear): an earlier update wrote it" in out
 
 
 @pytest.mark.parametrize("cooldown,max_captures,want", [

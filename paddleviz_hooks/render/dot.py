@@ -9,7 +9,7 @@ from typing import Any, Mapping
 from ..escape import dot_attrs, dot_html_table, dot_label, dot_quote
 from ..graph import BackwardGraph, Edge, Node
 from ..hazards import PROGRAM_OP_NOTE
-from ..text import NOT_OBSERVED, call_of, edge_lines, layer_name, node_lines, node_tooltip
+from ..text import NOT_OBSERVED, call_of, edge_lines, layer_name, node_lines, node_tooltip, origin_mark
 
 __all__ = ["to_dot", "dot_parts", "STYLE"]
 
@@ -22,6 +22,8 @@ STYLE = {
     "layer": {"shape": "box3d", "style": "filled", "fillcolor": "#fbe5d6", "margin": "0.14,0.07"},
     "nonfinite": {"fillcolor": "#ff6b6b", "color": "#b00000", "penwidth": "2.5"},
     "unhooked": {"style": "rounded,filled,dashed"},
+    # where the NaN/Inf started (graph.meta["nonfinite_origin"]): a thick violet double frame
+    "origin": {"color": "#7b1fa2", "penwidth": "4", "peripheries": "2", "fontcolor": "#4a0072"},
 }
 
 def dot_parts(
@@ -76,6 +78,8 @@ def dot_parts(
     bad_src = {e.src for e in graph.edges if e.grad is not None and e.grad.nonfinite}
     sites = graph.nonfinite_sites() if bad_src else []
     origin = sites[0].id if sites else None
+    found = graph.meta.get("nonfinite_origin")
+    found_id = _origin_node(graph, found) if isinstance(found, dict) else None
 
     def node_stmt(n: Node) -> str:
         attrs = dict(STYLE.get(n.kind, STYLE["op"]))
@@ -84,8 +88,11 @@ def dot_parts(
             attrs.update(STYLE["unhooked"])
         if n.id in bad_src or (n.kind == "layer" and n.nonfinite):
             attrs.update(STYLE["nonfinite"])
-            if n.id == origin:
-                lines = lines + ["NaN/Inf origin"]
+            if n.id == origin and found_id is None:
+                lines = lines + ["NaN/Inf origin" if found is None else origin_mark({})]
+        if n.id == found_id:
+            attrs.update(STYLE["origin"])
+            lines = lines + [origin_mark(found)]
         attrs["tooltip"] = node_tooltip(n)
         attrs.update(node_style.get(n.key, {}))
         return f"n{n.id} [label={dot_label(*lines)}, {dot_attrs(attrs)}]"
@@ -128,7 +135,7 @@ def dot_parts(
     if extra_body:
         body.extend(extra_body)
     if legend:
-        body.append(_legend(stats, any(n.note == PROGRAM_OP_NOTE for n in graph.nodes)))
+        body.append(_legend(stats, any(n.note == PROGRAM_OP_NOTE for n in graph.nodes), found_id is not None))
     return graph_attr, body
 
 
@@ -187,7 +194,26 @@ def _cluster_lines(graph: BackwardGraph, by_layer: dict[tuple[str, int], list[No
     return lines
 
 
-def _legend(stats: bool, compiled: bool = False) -> str:
+def _origin_node(graph: BackwardGraph, origin: dict) -> int | None:
+    """The node of the origin's op, or the deepest layer box holding it when collapsed."""
+    key = origin.get("key")
+    if key:
+        for n in graph.nodes:
+            if n.key == key:
+                return n.id
+    layer = origin.get("layer")
+    if origin.get("kind") != "forward" or layer is None:
+        return None
+    best = None
+    for n in graph.nodes:
+        if n.kind == "layer" and n.layer is not None and (
+                n.layer == layer or n.layer == "" or layer.startswith(n.layer + ".")):
+            if best is None or len(n.layer) > len(best.layer):
+                best = n
+    return best.id if best is not None else None
+
+
+def _legend(stats: bool, compiled: bool = False, origin: bool = False) -> str:
     rows = [({"BGCOLOR": c}, t) for c, t in (
         ("#ffd966", "loss / root"),
         ("#dae8fc", "op (grad node)"),
@@ -195,6 +221,8 @@ def _legend(stats: bool, compiled: bool = False) -> str:
         ("#e6e6e6", "input leaf"),
         ("#ff6b6b", "NaN/Inf gradient"),
     )]
+    if origin:
+        rows.append(({"BGCOLOR": "#7b1fa2"}, "where the NaN/Inf starts"))
     rows.append(({}, f"dashed: gradient {NOT_OBSERVED} (the node takes no hook)"))
     if compiled:
         rows.append(({}, f"dashed *_grad op: {PROGRAM_OP_NOTE} (to_static)"))

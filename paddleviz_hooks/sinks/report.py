@@ -40,7 +40,7 @@ from ..diff import DIFF_FORMAT, GraphDiff, diff_graphs
 from ..escape import clean_svg, html_escape, json_for_script
 from ..graph import BackwardGraph, parse_json
 from ..render import render_diff, render_svg
-from ..text import describe_node, diff_summary, fmt_num, graph_summary
+from ..text import describe_node, describe_origin, diff_summary, fmt_num, graph_summary
 
 __all__ = ["build_report", "find_step_files", "ReportError"]
 
@@ -292,18 +292,26 @@ def _chart(run: _Run, ri: int) -> str:
     return "".join(parts) + f'<ul class="legend">{"".join(legend)}{more}</ul>'
 
 
+def _origin(graph: BackwardGraph) -> dict | None:
+    found = graph.meta.get("nonfinite_origin")
+    return found if isinstance(found, dict) else None
+
+
 def _site_list(graph: BackwardGraph) -> str:
     sites = graph.nonfinite_sites()
+    found = _origin(graph)
+    head = (f'<p class="bad origin"><span class="badge bad">starts here</span> {_e(describe_origin(found))}</p>'
+            if found is not None else "")
     if not sites:
-        return ""
+        return head
     items = []
     for k, n in enumerate(sites[:30]):
         info = {"kind": n.kind, "op": n.op, "layer": n.layer, "call": n.call, "param": n.param}
-        badge = '<span class="badge bad">origin</span> ' if k == 0 else ""
+        badge = f'<span class="badge bad">{"first" if found else "origin"}</span> ' if k == 0 else ""
         items.append(f"<li>{badge}{_e(describe_node(info))} <code>{_e(n.key)}</code></li>")
     if len(sites) > 30:
         items.append(f'<li class="muted">and {len(sites) - 30} more</li>')
-    return (f'<h3 class="bad">NaN/Inf gradients at {len(sites)} nodes</h3>'
+    return (f'{head}<h3 class="bad">NaN/Inf gradients at {len(sites)} nodes</h3>'
             f'<ol class="sites">{"".join(items)}</ol>')
 
 
@@ -350,12 +358,17 @@ def _overview(run: _Run, ri: int) -> str:
     rows = []
     for si, st in enumerate(run.steps):
         sites = st.graph.nonfinite_sites()
-        if sites:
-            n = sites[0]
-            info = {"kind": n.kind, "op": n.op, "layer": n.layer, "call": n.call, "param": n.param}
+        found = _origin(st.graph)
+        if sites or found is not None:
+            if found is not None:
+                where = describe_origin(found)
+            else:
+                n = sites[0]
+                where = "origin " + describe_node({"kind": n.kind, "op": n.op, "layer": n.layer, "call": n.call,
+                                                   "param": n.param})
             rows.append(
                 f'<li><button class="jump" data-run="{ri}" data-step="{si}">step {_e(st.number)}</button> '
-                f"{len(sites)} nodes, origin {_e(describe_node(info))}</li>"
+                f"{len(sites)} nodes, {_e(where)}</li>"
             )
     changed = [
         f'<button class="jump" data-run="{ri}" data-step="{si}">{_e(st.number)}</button>'

@@ -1,0 +1,463 @@
+"""Where a NaN/Inf really starts: replay one step's forward under Paddle's numerics checker.
+
+Once a forward op makes a NaN every later value is NaN, so the first
+non-finite *gradient* is always at the loss; and Paddle's CPU ``relu(NaN)``
+returns 0, so a NaN can be born in the forward and show up only in the
+gradients. Gradients alone cannot name the op. This module:
+
+* :class:`StepInputs` keeps, for the current step only, what the top layer's
+  first call received (inputs, RNG state), what it returned, and the
+  gradient its outputs received in the backward (a forward pre/post hook and
+  one tensor hook per output: about a microsecond per step).
+* :func:`locate` re-runs that forward once under Paddle's numerics checker
+  (level 0: the first op whose output holds NaN/Inf raises) and reads the op
+  type from the error and the layer, file and line from the traceback.
+* :func:`replay_step` re-runs forward and backward with ``paddle.grad`` (which
+  leaves ``param.grad`` alone), so a capture active around it records the
+  bad step's graph before the optimizer writes NaN into the weights.
+* :func:`find_nonfinite_origin` is the same locate for notebooks and
+  hand-written loops.
+
+Every replay restores what it may change: Paddle's flags, the RNG state,
+grad mode and every non-trainable tensor of the model (BatchNorm
+statistics); the checker's console line (written by C code to file
+descriptor 1) is captured, never shown. Python side effects of ``forward``
+(counters, caches) are replayed and not undone.
+
+An origin is a plain dict (``graph.meta["nonfinite_origin"]``) with the keys
+of :data:`ORIGIN_KEYS`; ``kind`` is one of :data:`KINDS`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import linecache
+import os
+import re
+import sys
+import tempfile
+import threading
+import traceback
+from typing import Any, Iterator
+
+import paddle
+
+from ..graph import BackwardGraph
+from .attribution import tensors_in
+from .gradnode import grad_fn, strip_wrapper_prefix
+
+__all__ = ["KINDS", "ORIGIN_KEYS", "StepInputs", "find_nonfinite_origin", "has_nonfinite", "locate",
+           "replay_step"]
+
+#: Keys of an origin dict.
+ORIGIN_KEYS = ("kind", "op", "layer", "layer_class", "file", "line", "code", "key")
+
+#: ``forward``: an op of the model's forward made it (op, layer, file, line, code);
+#: ``input``: the batch itself holds NaN/Inf;
+#: ``weights``: a parameter already holds NaN/Inf (an earlier update wrote it;
+#: ``layer`` is the layer of the first such parameter);
+#: ``outside``: the model's outputs were finite, so the loss function (or the
+#: labels) made it; ``op``/``layer`` name the first non-finite gradient;
+#: ``backward``: the forward is finite everywhere; the NaN/Inf is made in the
+#: backward, at the first non-finite gradient (``op``/``layer``);
+#: ``not_reproduced``: the replay of the step was finite although the step was
+#: not (the forward depends on more than its inputs and the RNG, e.g. a
+#: counter); ``op``/``layer`` name the first non-finite gradient, if any.
+KINDS = ("forward", "input", "weights", "outside", "backward", "not_reproduced")
+
+_FLAGS = ("FLAGS_check_nan_inf", "FLAGS_check_nan_inf_level")
+_PADDLE_DIR = os.path.dirname(os.path.abspath(paddle.__file__)) + os.sep
+_OUR_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_OP_RE = re.compile(r"op=([A-Za-z0-9_.]+)")
+
+
+def has_nonfinite(obj: Any) -> bool:
+    """Whether any floating-point tensor inside ``obj`` (nested lists, tuples, dicts) holds NaN/Inf.
+
+    Example:
+        >>> has_nonfinite(([paddle.to_tensor([1.0])], {"x": paddle.to_tensor([float("nan")])}))
+        True
+        >>> has_nonfinite((paddle.to_tensor([1, 2]), 3.0))
+        False
+    """
+    for t in tensors_in(obj):
+        if t._is_initialized() and t.size and t.is_floating_point():
+            if not bool(paddle.isfinite(t).all()):
+                return True
+    return False
+
+
+def _origin(kind: str, **fields: Any) -> dict[str, Any]:
+    out = dict.fromkeys(ORIGIN_KEYS)
+    out.update(fields, kind=kind)
+    return out
+
+
+class StepInputs:
+    """What the top layer's latest call in the current step received and returned.
+
+    The latest call is the one whose backward ran last (with gradient
+    accumulation, the current micro-batch).
+
+    Args:
+        layer: the model (the layer called once per step).
+
+    Attributes:
+        args, kwargs: the inputs of the latest call since :meth:`reset`
+            (references, not copies), or None when the layer was not called.
+        rng: ``paddle.get_rng_state()`` when that call started.
+        outputs: what it returned.
+        out_grads: output tensor index -> the gradient it received in the
+            backward (filled by the backward).
+    """
+
+    def __init__(self, layer: paddle.nn.Layer) -> None:
+        self.layer = layer
+        self._handles: list[Any] = []
+        self.paused = False
+        self.reset()
+
+    def install(self) -> "StepInputs":
+        self._handles = [
+            self.layer.register_forward_pre_hook(self._pre, with_kwargs=True),
+            self.layer.register_forward_post_hook(self._post, with_kwargs=True),
+        ]
+        return self
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self.reset()
+
+    def reset(self) -> None:
+        """Drop every reference kept for the step (call it when a step ends)."""
+        self.args: tuple | None = None
+        self.kwargs: dict = {}
+        self.rng: Any = None
+        self.outputs: Any = None
+        self.out_grads: dict[int, Any] = {}
+        self.hooked = 0  # outputs whose gradient is being kept
+        self._recording = False
+        self._call = getattr(self, "_call", 0) + 1  # hooks of earlier calls no longer write
+
+    @property
+    def seen(self) -> bool:
+        """Whether the layer was called since the last :meth:`reset`."""
+        return self.args is not None
+
+    def _pre(self, layer: Any, args: tuple, kwargs: dict) -> None:
+        if self.paused or self._recording:  # a replay, or the layer calling itself
+            return None
+        try:
+            self.reset()
+            self.args, self.kwargs = tuple(args), dict(kwargs)
+            self.rng = paddle.get_rng_state()
+            self._recording = True
+        except Exception:  # never break the forward
+            self.reset()
+        return None
+
+    def _post(self, layer: Any, args: tuple, kwargs: dict, outputs: Any) -> None:
+        if not self._recording:
+            return None
+        self._recording = False
+        try:
+            self.outputs = outputs
+            for i, t in enumerate(tensors_in(outputs)):
+                if not t.stop_gradient and grad_fn(t) is not None:
+                    t.register_hook(self._grad_hook(i, self._call))
+                    self.hooked += 1
+        except Exception:
+            pass
+        return None
+
+    def _grad_hook(self, i: int, call: int):
+        def hook(grad: Any) -> None:
+            try:
+                if call == self._call:
+                    self.out_grads[i] = grad
+            except Exception:
+                pass
+            return None  # the gradient is never changed
+
+        return hook
+
+
+# --------------------------------------------------------------------------
+# restoring what a replay may change
+# --------------------------------------------------------------------------
+def _frozen_state(layer: paddle.nn.Layer) -> list[tuple[Any, Any]]:
+    """Every non-trainable tensor of ``layer`` (buffers, frozen parameters) with a copy."""
+    seen: set[int] = set()
+    out = []
+    tensors = [b for _, b in layer.named_buffers()] + [p for p in layer.parameters() if p.stop_gradient]
+    with paddle.no_grad():
+        for t in tensors:
+            if t is None or id(t) in seen or not t._is_initialized():
+                continue
+            seen.add(id(t))
+            out.append((t, t.clone()))
+    return out
+
+
+@contextlib.contextmanager
+def _restored(layer: paddle.nn.Layer, rng: Any = None) -> Iterator[None]:
+    """Run a replay (from RNG state ``rng`` when given) and put everything back after."""
+    rng_now = paddle.get_rng_state()
+    grad_was = paddle.is_grad_enabled()
+    frozen = _frozen_state(layer)
+    try:
+        if rng is not None:
+            paddle.set_rng_state(rng)
+        yield
+    finally:
+        paddle.set_grad_enabled(grad_was)
+        with paddle.no_grad():
+            for t, value in frozen:
+                t.set_value(value)
+        paddle.set_rng_state(rng_now)
+
+
+@contextlib.contextmanager
+def _numerics_checker() -> Iterator[None]:
+    """Paddle's numerics checker at level 0 for the block; its fd-1 line never reaches the user."""
+    old = paddle.get_flags(list(_FLAGS))
+    try:
+        sys.stdout.flush()
+    except Exception:
+        pass
+    try:
+        saved: int | None = os.dup(1)
+    except OSError:  # no file descriptor 1: nothing to hide the line from
+        saved = None
+    sink = tempfile.TemporaryFile()
+    try:
+        if saved is not None:
+            os.dup2(sink.fileno(), 1)
+        paddle.set_flags({_FLAGS[0]: True, _FLAGS[1]: 0})
+        yield
+    finally:
+        paddle.set_flags(old)
+        try:
+            ctypes.CDLL(None).fflush(None)  # C stdio buffers go to the sink, not to the user
+        except Exception:
+            pass
+        if saved is not None:
+            os.dup2(saved, 1)
+            os.close(saved)
+        sink.close()
+
+
+def _layer_paths(layer: paddle.nn.Layer) -> dict[int, tuple[str, str]]:
+    return {id(sub): ("" if path == "_layers" else strip_wrapper_prefix(path), type(sub).__name__)
+            for path, sub in layer.named_sublayers(include_self=True)
+            if type(sub).__name__ != "DataParallel"}
+
+
+def _from_checker_error(exc: BaseException, layer: paddle.nn.Layer) -> dict[str, Any] | None:
+    """The origin named by the checker's error: op from its message, layer and line from its traceback."""
+    m = _OP_RE.search(str(exc))
+    if m is None:
+        return None
+    paths = _layer_paths(layer)
+    where = file = line = None
+    tb = exc.__traceback__
+    for frame, lineno in traceback.walk_tb(tb):
+        owner = frame.f_locals.get("self")
+        if owner is not None and id(owner) in paths:
+            where = paths[id(owner)]  # the innermost layer call wins
+        name = os.path.abspath(frame.f_code.co_filename)
+        if not name.startswith((_PADDLE_DIR, _OUR_DIR)):
+            file, line = frame.f_code.co_filename, lineno  # the innermost line of the user's code
+    traceback.clear_frames(tb)  # the frames hold the replay's tensors
+    code = linecache.getline(file, line).strip() if file else ""
+    return _origin("forward", op=m.group(1), layer=where[0] if where else None,
+                   layer_class=where[1] if where else None, file=file, line=line, code=code or None)
+
+
+def _checked_forward(layer: paddle.nn.Layer, args: tuple, kwargs: dict, rng: Any) -> dict[str, Any] | None:
+    """One forward under the checker without grad; the forward origin, or None when it is finite.
+
+    The forward runs in a thread of its own, started for it: the checker
+    appends the Python stack of every op to a per-thread string that nothing
+    resets, which made each later checked forward of a thread slower (37 ms
+    for a 2-layer encoder's first, 263 ms by its 40th); a fresh thread starts
+    empty and frees the string when it ends.
+    """
+
+    def forward() -> None:
+        with _numerics_checker(), paddle.no_grad():
+            layer(*args, **kwargs)
+
+    with _restored(layer, rng):
+        try:
+            _in_fresh_thread(forward)
+        except RuntimeError as exc:
+            found = _from_checker_error(exc, layer)
+            if found is None:
+                raise
+            return found
+    return None
+
+
+def _in_fresh_thread(fn: Any) -> Any:
+    """``fn()`` in a new thread while this one waits; its exception is raised here."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # handed to the caller
+            box["error"] = exc
+
+    t = threading.Thread(target=run, name="paddleviz-hooks-nan-check", daemon=True)
+    t.start()
+    t.join()
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
+def _first_gradient(kind: str, graph: BackwardGraph | None) -> dict[str, Any]:
+    sites = graph.nonfinite_sites() if graph is not None else []
+    if not sites:
+        return _origin(kind)
+    n = sites[0]
+    layer_class = graph.layers.get(n.layer) if n.layer is not None else None
+    return _origin(kind, op=n.op, layer=n.layer, layer_class=layer_class, key=n.key)
+
+
+def locate(layer: paddle.nn.Layer, kept: StepInputs, graph: BackwardGraph | None = None,
+           loss_nonfinite: bool = False) -> dict[str, Any]:
+    """Where this step's NaN/Inf starts.
+
+    Args:
+        layer: the model.
+        kept: the step's inputs, outputs and RNG state (``kept.seen`` must be True).
+        graph: the step's captured (or replayed) backward graph, for the
+            first non-finite gradient and the origin's node key.
+        loss_nonfinite: whether the loss was NaN/Inf.
+
+    Returns:
+        An origin dict (see :data:`ORIGIN_KEYS`, :data:`KINDS`).
+    """
+    if has_nonfinite((kept.args, kept.kwargs)):
+        return _origin("input")
+    weights = _nonfinite_weights(layer)
+    if weights is not None:
+        return weights
+    kept.paused = True
+    try:
+        found = _checked_forward(layer, kept.args, kept.kwargs, kept.rng)
+    finally:
+        kept.paused = False
+    if found is not None:
+        found["key"] = _node_key(graph, found)
+        return found
+    if has_nonfinite(kept.outputs):
+        return _first_gradient("not_reproduced", graph)
+    first = _first_gradient("backward", graph)
+    if loss_nonfinite or (first["key"] is not None and first["layer"] is None):
+        first["kind"] = "outside"
+    elif graph is not None and graph.meta.get("replayed") and not graph.nonfinite_count():
+        first["kind"] = "not_reproduced"
+    return first
+
+
+def _nonfinite_weights(layer: paddle.nn.Layer) -> dict[str, Any] | None:
+    """The ``weights`` origin when a trainable parameter already holds NaN/Inf."""
+    for name, p in layer.named_parameters():
+        if not p.stop_gradient and has_nonfinite(p):
+            path = name.rpartition(".")[0]
+            sub = dict(layer.named_sublayers(include_self=True)).get(path)
+            return _origin("weights", layer=strip_wrapper_prefix(path),
+                           layer_class=type(sub).__name__ if sub is not None else None)
+    return None
+
+
+def _norm_op(name: str) -> str:
+    return name.replace("_", "").lower()
+
+
+def _node_key(graph: BackwardGraph | None, origin: dict[str, Any]) -> str | None:
+    """Key of the grad node of the origin's op in its layer (its first call), if the graph has it."""
+    if graph is None or not origin.get("op"):
+        return None
+    want = _norm_op(origin["op"])
+    for n in graph.nodes:
+        if n.kind == "op" and n.layer == origin["layer"] and _norm_op(n.op) == want:
+            return n.key
+    return None
+
+
+def replay_step(layer: paddle.nn.Layer, kept: StepInputs) -> bool:
+    """Re-run the step's forward and backward (``paddle.grad``: ``param.grad`` is untouched).
+
+    The backward starts from the model's outputs with the gradients they
+    received in the step's own backward, so a capture active around this
+    call records the model's part of the step's graph with the same
+    gradients. RNG, grad mode and non-trainable tensors are restored.
+
+    Returns:
+        False when there is nothing to replay (no output received a gradient).
+    """
+    if not kept.seen or not kept.out_grads:
+        return False
+    params = [p for p in layer.parameters() if not p.stop_gradient]
+    kept.paused = True
+    try:
+        with _restored(layer, kept.rng):
+            paddle.set_grad_enabled(True)
+            outs = tensors_in(layer(*kept.args, **kept.kwargs))
+            pairs = [(outs[i], g) for i, g in sorted(kept.out_grads.items()) if i < len(outs)]
+            if not pairs or not params:
+                return False
+            paddle.grad([o for o, _ in pairs], params, grad_outputs=[g for _, g in pairs],
+                        allow_unused=True)
+    finally:
+        kept.paused = False
+    return True
+
+
+def find_nonfinite_origin(model: paddle.nn.Layer, *inputs: Any, **kwargs: Any) -> dict[str, Any] | None:
+    """Run one checked forward of ``model`` and say which op first makes a NaN/Inf.
+
+    For notebooks and hand-written loops: call it with the batch of the step
+    that went wrong. Nothing of the training state changes: Paddle's flags,
+    the RNG state, grad mode and BatchNorm statistics are put back, and the
+    checker's console line is not printed.
+
+    Args:
+        model: the ``paddle.nn.Layer``.
+        *inputs, **kwargs: what ``model`` is called with.
+
+    Returns:
+        None when the forward is finite everywhere; else a dict with
+        ``kind`` (``"forward"``: an op of the forward; ``"input"``: the
+        inputs hold NaN/Inf; ``"weights"``: a trainable parameter does,
+        ``layer`` names its layer), ``op`` (Paddle's op type, e.g. ``"sqrt"``),
+        ``layer`` (dotted sublayer path, ``""`` for the model itself),
+        ``layer_class``, ``file``, ``line`` and ``code`` (the source line
+        that called the op), and ``key`` (None: no graph here).
+
+    Raises:
+        TypeError: ``model`` is not a ``paddle.nn.Layer``.
+
+    Example:
+        >>> class Net(paddle.nn.Layer):
+        ...     def forward(self, x):
+        ...         return paddle.log(x)
+        >>> o = find_nonfinite_origin(Net(), paddle.to_tensor([1.0, -1.0]))
+        >>> o["kind"], o["op"], o["layer"], o["layer_class"], o["code"]
+        ('forward', 'log', '', 'Net', 'return paddle.log(x)')
+        >>> find_nonfinite_origin(Net(), paddle.to_tensor([1.0, 2.0])) is None
+        True
+    """
+    if not isinstance(model, paddle.nn.Layer):
+        raise TypeError(f"model must be a paddle.nn.Layer, got {type(model).__name__}; "
+                        "call find_nonfinite_origin(model, x) with your model and its inputs")
+    if has_nonfinite((inputs, kwargs)):
+        return _origin("input")
+    return _nonfinite_weights(model) or _checked_forward(model, inputs, kwargs, None)
