@@ -149,6 +149,11 @@ class Node:
             when unknown).
         nonfinite: for a box, NaN/Inf elements in gradients that stayed
             inside it.
+        saved_bytes: for an op, bytes of the tensors it saved for backward
+            in the forward (activations; a storage saved by several ops is
+            counted at the first); for a box, the sum over its ops. 0 when
+            nothing was saved or it was not observed (see
+            ``BackwardGraph.meta["saved_memory"]``).
         grad: for a parameter, the gradient this backward added to
             ``param.grad``: the sum over all its uses, after the user's own
             hooks (None when it was not observed, e.g. graphs saved by older
@@ -175,6 +180,7 @@ class Node:
     norm: float | None = None
     nonfinite: int = 0
     grad: GradMeta | None = None
+    saved_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -202,7 +208,7 @@ class Node:
 
 
 _NODE_BOX_DEFAULTS = {"count": 1, "calls": 1, "ops": 0, "unhooked": 0, "params": 0, "norm": None, "nonfinite": 0,
-                      "grad": None}
+                      "grad": None, "saved_bytes": 0}
 
 
 @dataclass

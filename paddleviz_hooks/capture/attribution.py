@@ -8,7 +8,7 @@ import paddle
 
 from .gradnode import grad_fn, strip_wrapper_prefix
 
-__all__ = ["LayerAttribution", "tensors_in"]
+__all__ = ["LayerAttribution", "frame_name", "tensors_in"]
 
 
 class LayerAttribution:
@@ -96,6 +96,10 @@ class LayerAttribution:
             self._resolve()
         return self.owner.get(ptr)
 
+    def current_frame(self) -> list[Any] | None:
+        """The innermost layer call under way (name it later with :func:`frame_name`)."""
+        return self._stack[-1] if self._stack else None
+
     def _pre(self, layer, args, kwargs):
         frame: list[Any] = [set(), None, self._stack[-1] if self._stack else None]
         self._stack.append(frame)
@@ -161,6 +165,14 @@ class LayerAttribution:
             if ptr not in self.owner:  # inner layers ran first and keep their claim
                 self.owner[ptr] = where
             todo.extend(n for n in gn.next_functions if n is not None)
+
+
+def frame_name(frame: list[Any] | None) -> str | None:
+    """``"path#call"`` of a layer-call frame once the call has ended; a call
+    whose outputs carried no gradient has no index and gives its parent's."""
+    while frame is not None and frame[1] is None:
+        frame = frame[2]
+    return None if frame is None else frame[1]
 
 
 def tensors_in(obj: Any) -> list[Any]:

@@ -12,6 +12,10 @@
 * With a layer given, forward pre/post hooks on every sublayer attribute the op
   nodes created during the forward to the innermost layer that ran them
   (``attribution.py``).
+* With ``saved_memory=True``, the tensors saved for backward during the
+  forward are recorded (``saved.py``) and put on the graph: ``Node.saved_bytes``
+  and ``meta["saved_memory"]``. Observing starts when the block is entered and
+  again after each backward, and stops when a backward starts.
 """
 
 from __future__ import annotations
@@ -24,9 +28,10 @@ import paddle
 from ..graph import BackwardGraph, GradMeta
 from ..hazards import hook_hazard
 from ..warn import WarnOnce
-from .attribution import LayerAttribution
+from .attribution import LayerAttribution, frame_name
 from .dispatch import DISPATCHER
 from .gradnode import Walk, grad_fn, parameter_names, walk_graph
+from .saved import SavedMemory
 from . import stats
 
 __all__ = ["BackwardCapture", "capture_backward"]
@@ -52,6 +57,7 @@ class _Session:
         self.loss: float | None = None
         self.trigger: str | None = None
         self.calls: dict[str, str] = {}  # layer-call tree of the walked nodes
+        self.saved: tuple[dict[int, int], dict[str, Any]] | None = None  # see saved.py
 
 
 class BackwardCapture:
@@ -76,6 +82,7 @@ class BackwardCapture:
         when: Callable[[list[Any], Callable[[], Any]], str | None] | None = None,
         after_backward: Callable[[bool], None] | None = None,
         warn: Callable[[str, str], None] | None = None,
+        saved_memory: bool = False,
     ) -> None:
         if layer is not None and not isinstance(layer, paddle.nn.Layer):
             raise TypeError(
@@ -84,6 +91,8 @@ class BackwardCapture:
             )
         if not isinstance(grad_stats, bool):
             raise TypeError(f"grad_stats must be True or False, got {grad_stats!r}")
+        if not isinstance(saved_memory, bool):
+            raise TypeError(f"saved_memory must be True or False, got {saved_memory!r}")
         if params is not None and not isinstance(params, (dict, paddle.nn.Layer)):
             raise TypeError(
                 f"params must be a paddle.nn.Layer or a dict of name -> Tensor, got {type(params).__name__}"
@@ -108,6 +117,9 @@ class BackwardCapture:
         self._attribution: LayerAttribution | None = None
         self._param_names: dict[int, tuple[str, Any]] = {}
         self._warn = warn or WarnOnce()
+        self.saved_memory = saved_memory
+        self._saved: SavedMemory | None = None
+        self._saved_on = False  # observe saved tensors in the forwards of this block
 
     # -- context protocol ---------------------------------------------------
     def __enter__(self) -> "BackwardCapture":
@@ -121,6 +133,8 @@ class BackwardCapture:
                 self._attribution.install()
             DISPATCHER.activate(self)
             self._active = True
+            if self.saved_memory:
+                self.observe_saved(True)
         except BaseException:
             self._teardown()
             raise
@@ -131,11 +145,36 @@ class BackwardCapture:
 
     def _teardown(self) -> None:
         self._active = False
+        self.observe_saved(False)
+        self._saved = None
         DISPATCHER.deactivate(self)
         if self._attribution is not None:
             self._attribution.remove()
             self._attribution = None
         self._param_names = {}
+
+    def observe_saved(self, on: bool) -> None:
+        """Start (or stop) recording what the forwards save for backward.
+
+        The recorder turns it on at the start of a selected step only, so
+        steps that are not captured arm nothing. A failure to arm is one
+        warning; training goes on unobserved.
+        """
+        self._saved_on = on and self._active
+        if not self._saved_on:
+            if self._saved is not None:
+                self._saved.disarm()
+                self._saved.release()
+            return
+        try:
+            if self._saved is None:
+                a = self._attribution
+                self._saved = SavedMemory(self.layer, a.current_frame if a is not None else None,
+                                          frame_name if a is not None else None)
+            self._saved.arm()
+        except Exception as exc:
+            self._saved_on = False
+            self._warn("saved", f"saved-tensor memory is not observed: {exc!r}")
 
     @property
     def errors(self) -> list[str]:
@@ -159,6 +198,9 @@ class BackwardCapture:
     # -- called by the dispatcher -----------------------------------------
     def _begin(self, roots: list[Any], entry: str) -> _Session | None:
         t0 = time.perf_counter()
+        saved = self._saved if self._saved is not None and self._saved.armed else None
+        if saved is not None:
+            saved.disarm()  # the forward is over: the backward saves nothing of the step's
         try:
             if not any(grad_fn(t) is not None for t in roots):
                 return None
@@ -180,6 +222,9 @@ class BackwardCapture:
             if self._attribution is not None:
                 s.calls = self._attribution.call_parents(
                     {f"{n.layer}#{n.call}" for n in s.walk.nodes if n.layer is not None})
+            if saved is not None:
+                ids = {gn.node_ptr(): i for i, gn in enumerate(s.walk.wrappers) if gn is not None}
+                s.saved = saved.collect(ids, {i: n.op for i, n in enumerate(s.walk.nodes)})
             if len(roots) == 1 and roots[0].size == 1:
                 s.loss = float(roots[0])
             self._hook_all(s)
@@ -188,6 +233,9 @@ class BackwardCapture:
         except Exception as exc:  # observability never breaks training
             self._warn("capture", f"backward graph capture failed and was skipped: {exc!r}")
             return None
+        finally:
+            if saved is not None:
+                saved.release()  # the saves' grad node wrappers go now
 
     def _hook_all(self, s: _Session) -> None:
         w = s.walk
@@ -274,6 +322,8 @@ class BackwardCapture:
         return hook
 
     def _end(self, s: _Session | None, ok: bool, retain_graph: bool) -> None:
+        if self._saved_on and self._active:
+            self.observe_saved(True)  # the next forward of the block
         if s is None:
             if not retain_graph and self._attribution is not None:
                 self._attribution.reset()
@@ -347,6 +397,10 @@ class BackwardCapture:
             graph.meta["loss"] = s.loss
         if s.trigger is not None:
             graph.meta["trigger"] = s.trigger
+        if s.saved is not None:
+            node_bytes, graph.meta["saved_memory"] = s.saved
+            for nid, nbytes in node_bytes.items():
+                w.nodes[nid].saved_bytes = nbytes
         graph.assign_keys()
         return graph
 
@@ -357,6 +411,7 @@ def capture_backward(
     *,
     grad_stats: bool = True,
     params: Any = None,
+    saved_memory: bool = False,
 ) -> BackwardCapture:
     """Capture the backward graph of every backward call inside a ``with`` block.
 
@@ -374,6 +429,10 @@ def capture_backward(
             shapes and dtypes only.
         params: names for parameter leaves when ``layer`` is not given: a
             ``paddle.nn.Layer`` or a dict name -> tensor.
+        saved_memory: record the tensors each forward in the block saves for
+            its backward (activation memory): bytes per grad node
+            (``Node.saved_bytes``), per layer call and per op in
+            ``graph.meta["saved_memory"]``. Run the forward inside the block.
 
     Returns:
         A :class:`BackwardCapture`; ``cap.graphs`` holds one graph per backward,
@@ -394,5 +453,5 @@ def capture_backward(
         >>> cap.graph.count_ops()["Matmul"]
         2
     """
-    return BackwardCapture(layer, grad_stats=grad_stats, params=params)
+    return BackwardCapture(layer, grad_stats=grad_stats, params=params, saved_memory=saved_memory)
 

@@ -1,0 +1,415 @@
+"""Saved activations: what a step holds between its forward and its backward.
+
+Paddle's one way to see the tensors an op keeps for its backward is
+``paddle.autograd.saved_tensors_hooks``: its pack hook is called for every
+dense tensor saved in the forward. :class:`SavedMemory` installs such a pair
+for the forward of a captured step and records, per save, the storage
+(counted once however many ops save it), its bytes, dtype and shape, the
+layer call running, and the grad node holding it:
+
+* The pack hook cannot see the grad node (Paddle creates it after the
+  kernel), so while armed every ``paddle._C_ops`` function, Tensor's C
+  arithmetic methods and ``PyLayer.apply`` are wrapped: the saves made during
+  one such call belong to the grad node of that call's output.
+* Parameters and buffers are not activations: their saves are listed apart
+  (``params_bytes``).
+* Paddle allows one pair of saved-tensor hooks at a time, and a block's exit
+  resets them for everyone. While armed, ``register``/``reset`` are patched:
+  when the user's own hooks (or non-reentrant recompute, which uses them)
+  start, ours step aside so theirs work exactly as without us, and come back
+  when they end; what their block saved is then named in ``unobserved``,
+  with the allocator's growth over it.
+* The pack hook returns ``t.detach()`` (same storage): returning ``t`` itself
+  would make a saved output hold its own grad node, a cycle that leaks every
+  step. No grad node reference is kept by the hook; the op wrappers hold
+  them only until the backward starts.
+
+Everything is removed by :meth:`SavedMemory.disarm`, which is idempotent.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from typing import Any, Callable
+
+import paddle
+from paddle.base import core
+
+from .attribution import tensors_in
+from .gradnode import dtype_name, grad_fn
+
+__all__ = ["SavedMemory", "allocated_bytes", "storage_key"]
+
+# Tensor's C arithmetic methods that make grad nodes (the ones in Python call _C_ops)
+_TENSOR_METHODS = ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__",
+                   "__rtruediv__", "__matmul__", "__pow__", "__rpow__", "__neg__", "__div__", "__rdiv__")
+_INHERITED = object()  # a patched class attribute that was inherited: delete it again
+_ARMED_LOCK = threading.Lock()
+_ARMED: list["SavedMemory"] = []  # at most one tracker observes at a time
+
+
+def allocated_bytes(place: Any = None) -> int | None:
+    """Bytes Paddle's allocator holds now on the host (None where unknown)."""
+    try:
+        return int(core.host_memory_stat_current_value("Allocated", 0))
+    except Exception:
+        return None
+
+
+def storage_key(t: Any) -> tuple[int, int]:
+    """(address of the allocation holding ``t``, its size in bytes)."""
+    return t.data_ptr() - t._offset(), int(t._holder_size())
+
+
+class _Save:
+    """One pack call: a saved tensor and where it was saved."""
+
+    __slots__ = ("key", "nbytes", "dtype", "shape", "frame", "persistable", "node")
+
+    def __init__(self, key, nbytes, dtype, shape, frame, persistable):
+        self.key, self.nbytes, self.dtype, self.shape = key, nbytes, dtype, shape
+        self.frame, self.persistable = frame, persistable
+        self.node: Any = None  # grad node wrapper of the op call that saved it (until collect)
+
+
+class SavedMemory:
+    """Observes the tensors saved for backward while armed.
+
+    Args:
+        layer: the model (its parameters and buffers are not activations),
+            or None (then tensors marked persistable are taken as parameters).
+        current_call: returns the innermost layer-call frame running now, and
+            ``call_name(frame)`` its ``"path#call"`` once known (see
+            ``attribution.py``); None without layer attribution.
+        call_name: see ``current_call``.
+    """
+
+    def __init__(self, layer: paddle.nn.Layer | None = None,
+                 current_call: Callable[[], Any] | None = None,
+                 call_name: Callable[[Any], str | None] | None = None) -> None:
+        self.layer = layer
+        self._current_call = current_call
+        self._call_name = call_name
+        self.saves: list[_Save] = []
+        self.unobserved: list[dict[str, Any]] = []
+        self.failed = 0
+        self.armed = False
+        self._ours = False  # our hook pair is the registered one
+        self._theirs: dict[str, Any] | None = None  # the user's block under way
+        self._param_keys: set[int] = set()
+        self._alloc0: int | None = None
+        self._alloc1: int | None = None
+        self._patched: list[tuple[Any, str, Any]] = []
+        self._orig_register: Callable | None = None
+        self._orig_reset: Callable | None = None
+
+    # ----------------------------------------------------------- arm/disarm
+    def arm(self) -> None:
+        """Start observing (a new forward). Raises only on programming errors."""
+        if self.armed:
+            return
+        self.saves.clear()
+        self.unobserved.clear()
+        self.failed = 0
+        self._alloc1 = None
+        with _ARMED_LOCK:
+            if _ARMED:
+                self.unobserved.append({"what": "another capture was observing saved tensors", "bytes": None})
+                return
+            _ARMED.append(self)
+        self.armed = True
+        try:
+            self._param_keys = self._parameter_keys()
+            self._orig_register = core.eager.register_saved_tensors_hooks
+            self._orig_reset = core.eager.reset_saved_tensors_hooks
+            try:
+                self._orig_register(self._pack, self._unpack)
+                self._ours = True
+            except ValueError:  # the user's own pair is active: leave it alone
+                self.unobserved.append({"what": "saved_tensors_hooks active when the forward began", "bytes": None})
+            core.eager.register_saved_tensors_hooks = self._their_register
+            core.eager.reset_saved_tensors_hooks = self._their_reset
+            self._wrap_ops()
+            self._alloc0 = allocated_bytes()
+        except BaseException:
+            self.disarm()
+            raise
+
+    def disarm(self) -> None:
+        """Stop observing: our hooks, wrappers and patches are all removed."""
+        if not self.armed:
+            return
+        self._alloc1 = allocated_bytes()
+        for owner, name, orig in reversed(self._patched):
+            try:
+                if orig is _INHERITED:
+                    delattr(owner, name)
+                else:
+                    setattr(owner, name, orig)
+            except Exception:
+                pass
+        self._patched.clear()
+        if self._orig_register is not None:
+            core.eager.register_saved_tensors_hooks = self._orig_register
+            core.eager.reset_saved_tensors_hooks = self._orig_reset
+        if self._ours:
+            self._orig_reset()
+            self._ours = False
+        if self._theirs is not None:  # their block is still open: it goes on being theirs
+            self._close_theirs(still_open=True)
+        self._orig_register = self._orig_reset = None
+        self.armed = False
+        with _ARMED_LOCK:
+            if self in _ARMED:
+                _ARMED.remove(self)
+
+    def release(self) -> None:
+        """Drop every grad node wrapper and record (after :meth:`collect`)."""
+        self.saves.clear()
+
+    # --------------------------------------------------------------- hooks
+    def _pack(self, t: Any) -> Any:
+        try:
+            key, nbytes = storage_key(t)
+            frame = self._current_call() if self._current_call is not None else None
+            self.saves.append(_Save(key, nbytes, dtype_name(t.dtype), tuple(int(s) for s in t.shape),
+                                    frame, bool(t.persistable)))
+            return t.detach()  # same storage; t itself would form a leaking cycle
+        except Exception:
+            self.failed += 1
+            return t
+
+    @staticmethod
+    def _unpack(t: Any) -> Any:
+        return t
+
+    def _their_register(self, pack: Any, unpack: Any) -> Any:
+        """The user's (or recompute's) ``saved_tensors_hooks`` starts: ours step aside."""
+        if self._ours:
+            self._orig_reset()
+            self._ours = False
+        result = self._orig_register(pack, unpack)  # raises exactly as without us
+        self._theirs = {"what": _whose(pack), "alloc": allocated_bytes()}
+        return result
+
+    def _their_reset(self) -> Any:
+        """Their block ends (it resets every pair): ours come back."""
+        result = self._orig_reset()
+        if self._theirs is not None:
+            self._close_theirs(still_open=False)
+        if self.armed and not self._ours:
+            try:
+                self._orig_register(self._pack, self._unpack)
+                self._ours = True
+            except ValueError:
+                pass
+        return result
+
+    def _close_theirs(self, still_open: bool) -> None:
+        a0, a1 = self._theirs["alloc"], allocated_bytes()
+        entry = {"what": self._theirs["what"], "bytes": None if a0 is None or a1 is None else a1 - a0}
+        if still_open:
+            entry["what"] += " (still open when the backward began)"
+        for u in self.unobserved:  # one entry per kind, sizes added
+            if u["what"] == entry["what"]:
+                u["count"] = u.get("count", 1) + 1
+                if u["bytes"] is not None and entry["bytes"] is not None:
+                    u["bytes"] += entry["bytes"]
+                break
+        else:
+            self.unobserved.append(entry)
+        self._theirs = None
+
+    # ------------------------------------------------------ op attribution
+    def _wrap_ops(self) -> None:
+        wrapped: dict[int, Any] = {}
+        for owner, name in _op_sites():
+            f = getattr(owner, name, None)
+            if type(f).__name__ != "builtin_function_or_method":
+                continue  # changed since the scan
+            if id(f) not in wrapped:
+                wrapped[id(f)] = self._wrap(f)
+            self._patch(owner, name, wrapped[id(f)])
+        for name in _TENSOR_METHODS:
+            f = paddle.Tensor.__dict__.get(name)
+            if f is not None and type(f).__name__ == "method_descriptor":
+                self._patch(paddle.Tensor, name, self._wrap(f))
+        base = paddle.autograd.PyLayer.__mro__[1]  # core.eager.PyLayer, whose apply is C
+        raw = base.__dict__.get("apply")
+        if raw is not None and "apply" not in paddle.autograd.PyLayer.__dict__:
+            def apply(cls, *args, **kwargs):
+                return track(raw.__get__(None, cls), *args, **kwargs)
+            track = self._tracker()
+            self._patch(paddle.autograd.PyLayer, "apply", classmethod(apply))
+
+    def _patch(self, owner: Any, name: str, new: Any) -> None:
+        orig = owner.__dict__.get(name, _INHERITED) if isinstance(owner, type) else getattr(owner, name)
+        setattr(owner, name, new)
+        self._patched.append((owner, name, orig))
+
+    def _tracker(self):
+        saves = self.saves
+
+        def track(f, *args, **kwargs):
+            n = len(saves)
+            out = f(*args, **kwargs)
+            if len(saves) > n:
+                self._claim(n, out, (args, kwargs))
+            return out
+
+        return track
+
+    def _wrap(self, f: Any) -> Any:
+        track = self._tracker()
+
+        def op(*args, **kwargs):
+            return track(f, *args, **kwargs)
+
+        op.__name__ = getattr(f, "__name__", "op")
+        op.__doc__ = getattr(f, "__doc__", None)
+        return op
+
+    def _claim(self, start: int, out: Any, args: Any) -> None:
+        """The saves from ``start`` on were made by the op call that returned ``out``.
+
+        One call can make several grad nodes (``linear`` makes Matmul and
+        Add): a saved output belongs to the node producing it, anything else
+        (inputs, masks, statistics) to the deepest node the call made, the
+        one next to its inputs.
+        """
+        try:
+            produced: dict[int, Any] = {}  # storage address -> grad node making that output
+            new: list[Any] = []
+            for t in tensors_in(out):
+                gn = grad_fn(t)
+                if gn is not None:
+                    produced.setdefault(storage_key(t)[0], gn)
+                    new.append(gn)
+            if not new:
+                return
+            stops = {gn.node_ptr() for gn in map(grad_fn, tensors_in(args)) if gn is not None}
+            seen = {gn.node_ptr() for gn in new}
+            head = 0
+            while head < len(new) and len(new) < 8:  # the nodes this call made, outputs first
+                for nxt in new[head].next_functions:
+                    if nxt is None or nxt.node_ptr() in seen or nxt.node_ptr() in stops:
+                        continue
+                    if nxt.name() == "GradNodeAccumulation":
+                        continue
+                    seen.add(nxt.node_ptr())
+                    new.append(nxt)
+                head += 1
+            for s in self.saves[start:]:
+                if s.node is None:  # an inner call claimed its own first
+                    s.node = produced.get(s.key) or new[-1]
+        except Exception:
+            self.failed += 1
+
+    def _parameter_keys(self) -> set[int]:
+        if self.layer is None:
+            return set()
+        keys = set()
+        for t in list(self.layer.parameters()) + list(self.layer.buffers()):
+            try:
+                if t._is_initialized():
+                    keys.add(storage_key(t)[0])
+            except Exception:
+                pass
+        return keys
+
+    # -------------------------------------------------------------- result
+    def collect(self, node_ids: dict[int, int], op_names: dict[int, str]) -> tuple[dict[int, int], dict[str, Any]]:
+        """Per-node bytes and the summary, after :meth:`disarm`.
+
+        Args:
+            node_ids: grad node address -> node id in the captured graph.
+            op_names: node id -> readable op name.
+
+        Returns:
+            (node id -> bytes it is the first to save, ``meta["saved_memory"]``).
+            A storage saved by several ops is counted once, at its first save.
+        """
+        seen: set[int] = set()
+        params: set[int] = set()
+        params_bytes = total = outside = 0
+        node_bytes: dict[int, int] = {}
+        by_layer: dict[str, int] = {}
+        by_op: dict[str, int] = {}
+        by_dtype: dict[str, int] = {}
+        for s in self.saves:
+            if s.nbytes <= 0 or s.key == 0:
+                continue
+            if s.key in self._param_keys or (self.layer is None and s.persistable):
+                if s.key not in params:
+                    params.add(s.key)
+                    params_bytes += s.nbytes
+                continue
+            if s.key in seen:
+                continue
+            seen.add(s.key)
+            total += s.nbytes
+            nid = node_ids.get(s.node.node_ptr()) if s.node is not None else None
+            if nid is not None:
+                node_bytes[nid] = node_bytes.get(nid, 0) + s.nbytes
+                op = op_names.get(nid, "?")
+            else:
+                outside += s.nbytes
+                op = s.node.name() if s.node is not None else "?"
+            name = self._call_name(s.frame) if self._call_name is not None and s.frame is not None else None
+            layer = name if name is not None else "?"
+            by_layer[layer] = by_layer.get(layer, 0) + s.nbytes
+            by_op[op] = by_op.get(op, 0) + s.nbytes
+            by_dtype[s.dtype] = by_dtype.get(s.dtype, 0) + s.nbytes
+        growth = None if self._alloc0 is None or self._alloc1 is None else self._alloc1 - self._alloc0
+        meta = {
+            "total_bytes": total,
+            "saves": len(self.saves),
+            "by_layer": _sorted(by_layer),
+            "by_op": _sorted(by_op),
+            "by_dtype": _sorted(by_dtype),
+            "params_bytes": params_bytes,
+            "no_node_bytes": outside,
+            "allocated_growth": growth,
+            "unobserved": [dict(u) for u in self.unobserved],
+        }
+        if self.failed:
+            meta["unobserved"].append({"what": f"{self.failed} saves that could not be read", "bytes": None})
+        return node_bytes, meta
+
+
+_SITES: list[tuple[Any, str]] | None = None
+
+
+def _op_sites() -> list[tuple[Any, str]]:
+    """(owner, name) of every ``paddle._C_ops`` function and of its copies
+    imported by name elsewhere in paddle (``paddle.matmul`` is
+    ``paddle._C_ops.matmul``). Scanned once."""
+    global _SITES
+    if _SITES is None:
+        ops = {id(f): f for name, f in vars(paddle._C_ops).items()
+               if not name.startswith("_") and type(f).__name__ == "builtin_function_or_method"}
+        sites = []
+        for mod in list(sys.modules.values()):
+            if not (getattr(mod, "__name__", "") or "").startswith("paddle"):
+                continue
+            try:
+                items = list(vars(mod).items())
+            except TypeError:
+                continue
+            sites.extend((mod, name) for name, v in items if ops.get(id(v)) is v)
+        _SITES = sites
+    return _SITES
+
+
+def _sorted(d: dict[str, int]) -> dict[str, int]:
+    return dict(sorted(d.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+def _whose(pack: Any) -> str:
+    """Who installed a pair of saved-tensor hooks, from its pack function."""
+    module = getattr(pack, "__module__", "") or ""
+    if "recompute" in module:
+        return "non-reentrant recompute (use_reentrant=False)"
+    name = getattr(pack, "__qualname__", None) or type(pack).__name__
+    return f"your own saved_tensors_hooks ({name})"
