@@ -78,6 +78,7 @@ class RecorderOptions:
     capture_first: bool = True
     max_captures: int | None = None
     grad_stats: bool = True
+    saved_memory: bool = False
     view_max_nodes: int | None = None
     view_max_px: int = 2000
     formats: tuple[str, ...] = FORMATS
@@ -111,6 +112,7 @@ class RecorderOptions:
         o = {f.name: f.default for f in fields(cls) if f.name in known}
         o.update(options)
         capture_first, max_captures, grad_stats = o["capture_first"], o["max_captures"], o["grad_stats"]
+        saved_memory = o["saved_memory"]
         view_max_nodes, view_max_px, formats, visualdl = o["view_max_nodes"], o["view_max_px"], o["formats"], o["visualdl"]
         run_name, ranks, on_nonfinite, on_grad_spike = o["run_name"], o["ranks"], o["on_nonfinite"], o["on_grad_spike"]
         on_structure_change, cooldown, queue_size = o["on_structure_change"], o["cooldown"], o["queue_size"]
@@ -155,6 +157,7 @@ class RecorderOptions:
             capture_first=_bool("capture_first", capture_first),
             max_captures=_int("max_captures", max_captures, 1),
             grad_stats=_bool("grad_stats", grad_stats),
+            saved_memory=_bool("saved_memory", saved_memory),
             view_max_nodes=_int("view_max_nodes", view_max_nodes, 2),
             view_max_px=_int("view_max_px", view_max_px, 64, allow_none=False),
             formats=formats,

@@ -48,6 +48,12 @@ class BackwardGraphRecorder:
         max_captures: stop after this many captures. Default None (no limit).
         grad_stats: record gradient norms, min, max and NaN/Inf counts;
             False records shapes and dtypes only. Default True.
+        saved_memory: on captured steps, record what the forward saves for
+            backward (activation memory per grad node, layer call and op;
+            see :func:`~paddleviz_hooks.capture_backward`). Observing starts
+            at :meth:`begin_step` of a selected step, so run the forward
+            inside the step; steps captured by a trigger are not covered.
+            Default False.
         view_max_nodes: node budget of the viewing PNG (larger graphs are
             collapsed by layer depth). Default None: collapse only as far as
             legibility within ``view_max_px`` needs. The SVG keeps every op.
@@ -116,6 +122,7 @@ class BackwardGraphRecorder:
         capture_first: bool = True,
         max_captures: int | None = None,
         grad_stats: bool = True,
+        saved_memory: bool = False,
         view_max_nodes: int | None = None,
         view_max_px: int = 2000,
         formats: Sequence[str] = FORMATS,
@@ -135,7 +142,7 @@ class BackwardGraphRecorder:
             raise TypeError(f"model must be a paddle.nn.Layer or None, got {type(model).__name__}")
         self.options = RecorderOptions.check(
             log_dir, every, steps, capture_first=capture_first, max_captures=max_captures,
-            grad_stats=grad_stats, view_max_nodes=view_max_nodes, view_max_px=view_max_px,
+            grad_stats=grad_stats, saved_memory=saved_memory, view_max_nodes=view_max_nodes, view_max_px=view_max_px,
             formats=formats, visualdl=visualdl, run_name=run_name, ranks=ranks,
             on_nonfinite=on_nonfinite, on_grad_spike=on_grad_spike,
             on_structure_change=on_structure_change, cooldown=cooldown, queue_size=queue_size,
@@ -266,12 +273,14 @@ class BackwardGraphRecorder:
         if self.options.scheduled(step) and self._budget_left():
             self._armed = "scheduled"
             if self._watch is None:
-                self._step_capture = self._new_capture()
+                self._step_capture = self._new_capture(self.options.saved_memory)
                 try:
                     self._step_capture.__enter__()
                 except Exception as exc:
                     self._step_capture = None
                     self._warn("arm", f"capture could not start: {exc!r}")
+            elif self.options.saved_memory:
+                self._watch.observe_saved(True)  # this step's forward only
             return True
         return False
 
@@ -281,6 +290,8 @@ class BackwardGraphRecorder:
         cap, self._step_capture = self._step_capture, None
         if cap is not None:
             cap.__exit__(None, None, None)
+        if self._watch is not None:
+            self._watch.observe_saved(False)
 
     def disarm(self) -> None:
         """Let the rest of this step's backwards (e.g. evaluation) run uncaptured."""
@@ -311,7 +322,7 @@ class BackwardGraphRecorder:
         if self.options.verbose:
             print(f"[paddleviz-hooks] {text}")
 
-    def _new_capture(self) -> BackwardCapture:
+    def _new_capture(self, saved_memory: bool = False) -> BackwardCapture:
         return BackwardCapture(
             self.model,
             grad_stats=self.options.grad_stats,
@@ -320,6 +331,7 @@ class BackwardGraphRecorder:
             when=self._decide,
             after_backward=self._after_backward if self.options.watching else None,
             warn=self._warn,  # one warning per cause for the whole run
+            saved_memory=saved_memory,
         )
 
     def _decide(self, roots: list[Any], walk: Any) -> str | None:

@@ -23,10 +23,12 @@ __all__ = [
     "OUTSIDE_MODEL",
     "TOP_LAYER",
     "box_lines",
+    "call_name",
     "collapse_note",
     "describe_node",
     "diff_summary",
     "edge_lines",
+    "fmt_bytes",
     "fmt_num",
     "fmt_ratio",
     "fmt_shape",
@@ -37,6 +39,7 @@ __all__ = [
     "node_tooltip",
     "node_where",
     "plural",
+    "saved_memory_lines",
     "summarize",
 ]
 
@@ -71,6 +74,35 @@ def fmt_num(v: float | None, digits: int = 3) -> str:
     if math.isinf(v):
         return "Inf" if v > 0 else "-Inf"
     return f"{v:.{digits}g}"
+
+
+def fmt_bytes(n: int | None) -> str:
+    """Bytes in decimal units, three significant digits.
+
+    Example:
+        >>> fmt_bytes(760832), fmt_bytes(512), fmt_bytes(None)
+        ('761 kB', '512 B', '?')
+    """
+    if n is None:
+        return "?"
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n} B"
+
+
+def call_name(name: str) -> str:
+    """A layer call ``"path#call"`` as people read it: ``layers.0.self_attn``,
+    ``block (call 2)``; ``"?"`` (no layer call) is outside the model.
+
+    Example:
+        >>> call_name("layers.0.self_attn#0"), call_name("block#1"), call_name("#0"), call_name("?")
+        ('layers.0.self_attn', 'block (call 2)', '<top>', 'outside the model')
+    """
+    path, sep, index = name.rpartition("#")
+    if not sep or not index.isdigit():
+        return OUTSIDE_MODEL
+    return layer_name(path) + _call_suffix(int(index))
 
 
 def fmt_ratio(r: float) -> str:
@@ -316,7 +348,44 @@ def graph_summary(graph: BackwardGraph, top: int = 5) -> str:
     if unhooked:
         kinds = sorted({n.op for n in unhooked})
         lines.append(f"gradients {NOT_OBSERVED} at {plural(len(unhooked), 'node')} ({', '.join(kinds)});")
+    lines.extend(saved_memory_lines(graph, top))
     return "\n".join(lines)
+
+
+def saved_memory_lines(graph: BackwardGraph, top: int = 5) -> list[str]:
+    """Summary lines on what the forward saved for this backward (none when not recorded).
+
+    Example:
+        >>> g = BackwardGraph(meta={"saved_memory": {"total_bytes": 3_000_000, "saves": 12,
+        ...     "by_layer": {"block.conv#0": 2_000_000, "?": 1_000_000}, "by_op": {"Conv2d": 3_000_000},
+        ...     "params_bytes": 40_000, "allocated_growth": 3_000_004, "unobserved": []}})
+        >>> for line in saved_memory_lines(g): print(line)
+        held for backward: 3 MB in 12 saves (activations; parameters apart: 40 kB);
+        held most by: block.conv 2 MB, outside the model 1 MB;
+        held by op: Conv2d 3 MB;
+        allocator growth over the forward: 3 MB (4 B not saved: outputs, the loss);
+    """
+    m = graph.meta.get("saved_memory")
+    if not isinstance(m, dict):
+        return []
+    total = m.get("total_bytes", 0)
+    lines = [f"held for backward: {fmt_bytes(total)} in {plural(m.get('saves', 0), 'save')} "
+             f"(activations; parameters apart: {fmt_bytes(m.get('params_bytes'))});"]
+    by_layer = list((m.get("by_layer") or {}).items())
+    if by_layer and set(k for k, _ in by_layer) != {"?"}:
+        lines.append("held most by: " + _names([f"{call_name(k)} {fmt_bytes(v)}" for k, v in by_layer], top) + ";")
+    by_op = list((m.get("by_op") or {}).items())
+    if by_op:
+        lines.append("held by op: " + _names([f"{k} {fmt_bytes(v)}" for k, v in by_op], top) + ";")
+    growth = m.get("allocated_growth")
+    if growth is not None:
+        rest = growth - total
+        what = "not saved: outputs, the loss" if rest >= 0 else "less: saved tensors made before the forward"
+        lines.append(f"allocator growth over the forward: {fmt_bytes(growth)} ({fmt_bytes(abs(rest))} {what});")
+    for u in m.get("unobserved") or []:
+        size = f", allocator grew {fmt_bytes(u['bytes'])} in it" if u.get("bytes") is not None else ""
+        lines.append(f"saved tensors {NOT_OBSERVED}: {u.get('what')}{size};")
+    return lines
 
 
 def diff_summary(diff: GraphDiff) -> str:

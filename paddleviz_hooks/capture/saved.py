@@ -175,7 +175,9 @@ class SavedMemory:
             frame = self._current_call() if self._current_call is not None else None
             self.saves.append(_Save(key, nbytes, dtype_name(t.dtype), tuple(int(s) for s in t.shape),
                                     frame, bool(t.persistable)))
-            return t.detach()  # same storage; t itself would form a leaking cycle
+            d = t.detach()  # same storage; t itself would form a cycle that leaks every step
+            d.stop_gradient = t.stop_gradient  # PyLayers (reentrant recompute) read it back
+            return d
         except Exception:
             self.failed += 1
             return t
@@ -397,7 +399,7 @@ def _op_sites() -> list[tuple[Any, str]]:
                 items = list(vars(mod).items())
             except TypeError:
                 continue
-            sites.extend((mod, name) for name, v in items if ops.get(id(v)) is v)
+            sites.extend((mod, name) for name, v in items if id(v) in ops and ops[id(v)] is v)
         _SITES = sites
     return _SITES
 
