@@ -377,6 +377,11 @@ def saved_memory_lines(graph: BackwardGraph, top: int = 5) -> list[str]:
     by_op = list((m.get("by_op") or {}).items())
     if by_op:
         lines.append("held by op: " + _names([f"{k} {fmt_bytes(v)}" for k, v in by_op], top) + ";")
+    best = [(k, v) for k, v in (m.get("recompute") or {}).items() if k != "#0" and v.get("frees", 0) > 0]
+    if best:
+        lines.append("recomputing would free most: " + ", ".join(
+            f"{call_name(k)} {fmt_bytes(v['frees'])} (keeping {fmt_bytes(v['inputs'])} of inputs)"
+            for k, v in best[:3]) + ";")
     growth = m.get("allocated_growth")
     if growth is not None:
         rest = growth - total

@@ -182,6 +182,14 @@ def test_reentrant_recompute_holds_only_block_inputs():
     assert abs(m["total_bytes"] - growth) <= 0.01 * growth
     # without recompute each block holds its Linear input, ReLU output and Tanh output
     assert plain.meta["saved_memory"]["total_bytes"] == block_input + 3 * (4 * 32 * 4 + block_input)
+    # the table says so beforehand: recomputing a block frees its ReLU output (its input stays,
+    # its Tanh output is the next block's input); recomputing the ReLU alone would cost its input
+    table = plain.meta["saved_memory"]["recompute"]
+    relu = 4 * 32 * 4
+    for i in range(3):
+        assert table[f"blocks.{i}#0"] == {"held": 2 * block_input + relu, "inputs": block_input, "frees": relu}
+        assert table[f"blocks.{i}.1#0"] == {"held": relu, "inputs": relu, "frees": -relu}
+    assert "recomputing would free most: blocks.0 512 B (keeping 256 B of inputs)" in summarize(plain)
     assert m["total_bytes"] == 4 * block_input
     assert_same_grads(grads, untouched(Recomputed(True), make))
 

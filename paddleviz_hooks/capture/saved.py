@@ -88,6 +88,7 @@ class SavedMemory:
     def __init__(self, layer: paddle.nn.Layer | None = None,
                  current_call: Callable[[], Any] | None = None,
                  call_name: Callable[[Any], str | None] | None = None) -> None:
+        """See the class docstring."""
         self.layer = layer
         self._current_call = current_call
         self._call_name = call_name
@@ -101,6 +102,8 @@ class SavedMemory:
         self._alloc0: int | None = None
         self._alloc1: int | None = None
         self._patched: list[tuple[Any, str, Any]] = []
+        self._inputs: list[tuple[Any, dict[int, int]]] = []  # (layer-call frame, input storage -> bytes)
+        self._handles: list[Any] = []
         self._orig_register: Callable | None = None
         self._orig_reset: Callable | None = None
 
@@ -131,6 +134,9 @@ class SavedMemory:
             core.eager.register_saved_tensors_hooks = self._their_register
             core.eager.reset_saved_tensors_hooks = self._their_reset
             self._wrap_ops()
+            if self.layer is not None and self._current_call is not None:
+                for sub in self.layer.sublayers(include_self=True):  # after attribution's: its frame is on top
+                    self._handles.append(sub.register_forward_pre_hook(self._pre, with_kwargs=True))
             self._alloc0 = allocated_bytes()
         except BaseException:
             self.disarm()
@@ -141,6 +147,9 @@ class SavedMemory:
         if not self.armed:
             return
         self._alloc1 = allocated_bytes()
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
         for owner, name, orig in reversed(self._patched):
             try:
                 if orig is _INHERITED:
@@ -167,6 +176,7 @@ class SavedMemory:
     def release(self) -> None:
         """Drop every grad node wrapper and record (after :meth:`collect`)."""
         self.saves.clear()
+        self._inputs.clear()
 
     # --------------------------------------------------------------- hooks
     def _pack(self, t: Any) -> Any:
@@ -181,6 +191,15 @@ class SavedMemory:
         except Exception:
             self.failed += 1
             return t
+
+    def _pre(self, layer: Any, args: Any, kwargs: Any) -> None:
+        """Which storages each layer call receives (a recomputed call keeps them)."""
+        try:
+            keys = dict(storage_key(t) for t in tensors_in((args, kwargs)) if t._is_initialized())
+            self._inputs.append((self._current_call(), keys))
+        except Exception:
+            self.failed += 1
+        return None
 
     @staticmethod
     def _unpack(t: Any) -> Any:
@@ -321,6 +340,46 @@ class SavedMemory:
         return keys
 
     # -------------------------------------------------------------- result
+    def _recompute_table(self, activations: set[int], limit: int = 200) -> dict[str, dict[str, int]]:
+        """Per layer call: what its ops hold, its inputs, and what recomputing it would free.
+
+        ``held``: bytes of the storages saved inside the call (its sublayers
+        included). ``inputs``: bytes of the storages it received, which a
+        recomputed call keeps. ``frees``: what recomputing it would give
+        back: the storages only its ops save, less its inputs among them
+        (still kept) and less the inputs nothing saves yet (kept from
+        then on). The ``limit`` calls that free most are kept.
+        """
+        if self._call_name is None:
+            return {}
+        size: dict[int, int] = {}
+        savers: dict[int, list[list[str]]] = {}  # storage -> the call chain of each save
+        for s in self.saves:
+            if s.key in activations:
+                size[s.key] = s.nbytes
+                savers.setdefault(s.key, []).append(_chain(s.frame, self._call_name))
+        held: dict[str, set[int]] = {}
+        only: dict[str, int] = {}
+        for key, chains in savers.items():
+            common = set(chains[0]).intersection(*chains[1:])
+            for name in set().union(*chains):
+                held.setdefault(name, set()).add(key)
+            for name in common:
+                only[name] = only.get(name, 0) + size[key]
+        inputs: dict[str, dict[int, int]] = {}
+        for frame, keys in self._inputs:
+            name = frame[1] if frame is not None else None  # a call without its own index has no row
+            if name in held:
+                inputs.setdefault(name, {}).update((k, b) for k, b in keys.items() if k not in self._param_keys)
+        table = {}
+        for name, keys in held.items():
+            ins = inputs.get(name, {})
+            kept = sum(b for k, b in ins.items() if k not in savers or all(name in c for c in savers[k]))
+            table[name] = {"held": sum(size[k] for k in keys), "inputs": sum(ins.values()),
+                           "frees": only.get(name, 0) - kept}
+        ranked = sorted(table.items(), key=lambda kv: (-kv[1]["frees"], kv[0]))[:limit]
+        return dict(ranked)
+
     def collect(self, node_ids: dict[int, int], op_names: dict[int, str]) -> tuple[dict[int, int], dict[str, Any]]:
         """Per-node bytes and the summary, after :meth:`disarm`.
 
@@ -363,6 +422,7 @@ class SavedMemory:
             by_layer[layer] = by_layer.get(layer, 0) + s.nbytes
             by_op[op] = by_op.get(op, 0) + s.nbytes
             by_dtype[s.dtype] = by_dtype.get(s.dtype, 0) + s.nbytes
+        recompute = self._recompute_table(seen)
         growth = None if self._alloc0 is None or self._alloc1 is None else self._alloc1 - self._alloc0
         meta = {
             "total_bytes": total,
@@ -373,6 +433,7 @@ class SavedMemory:
             "params_bytes": params_bytes,
             "no_node_bytes": outside,
             "allocated_growth": growth,
+            "recompute": recompute,
             "unobserved": [dict(u) for u in self.unobserved],
         }
         if self.failed:
@@ -402,6 +463,17 @@ def _op_sites() -> list[tuple[Any, str]]:
             sites.extend((mod, name) for name, v in items if id(v) in ops and ops[id(v)] is v)
         _SITES = sites
     return _SITES
+
+
+def _chain(frame: Any, call_name: Callable[[Any], str | None]) -> list[str]:
+    """The layer calls a frame runs inside, innermost first (named ones only)."""
+    names: list[str] = []
+    while frame is not None:
+        name = call_name(frame)
+        if name is not None and name not in names:
+            names.append(name)
+        frame = frame[2]
+    return names
 
 
 def _sorted(d: dict[str, int]) -> dict[str, int]:
