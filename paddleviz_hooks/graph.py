@@ -253,7 +253,11 @@ class BackwardGraph:
             and their ancestors; the top call has no entry. Empty when
             unknown (no layer given, graphs saved by older versions).
         meta: free-form capture facts: ``step``, ``entry`` (``"backward"`` or
-            ``"grad"``), ``grad_stats``, ``capture_ms``, ``trigger``...
+            ``"grad"``), ``grad_stats``, ``capture_ms``, ``trigger``,
+            ``saved_memory`` (what the forward saved for backward: ``total_bytes``,
+            ``by_layer`` ("path#call" -> bytes, ``"?"`` outside any layer
+            call), ``by_op``, ``by_dtype``, ``params_bytes``, ``allocated_growth``,
+            ``recompute`` (call -> held/inputs/frees bytes), ``unobserved``)...
 
     It is plain data: capturing (``paddleviz_hooks.capture``) builds it;
     collapsing, diffing, wording and drawing are functions elsewhere that take
@@ -429,6 +433,31 @@ class BackwardGraph:
             group = ".".join(parts[:depth]) if parts else "(self)"
             sq[group] += m.norm * m.norm
         return {k: math.sqrt(v) for k, v in sorted(sq.items())}
+
+    def saved_bytes_by_layer(self, depth: int = 1) -> dict[str, int]:
+        """Bytes held for backward (``meta["saved_memory"]``) grouped by layer path prefix.
+
+        Args:
+            depth: how many leading path components name the group.
+
+        Returns:
+            group -> bytes, largest first; the top layer's own saves go to
+            ``"(self)"``, saves outside any layer call to ``"(outside)"``;
+            empty when saved memory was not recorded.
+
+        Example:
+            >>> g = BackwardGraph(meta={"saved_memory": {"by_layer": {
+            ...     "enc.layers.0#0": 5, "enc.layers.1#0": 7, "#0": 2, "?": 1}}})
+            >>> g.saved_bytes_by_layer()
+            {'enc': 12, '(self)': 2, '(outside)': 1}
+        """
+        m = self.meta.get("saved_memory")
+        out: dict[str, int] = defaultdict(int)
+        for name, nbytes in (m.get("by_layer") or {}).items() if isinstance(m, dict) else ():
+            path, sep, _ = name.rpartition("#")
+            group = ".".join(path.split(".")[:depth]) if path else ("(self)" if sep else "(outside)")
+            out[group] += nbytes
+        return dict(sorted(out.items(), key=lambda kv: (-kv[1], kv[0])))
 
     # ------------------------------------------------------------- identities
     def assign_keys(self) -> None:

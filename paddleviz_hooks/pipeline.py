@@ -398,6 +398,11 @@ class CapturePipeline:
         }
         for layer, norm in graph.layer_grad_norms().items():
             scalars[f"grad_norm/{layer}"] = norm
+        saved = graph.meta.get("saved_memory")
+        if isinstance(saved, dict):  # in MB
+            scalars["saved_memory/total"] = saved.get("total_bytes", 0) / 1e6
+            for layer, nbytes in graph.saved_bytes_by_layer().items():
+                scalars[f"saved_memory/{layer}"] = nbytes / 1e6
         sink.scalars(scalars, step)
         sink.flush()
 

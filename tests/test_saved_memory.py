@@ -313,3 +313,30 @@ def test_soak_allocated_stays_flat():
 def test_soak_1000_steps_allocated_flat():
     samples = _soak(1000)
     assert max(samples[5:]) - min(samples[5:]) <= 4096, samples[:: 10]
+
+
+def test_recorder_writes_saved_memory_to_json_text_and_visualdl(tmp_path):
+    import json
+    import os
+    import sys
+    sys.path.insert(0, os.path.dirname(__file__))
+    from _fitkit import text_records, vdl_records
+
+    model = encoder(layers=1)
+    with BackwardGraphRecorder(str(tmp_path), model, every=2, formats=("json",), verbose=0,
+                               saved_memory=True) as rec:
+        for step in range(1, 3):
+            with rec.step(step):
+                (model(paddle.randn([2, 4, 32])) ** 2).mean().backward()
+    run = tmp_path / "backward_graph"
+    totals = {s: json.loads((run / f"step_{s:06d}.json").read_text())["meta"]["saved_memory"]["total_bytes"]
+              for s in (1, 2)}
+    assert totals[1] == totals[2] > 0
+    reader = vdl_records(run)
+    tags = reader.get_tags()["scalar"]
+    total_tag = [t for t in tags if t.endswith("saved_memory/total")]
+    assert len(total_tag) == 1
+    assert [r.value for r in reader.get_data("scalar", total_tag[0])] == pytest.approx([totals[1] / 1e6] * 2)
+    assert any(t.endswith("saved_memory/layers") for t in tags)
+    texts = text_records(reader, "summary")
+    assert sorted(texts) == [1, 2] and all("held for backward: " in t for t in texts.values())
