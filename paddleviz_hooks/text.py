@@ -385,7 +385,8 @@ def saved_memory_lines(graph: BackwardGraph, top: int = 5) -> list[str]:
     growth = m.get("allocated_growth")
     if growth is not None:
         rest = growth - total
-        what = "not saved: outputs, the loss" if rest >= 0 else "less: saved tensors made before the forward"
+        what = ("not saved: outputs, the loss" if rest >= 0 else
+                "below the total: tensors made before the forward were saved, or others were freed meanwhile")
         lines.append(f"allocator growth over the forward: {fmt_bytes(growth)} ({fmt_bytes(abs(rest))} {what});")
     for u in m.get("unobserved") or []:
         size = f", allocator grew {fmt_bytes(u['bytes'])} in it" if u.get("bytes") is not None else ""

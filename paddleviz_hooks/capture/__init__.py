@@ -7,6 +7,7 @@ Modules, each with one job:
   walk from the roots along ``next_functions`` into plain nodes and edges.
 * ``stats.py``: gradient statistics.
 * ``attribution.py``: forward hooks naming the layer call of each op.
+* ``saved.py``: the tensors each forward saves for backward (``saved_memory``).
 * ``session.py``: :class:`BackwardCapture` and :func:`capture_backward`.
 """
 
