@@ -244,52 +244,26 @@ class SavedMemory:
 
     # ------------------------------------------------------ op attribution
     def _wrap_ops(self) -> None:
-        wrapped: dict[int, Any] = {}
         for owner, name in _op_sites():
             f = getattr(owner, name, None)
-            if type(f).__name__ != "builtin_function_or_method":
-                continue  # changed since the scan
-            if id(f) not in wrapped:
-                wrapped[id(f)] = self._wrap(f)
-            self._patch(owner, name, wrapped[id(f)])
+            if type(f).__name__ == "builtin_function_or_method":  # else changed since the scan
+                self._patch(owner, name, _wrapper(f))
         for name in _TENSOR_METHODS:
             f = paddle.Tensor.__dict__.get(name)
             if f is not None and type(f).__name__ == "method_descriptor":
-                self._patch(paddle.Tensor, name, self._wrap(f))
+                self._patch(paddle.Tensor, name, _wrapper(f))
         base = paddle.autograd.PyLayer.__mro__[1]  # core.eager.PyLayer, whose apply is C
         raw = base.__dict__.get("apply")
         if raw is not None and "apply" not in paddle.autograd.PyLayer.__dict__:
             def apply(cls, *args, **kwargs):
-                return track(raw.__get__(None, cls), *args, **kwargs)
-            track = self._tracker()
+                return _tracked(raw.__get__(None, cls), args, kwargs)
+
             self._patch(paddle.autograd.PyLayer, "apply", classmethod(apply))
 
     def _patch(self, owner: Any, name: str, new: Any) -> None:
         orig = owner.__dict__.get(name, _INHERITED) if isinstance(owner, type) else getattr(owner, name)
         setattr(owner, name, new)
         self._patched.append((owner, name, orig))
-
-    def _tracker(self):
-        saves = self.saves
-
-        def track(f, *args, **kwargs):
-            n = len(saves)
-            out = f(*args, **kwargs)
-            if len(saves) > n:
-                self._claim(n, out, (args, kwargs))
-            return out
-
-        return track
-
-    def _wrap(self, f: Any) -> Any:
-        track = self._tracker()
-
-        def op(*args, **kwargs):
-            return track(f, *args, **kwargs)
-
-        op.__name__ = getattr(f, "__name__", "op")
-        op.__doc__ = getattr(f, "__doc__", None)
-        return op
 
     def _claim(self, start: int, out: Any, args: Any) -> None:
         """The saves from ``start`` on were made by the op call that returned ``out``.
@@ -442,6 +416,32 @@ class SavedMemory:
 
 
 _SITES: list[tuple[Any, str]] | None = None
+_WRAPPERS: dict[int, Any] = {}  # id(op) -> its wrapper, made once: arming only sets attributes
+
+
+def _tracked(f: Any, args: tuple, kwargs: dict) -> Any:
+    """Call an op; the saves it made go to the armed tracker's grad node of its output."""
+    tracker = _ARMED[0] if _ARMED else None
+    if tracker is None:  # a wrapper kept by someone past disarm
+        return f(*args, **kwargs)
+    n = len(tracker.saves)
+    out = f(*args, **kwargs)
+    if len(tracker.saves) > n:
+        tracker._claim(n, out, (args, kwargs))
+    return out
+
+
+def _wrapper(f: Any) -> Any:
+    op = _WRAPPERS.get(id(f))
+    if op is None:
+        def op(*args, **kwargs):
+            return _tracked(f, args, kwargs)
+
+        op.__name__ = getattr(f, "__name__", "op")
+        op.__doc__ = getattr(f, "__doc__", None)
+        op._paddleviz_op = f  # keeps f alive, so its id is never reused
+        _WRAPPERS[id(f)] = op
+    return op
 
 
 def _op_sites() -> list[tuple[Any, str]]:
