@@ -277,11 +277,14 @@ def box_lines(node: Node) -> list[str]:
 
 
 def node_tooltip(node: Node) -> str:
-    """Hover text: Paddle's grad node name, the layer (call), the key, why unhooked."""
+    """Hover text: Paddle's grad node name, the layer (call), the key, why unhooked,
+    what it saved for backward."""
     tip = [node.name, "layer: " + (layer_name(node.layer) + _call_suffix(node.call, node.calls)
                                    if node.layer is not None else OUTSIDE_MODEL), f"key: {node.key}"]
     if node.note:
         tip.append(node.note)
+    if node.saved_bytes:
+        tip.append(f"saved for backward: {fmt_bytes(node.saved_bytes)}")
     if node.kind == "layer" and node.unhooked:
         tip.append(f"no gradient data at {node.unhooked} of {plural(node.ops, 'op')}")
     return " | ".join(tip)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import json
 
 import numpy as np
 import paddle
@@ -13,6 +14,8 @@ from paddle.distributed.fleet.utils import recompute
 
 from paddleviz_hooks import BackwardGraph, BackwardGraphRecorder, capture_backward, summarize
 from paddleviz_hooks.capture.saved import _op_sites
+
+from _fitkit import text_records, vdl_records
 
 
 def allocated() -> int:
@@ -250,6 +253,26 @@ def test_hooks_removed_when_the_forward_raises_and_json_round_trip():
     assert any(n.saved_bytes for n in back.nodes)
 
 
+def test_every_forward_of_a_block_is_observed_and_a_pair_active_before_it_is_named():
+    from paddleviz_hooks.text import node_tooltip
+
+    model = encoder(layers=1)
+    with capture_backward(model, saved_memory=True) as cap:
+        for _ in range(2):
+            (model(paddle.randn([2, 4, 32])) ** 2).mean().backward()
+    a, b = (g.meta["saved_memory"] for g in cap.graphs)
+    assert a["total_bytes"] == b["total_bytes"] > 0 and a["saves"] == b["saves"]
+    relu = next(n for n in cap.graph.nodes if n.op == "Relu")
+    assert "saved for backward: 2.05 kB" in node_tooltip(relu)  # 2 x 4 x 64 float32 (4 bytes each)
+    with paddle.autograd.saved_tensors_hooks(lambda t: t, lambda t: t):
+        with capture_backward(model, saved_memory=True) as cap:
+            loss = (model(paddle.randn([2, 4, 32])) ** 2).mean()
+            loss.backward()
+    m = cap.graph.meta["saved_memory"]
+    assert m["total_bytes"] == 0 and m["unobserved"][0]["what"] == "saved_tensors_hooks active when the forward began"
+    assert_nothing_left()
+
+
 def test_off_by_default_and_bad_value():
     model = encoder(layers=1)
     g, _, _ = measured_step(model, lambda: paddle.randn([2, 4, 32]), saved_memory=False)
@@ -288,40 +311,7 @@ def test_recorder_observes_selected_steps_only(tmp_path, watch):
     assert_nothing_left()
 
 
-def _soak(steps: int) -> list[int]:
-    model = encoder(layers=2)
-    samples = []
-    with capture_backward(model, saved_memory=True, grad_stats=False) as cap:
-        cap.keep_graphs = False
-        for i in range(steps):
-            loss = (model(paddle.randn([2, 8, 32])) ** 2).mean()
-            loss.backward()
-            model.clear_gradients()
-            del loss
-            if i % 10 == 9:
-                gc.collect()
-                samples.append(allocated())
-    return samples
-
-
-def test_soak_allocated_stays_flat():
-    samples = _soak(40)
-    assert samples[-1] - samples[0] <= 4096, samples
-
-
-@pytest.mark.slow
-def test_soak_1000_steps_allocated_flat():
-    samples = _soak(1000)
-    assert max(samples[5:]) - min(samples[5:]) <= 4096, samples[:: 10]
-
-
 def test_recorder_writes_saved_memory_to_json_text_and_visualdl(tmp_path):
-    import json
-    import os
-    import sys
-    sys.path.insert(0, os.path.dirname(__file__))
-    from _fitkit import text_records, vdl_records
-
     model = encoder(layers=1)
     with BackwardGraphRecorder(str(tmp_path), model, every=2, formats=("json",), verbose=0,
                                saved_memory=True) as rec:
@@ -340,3 +330,42 @@ def test_recorder_writes_saved_memory_to_json_text_and_visualdl(tmp_path):
     assert any(t.endswith("saved_memory/layers") for t in tags)
     texts = text_records(reader, "summary")
     assert sorted(texts) == [1, 2] and all("held for backward: " in t for t in texts.values())
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def _soak(steps: int, saved_memory: bool = True) -> tuple[list[int], list[int]]:
+    """Allocated and RSS every 10 captured steps of a 2-layer encoder."""
+    model = encoder(layers=2)
+    allocs, rss = [], []
+    with capture_backward(model, saved_memory=saved_memory, grad_stats=False) as cap:
+        cap.keep_graphs = False
+        for i in range(steps):
+            loss = (model(paddle.randn([2, 8, 32])) ** 2).mean()
+            loss.backward()
+            model.clear_gradients()
+            del loss
+            if i % 10 == 9:
+                gc.collect()
+                allocs.append(allocated())
+                rss.append(_rss())
+    return allocs, rss
+
+
+def test_soak_allocated_stays_flat():
+    allocs, _ = _soak(40)
+    assert allocs[-1] - allocs[0] <= 4096, allocs
+
+
+@pytest.mark.slow
+def test_soak_1000_steps_allocated_and_rss_flat_against_control():
+    control_alloc, control_rss = _soak(1000, saved_memory=False)
+    allocs, rss = _soak(1000)
+    assert max(allocs[5:]) - min(allocs[5:]) <= 4096, allocs[::10]
+    grew, control_grew = rss[-1] - rss[10], control_rss[-1] - control_rss[10]
+    print(f"RSS growth over steps 110-1000: {grew / 1e6:.1f} MB with saved_memory, "
+          f"{control_grew / 1e6:.1f} MB without; Allocated {allocs[5]} -> {allocs[-1]} B")
+    assert grew <= control_grew + 8e6, (grew, control_grew)
