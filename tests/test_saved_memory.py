@@ -12,7 +12,7 @@ import pytest
 from paddle.base import core
 from paddle.distributed.fleet.utils import recompute
 
-from paddleviz_hooks import BackwardGraph, BackwardGraphRecorder, capture_backward, summarize
+from paddleviz_hooks import BackwardGraph, BackwardGraphRecorder, build_report, capture_backward, summarize
 from paddleviz_hooks.capture.saved import _op_sites
 
 from _fitkit import text_records, vdl_records
@@ -330,6 +330,10 @@ def test_recorder_writes_saved_memory_to_json_text_and_visualdl(tmp_path):
     assert any(t.endswith("saved_memory/layers") for t in tags)
     texts = text_records(reader, "summary")
     assert sorted(texts) == [1, 2] and all("held for backward: " in t for t in texts.values())
+    build_report(str(tmp_path), str(tmp_path / "report.html"))
+    html = (tmp_path / "report.html").read_text()
+    assert html.count('<table class="saved">') == 2  # one per step
+    assert "<td>layers.0.self_attn</td>" in html and "recomputing it frees" in html
 
 
 def _rss() -> int:
