@@ -193,6 +193,11 @@ def test_reentrant_recompute_holds_only_block_inputs():
         assert table[f"blocks.{i}#0"] == {"held": 2 * block_input + relu, "inputs": block_input, "frees": relu}
         assert table[f"blocks.{i}.1#0"] == {"held": relu, "inputs": relu, "frees": -relu}
     assert "recomputing would free most: blocks.0 512 B (keeping 256 B of inputs)" in summarize(plain)
+    # the blocks' forwards re-run inside the backward are not this step's: nothing is armed there
+    model = Recomputed(True)
+    with capture_backward(model, saved_memory=True) as cap:
+        (model(make()) ** 2).mean().backward()
+    assert [g for g in cap.graphs if "saved_memory" in g.meta] == [cap.graph] and len(cap.graphs) > 1
     assert m["total_bytes"] == 4 * block_input
     assert_same_grads(grads, untouched(Recomputed(True), make))
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import weakref
 from typing import Any, Callable
 
 import paddle
@@ -49,12 +50,22 @@ _ARMED_LOCK = threading.Lock()
 _ARMED: list["SavedMemory"] = []  # at most one tracker observes at a time
 
 
-def allocated_bytes(place: Any = None) -> int | None:
-    """Bytes Paddle's allocator holds now on the host (None where unknown)."""
+def allocated_bytes() -> int | None:
+    """Bytes Paddle's allocator holds now on the current device (None where unknown).
+
+    On the CPU this is the host counter; on a GPU the device's own counter
+    (activations live there).
+    """
     try:
-        return int(core.host_memory_stat_current_value("Allocated", 0))
+        device = paddle.get_device()
+        if device.startswith("gpu"):
+            index = int(device.partition(":")[2] or 0)
+            return int(core.device_memory_stat_current_value("Allocated", index))
+        if device == "cpu":
+            return int(core.host_memory_stat_current_value("Allocated", 0))
     except Exception:
-        return None
+        pass
+    return None
 
 
 def storage_key(t: Any) -> tuple[int, int]:
@@ -102,7 +113,9 @@ class SavedMemory:
         self._alloc0: int | None = None
         self._alloc1: int | None = None
         self._patched: list[tuple[Any, str, Any]] = []
-        self._inputs: list[tuple[Any, dict[int, int]]] = []  # (layer-call frame, input storage -> bytes)
+        # one record per layer call: [frame, saves before it ended, {input storage: (bytes, weakref)}]
+        self._inputs: list[list[Any]] = []
+        self._open: list[list[Any]] = []  # records of the calls under way
         self._handles: list[Any] = []
         self._orig_register: Callable | None = None
         self._orig_reset: Callable | None = None
@@ -136,7 +149,9 @@ class SavedMemory:
             self._wrap_ops()
             if self.layer is not None and self._current_call is not None:
                 for sub in self.layer.sublayers(include_self=True):  # after attribution's: its frame is on top
-                    self._handles.append(sub.register_forward_pre_hook(self._pre, with_kwargs=True))
+                    if type(sub).__name__ != "DataParallel":  # attribution gives it no frame either
+                        self._handles.append(sub.register_forward_pre_hook(self._pre, with_kwargs=True))
+                        self._handles.append(sub.register_forward_post_hook(self._post))
             self._alloc0 = allocated_bytes()
         except BaseException:
             self.disarm()
@@ -177,6 +192,7 @@ class SavedMemory:
         """Drop every grad node wrapper and record (after :meth:`collect`)."""
         self.saves.clear()
         self._inputs.clear()
+        self._open.clear()
 
     # --------------------------------------------------------------- hooks
     def _pack(self, t: Any) -> Any:
@@ -195,10 +211,22 @@ class SavedMemory:
     def _pre(self, layer: Any, args: Any, kwargs: Any) -> None:
         """Which storages each layer call receives (a recomputed call keeps them)."""
         try:
-            keys = dict(storage_key(t) for t in tensors_in((args, kwargs)) if t._is_initialized())
-            self._inputs.append((self._current_call(), keys))
+            keys = {}
+            for t in tensors_in((args, kwargs)):
+                if t._is_initialized():
+                    key, nbytes = storage_key(t)
+                    keys[key] = (nbytes, weakref.ref(t))
+            record = [self._current_call(), None, keys]
         except Exception:
             self.failed += 1
+            record = [None, None, {}]
+        self._inputs.append(record)
+        self._open.append(record)
+        return None
+
+    def _post(self, layer: Any, args: Any, outputs: Any) -> None:
+        if self._open:
+            self._open.pop()[1] = len(self.saves)
         return None
 
     @staticmethod
@@ -327,10 +355,12 @@ class SavedMemory:
         if self._call_name is None:
             return {}
         size: dict[int, int] = {}
+        first: dict[int, int] = {}  # storage -> index of its first save
         savers: dict[int, list[list[str]]] = {}  # storage -> the call chain of each save
-        for s in self.saves:
+        for i, s in enumerate(self.saves):
             if s.key in activations:
                 size[s.key] = s.nbytes
+                first.setdefault(s.key, i)
                 savers.setdefault(s.key, []).append(_chain(s.frame, self._call_name))
         held: dict[str, set[int]] = {}
         only: dict[str, int] = {}
@@ -340,16 +370,25 @@ class SavedMemory:
                 held.setdefault(name, set()).add(key)
             for name in common:
                 only[name] = only.get(name, 0) + size[key]
-        inputs: dict[str, dict[int, int]] = {}
-        for frame, keys in self._inputs:
+        inputs: dict[str, dict[int, tuple[int, bool]]] = {}  # call -> storage -> (bytes, saved)
+        for frame, end, keys in self._inputs:
             name = frame[1] if frame is not None else None  # a call without its own index has no row
-            if name in held:
-                inputs.setdefault(name, {}).update((k, b) for k, b in keys.items() if k not in self._param_keys)
+            if name not in held:
+                continue
+            for k, (nbytes, ref) in keys.items():
+                if k in self._param_keys:
+                    continue
+                # An address names one storage only while it lives: an input nobody
+                # saved is freed, and a later save may reuse its address. A save is
+                # of this input if it came before the call ended (both alive then)
+                # or the input is still alive now.
+                same = k in first and ((end is not None and first[k] < end) or ref() is not None)
+                inputs.setdefault(name, {})[k] = (nbytes, same)
         table = {}
         for name, keys in held.items():
             ins = inputs.get(name, {})
-            kept = sum(b for k, b in ins.items() if k not in savers or all(name in c for c in savers[k]))
-            table[name] = {"held": sum(size[k] for k in keys), "inputs": sum(ins.values()),
+            kept = sum(b for k, (b, same) in ins.items() if not same or all(name in c for c in savers[k]))
+            table[name] = {"held": sum(size[k] for k in keys), "inputs": sum(b for b, _ in ins.values()),
                            "frees": only.get(name, 0) - kept}
         ranked = sorted(table.items(), key=lambda kv: (-kv[1]["frees"], kv[0]))[:limit]
         return dict(ranked)

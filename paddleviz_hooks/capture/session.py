@@ -120,6 +120,7 @@ class BackwardCapture:
         self.saved_memory = saved_memory
         self._saved: SavedMemory | None = None
         self._saved_on = False  # observe saved tensors in the forwards of this block
+        self._backwards = 0  # backwards under way (a recompute's inner one runs inside another)
 
     # -- context protocol ---------------------------------------------------
     def __enter__(self) -> "BackwardCapture":
@@ -198,6 +199,7 @@ class BackwardCapture:
     # -- called by the dispatcher -----------------------------------------
     def _begin(self, roots: list[Any], entry: str) -> _Session | None:
         t0 = time.perf_counter()
+        self._backwards += 1
         saved = self._saved if self._saved is not None and self._saved.armed else None
         if saved is not None:
             saved.disarm()  # the forward is over: the backward saves nothing of the step's
@@ -322,7 +324,8 @@ class BackwardCapture:
         return hook
 
     def _end(self, s: _Session | None, ok: bool, retain_graph: bool) -> None:
-        if self._saved_on and self._active:
+        self._backwards = max(0, self._backwards - 1)
+        if self._saved_on and self._active and not self._backwards:
             self.observe_saved(True)  # the next forward of the block
         if s is None:
             if not retain_graph and self._attribution is not None:
