@@ -378,3 +378,23 @@ def test_soak_1000_steps_allocated_and_rss_flat_against_control():
     print(f"RSS growth over steps 110-1000: {grew / 1e6:.1f} MB with saved_memory, "
           f"{control_grew / 1e6:.1f} MB without; Allocated {allocs[5]} -> {allocs[-1]} B")
     assert grew <= control_grew + 8e6, (grew, control_grew)
+
+
+def test_model_fit_callback_records_saved_memory_and_leaves_training_unchanged(tmp_path):
+    from _fitkit import assert_same_run, run_fit
+
+    from paddleviz_hooks import BackwardGraphCallback
+
+    cb = BackwardGraphCallback(str(tmp_path), every=5, formats=("json",), visualdl=False, verbose=0,
+                               saved_memory=True)
+    with_saved = run_fit(callbacks=[cb], steps=6)
+    assert_same_run(with_saved, run_fit(steps=6))
+    assert cb.captured_steps == [1, 5]
+    for step in cb.captured_steps:
+        meta = json.loads((tmp_path / "backward_graph" / f"step_{step:06d}.json").read_text())["meta"]
+        m = meta["saved_memory"]
+        # batch 4: the input (saved by the first Linear), ReLU's output (the second Linear's input:
+        # not again), and the loss's labels and softmax (outside the model)
+        assert m["by_layer"] == {"1#0": 4 * 16 * 4, "0#0": 4 * 8 * 4, "?": 4 * 8 + 4 * 3 * 4}
+        assert m["by_op"] == {"Relu": 256, "Matmul": 128, "CrossEntropyWithSoftmax": 80}
+    assert_nothing_left()
