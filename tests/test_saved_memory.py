@@ -398,3 +398,31 @@ def test_model_fit_callback_records_saved_memory_and_leaves_training_unchanged(t
         assert m["by_layer"] == {"1#0": 4 * 16 * 4, "0#0": 4 * 8 * 4, "?": 4 * 8 + 4 * 3 * 4}
         assert m["by_op"] == {"Relu": 256, "Matmul": 128, "CrossEntropyWithSoftmax": 80}
     assert_nothing_left()
+
+
+def test_failures_of_ours_never_reach_training(monkeypatch):
+    """A save that cannot be read is named; a failing summary costs only the saved-memory data."""
+    from paddleviz_hooks.capture import saved
+
+    model, make = encoder(layers=1), lambda: paddle.randn([2, 4, 32])
+    reference = untouched(model, make)
+
+    def unreadable(t):
+        raise RuntimeError("unreadable")
+
+    monkeypatch.setattr(saved, "storage_key", unreadable)
+    g, _, grads = measured_step(model, make)
+    assert_same_grads(grads, reference)
+    m = g.meta["saved_memory"]
+    assert m["total_bytes"] == 0 and m["unobserved"][-1]["what"].endswith("saves that could not be read")
+    monkeypatch.undo()
+
+    def broken(self, *args):
+        raise RuntimeError("broken")
+
+    monkeypatch.setattr(saved.SavedMemory, "collect", broken)
+    with pytest.warns(RuntimeWarning, match="saved-tensor memory is not observed: RuntimeError"):
+        g, _, grads = measured_step(model, make)
+    assert_same_grads(grads, reference)
+    assert "saved_memory" not in g.meta and len(g.nodes) > 10
+    assert_nothing_left()

@@ -201,11 +201,13 @@ class SavedMemory:
             frame = self._current_call() if self._current_call is not None else None
             self.saves.append(_Save(key, nbytes, dtype_name(t.dtype), tuple(int(s) for s in t.shape),
                                     frame, bool(t.persistable)))
+        except Exception:
+            self.failed += 1
+        try:
             d = t.detach()  # same storage; t itself would form a cycle that leaks every step
             d.stop_gradient = t.stop_gradient  # PyLayers (reentrant recompute) read it back
             return d
         except Exception:
-            self.failed += 1
             return t
 
     def _pre(self, layer: Any, args: Any, kwargs: Any) -> None:

@@ -201,9 +201,9 @@ class BackwardCapture:
         t0 = time.perf_counter()
         self._backwards += 1
         saved = self._saved if self._saved is not None and self._saved.armed else None
-        if saved is not None:
-            saved.disarm()  # the forward is over: the backward saves nothing of the step's
         try:
+            if saved is not None:
+                saved.disarm()  # the forward is over: the backward saves nothing of the step's
             if not any(grad_fn(t) is not None for t in roots):
                 return None
             layer_of = self._attribution.lookup if self._attribution is not None else None
@@ -225,8 +225,11 @@ class BackwardCapture:
                 s.calls = self._attribution.call_parents(
                     {f"{n.layer}#{n.call}" for n in s.walk.nodes if n.layer is not None})
             if saved is not None:
-                ids = {gn.node_ptr(): i for i, gn in enumerate(s.walk.wrappers) if gn is not None}
-                s.saved = saved.collect(ids, {i: n.op for i, n in enumerate(s.walk.nodes)})
+                try:
+                    ids = {gn.node_ptr(): i for i, gn in enumerate(s.walk.wrappers) if gn is not None}
+                    s.saved = saved.collect(ids, {i: n.op for i, n in enumerate(s.walk.nodes)})
+                except Exception as exc:  # the graph is still captured, without it
+                    self._warn("saved", f"saved-tensor memory is not observed: {exc!r}")
             if len(roots) == 1 and roots[0].size == 1:
                 s.loss = float(roots[0])
             self._hook_all(s)
