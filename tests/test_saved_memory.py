@@ -245,6 +245,25 @@ def test_users_own_saved_tensors_hooks_keep_working():
     assert_nothing_left()
 
 
+def test_a_pylayer_is_named_for_what_it_may_keep_unseen():
+    class Cube(paddle.autograd.PyLayer):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.x = x  # kept as a plain attribute: the pack hook never sees it
+            return x ** 3
+
+        @staticmethod
+        def backward(ctx, dy):
+            return 3 * ctx.x ** 2 * dy
+
+    model = nn.Linear(4, 4)
+    with capture_backward(model, saved_memory=True) as cap:
+        (Cube.apply(model(paddle.randn([2, 4]))) ** 2).mean().backward()
+    un = cap.graph.meta["saved_memory"]["unobserved"]
+    assert [u["what"] for u in un] == [
+        "PyLayer:Cube: what it keeps as plain ctx attributes (only ctx.save_for_backward is seen)"]
+
+
 def test_hooks_removed_when_the_forward_raises_and_json_round_trip():
     model = encoder(layers=1)
     with pytest.raises(ZeroDivisionError):

@@ -453,6 +453,7 @@ class SavedMemory:
         }
         if self.failed:
             meta["unobserved"].append({"what": f"{self.failed} saves that could not be read", "bytes": None})
+        meta["unobserved"].extend({"what": what, "bytes": None} for what in _blind_spots(op_names.values()))
         return node_bytes, meta
 
 
@@ -504,6 +505,24 @@ def _op_sites() -> list[tuple[Any, str]]:
             sites.extend((mod, name) for name, v in items if id(v) in ops and ops[id(v)] is v)
         _SITES = sites
     return _SITES
+
+
+def _blind_spots(ops: Any) -> list[str]:
+    """Ops of the graph that may hold tensors the pack hook never sees.
+
+    Example:
+        >>> for line in _blind_spots(["Matmul", "PyLayer:Clip", "PyLayer:RecomputeFunction", "Dy2St"]):
+        ...     print(line)
+        to_static program (Dy2St): the activations inside it
+        PyLayer:Clip: what it keeps as plain ctx attributes (only ctx.save_for_backward is seen)
+    """
+    found = []
+    for op in sorted(set(ops)):
+        if op.startswith("PyLayer") and op != "PyLayer:RecomputeFunction":  # recompute saves its inputs only
+            found.append(f"{op}: what it keeps as plain ctx attributes (only ctx.save_for_backward is seen)")
+        elif op.startswith("Dy2St"):
+            found.append(f"to_static program ({op}): the activations inside it")
+    return found
 
 
 def _chain(frame: Any, call_name: Callable[[Any], str | None]) -> list[str]:
