@@ -10,7 +10,10 @@ layer call running, and the grad node holding it:
 * The pack hook cannot see the grad node (Paddle creates it after the
   kernel), so while armed every ``paddle._C_ops`` function, Tensor's C
   arithmetic methods and ``PyLayer.apply`` are wrapped: the saves made during
-  one such call belong to the grad node of that call's output.
+  one such call belong to the grad nodes that call made (a saved output to
+  the node producing it, anything else to the node next to the inputs).
+  ``no_node_bytes`` counts saves whose node is not in the captured graph
+  (a branch the backward does not reach) or that no wrapped call made.
 * Parameters and buffers are not activations: their saves are listed apart
   (``params_bytes``).
 * Paddle allows one pair of saved-tensor hooks at a time, and a block's exit
@@ -37,6 +40,7 @@ from typing import Any, Callable
 import paddle
 from paddle.base import core
 
+from ..graph import op_display_name
 from .attribution import tensors_in
 from .gradnode import dtype_name, grad_fn
 
@@ -431,7 +435,7 @@ class SavedMemory:
                 op = op_names.get(nid, "?")
             else:
                 outside += s.nbytes
-                op = s.node.name() if s.node is not None else "?"
+                op = op_display_name(s.node.name()) if s.node is not None else "?"
             name = self._call_name(s.frame) if self._call_name is not None and s.frame is not None else None
             layer = name if name is not None else "?"
             by_layer[layer] = by_layer.get(layer, 0) + s.nbytes
