@@ -218,7 +218,12 @@ def edge_lines(meta: GradMeta | None, stats: bool) -> list[str]:
 
 
 def node_lines(node: Node) -> list[str]:
-    """The visible label of a node."""
+    """The visible label of a node (with what it saved for backward, when recorded).
+
+    Example:
+        >>> node_lines(Node(3, "op", "ReluGradNode", "Relu", saved_bytes=2048))
+        ['Relu', 'saved 2.05 kB']
+    """
     if node.kind == "param":
         return [node.param or "parameter", fmt_shape(node.shape)]
     if node.kind == "root":
@@ -227,7 +232,7 @@ def node_lines(node: Node) -> list[str]:
         return ["input"]
     if node.kind == "layer":
         return box_lines(node)
-    return [node.op]
+    return [node.op] + ([f"saved {fmt_bytes(node.saved_bytes)}"] if node.saved_bytes else [])
 
 
 def call_of(call: int, calls: int) -> str:
@@ -271,6 +276,8 @@ def box_lines(node: Node) -> list[str]:
         lines.append(size)
     if node.norm is not None:
         lines.append(f"|g| params {fmt_num(node.norm)}")
+    if node.saved_bytes:
+        lines.append(f"saved for backward {fmt_bytes(node.saved_bytes)}")
     if node.nonfinite:
         lines.append(f"NaN/Inf inside: {node.nonfinite}")
     return lines

@@ -297,6 +297,22 @@ def test_every_forward_of_a_block_is_observed_and_a_pair_active_before_it_is_nam
     assert_nothing_left()
 
 
+def test_drawings_show_what_ops_and_layer_boxes_saved():
+    from paddleviz_hooks import collapse_graph
+    from paddleviz_hooks.render import to_dot
+    from paddleviz_hooks.text import fmt_bytes
+
+    model = encoder(layers=2)
+    g, _, _ = measured_step(model, lambda: paddle.randn([2, 4, 32]))
+    boxes = collapse_graph(g, depth=1)
+    layer0 = next(n for n in boxes.nodes if n.kind == "layer" and n.layer == "layers.0")
+    ops0 = [n for n in g.nodes if n.kind == "op" and n.layer is not None and
+            (n.layer == "layers.0" or n.layer.startswith("layers.0."))]
+    assert layer0.saved_bytes == sum(n.saved_bytes for n in ops0) > 0
+    assert f"saved for backward {fmt_bytes(layer0.saved_bytes)}" in to_dot(boxes)
+    assert "saved 2.05 kB" in to_dot(g)  # each ReLU: 2 x 4 x 64 float32
+
+
 def test_off_by_default_and_bad_value():
     model = encoder(layers=1)
     g, _, _ = measured_step(model, lambda: paddle.randn([2, 4, 32]), saved_memory=False)
