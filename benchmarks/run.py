@@ -27,6 +27,10 @@ Rows (medians over repeats, every ratio taken from numbers of this same run):
   extra, playwright or /usr/bin/chromium).
 * training thread: forward+backward inside ``capture_backward`` divided by the
   plain forward+backward, with and without ``grad_stats``.
+* saved memory: a captured step with ``saved_memory=True`` divided by a
+  captured step without it (both ``grad_stats=True``), encoder and resnet50,
+  with the bytes held for backward next to the allocator's growth over the
+  forward, and a plain step run after them (nothing left behind).
 * peer reference: the same Transformer encoder in PyTorch drawn by
   ``torchviz.make_dot`` and rendered to PNG (skipped when torch or torchviz is
   not installed: ``.venv/bin/pip install torch==2.13.0 torchviz``; they are
@@ -186,6 +190,52 @@ def bench_steps(table: Table, name: str, model, loss_fn, repeats: int) -> Any:
         table.add(name, label + " / plain", f"{v / base:.2f}x", f"{fmt_s(v)} per step",
                   seconds=v, ratio=v / base)
     return graph
+
+
+# --------------------------------------------------------------------------
+# saved memory (activations held for backward)
+# --------------------------------------------------------------------------
+def bench_saved(table: Table, name: str, model, loss_fn, repeats: int) -> None:
+    """Captured step with and without saved_memory, interleaved with a plain step."""
+
+    def plain():
+        loss = loss_fn()
+        loss.backward()
+        model.clear_gradients()
+
+    def captured(saved: bool):
+        def run():
+            with capture_backward(model, saved_memory=saved) as cap:
+                loss = loss_fn()
+                loss.backward()
+            model.clear_gradients()
+            return cap.graph
+
+        return run
+
+    kinds = {"plain": plain, "captured": captured(False), "saved": captured(True)}
+    for fn in kinds.values():  # warm-up
+        fn()
+    times: dict[str, list[float]] = {k: [] for k in kinds}
+    graph = None
+    for _ in range(repeats):
+        for k, fn in kinds.items():
+            gc.collect()
+            dt, out = timed(fn)
+            times[k].append(dt)
+            if k == "saved":
+                graph = out
+    base, cap, saved = med(times["plain"]), med(times["captured"]), med(times["saved"])
+    section = name + ":saved"
+    table.add(section, "captured, saved_memory=True / captured without", f"{saved / cap:.2f}x",
+              f"{fmt_s(saved)} vs {fmt_s(cap)} per step, {repeats} repeats", ratio=saved / cap)
+    table.add(section, "plain step (interleaved, after saved captures)", fmt_s(base),
+              f"captured without / plain {cap / base:.2f}x", seconds=base)
+    m = graph.meta["saved_memory"]
+    growth = m.get("allocated_growth")
+    table.add(section, "held for backward (unique storages, no params)", f"{m['total_bytes'] / 1e6:.2f} MB",
+              f"allocator growth over the forward {growth / 1e6:.3f} MB, {m['saves']} saves"
+              if growth is not None else f"{m['saves']} saves", bytes=m["total_bytes"], growth=growth)
 
 
 # --------------------------------------------------------------------------
@@ -829,7 +879,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="few repeats, shorter fit runs (a few minutes)")
     ap.add_argument("--json", metavar="PATH", default=DEFAULT_JSON, help=f"results file (default {DEFAULT_JSON})")
     ap.add_argument("--skip", action="append", default=[],
-                    choices=["transformer", "resnet50", "huge", "fit5", "explorer", "torchviz", "callback", "nan"],
+                    choices=["transformer", "resnet50", "huge", "fit5", "explorer", "torchviz", "callback", "nan", "saved"],
                     help="leave out a group of rows (repeatable)")
     ap.add_argument("--callback-child", metavar="PATH", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -865,6 +915,12 @@ def main(argv: list[str] | None = None) -> int:
         bench_render(table, "resnet50", g, reps["r50_render"])
         bench_drawing_rate(table, "resnet50", g, reps["rate"])
         del model, g
+    if "saved" not in args.skip:
+        for name, make, n in (("encoder", paddle_transformer, reps["tr_steps"]),
+                              ("resnet50", paddle_resnet50, reps["r50_steps"])):
+            model, loss_fn = make()
+            bench_saved(table, name, model, loss_fn, n)
+            del model
     if "huge" not in args.skip:
         bench_huge(table, explorer="explorer" not in args.skip)
     if "fit5" not in args.skip:

@@ -536,6 +536,7 @@ def _collapse_once(
         box.norm = math.sqrt(sq) if known else None
         box.hooked = bool(ops) and all(n.hooked for n in ops)
         box.unhooked = sum(1 for n in ops if not n.hooked)
+        box.saved_bytes = sum(n.saved_bytes for n in ops)
 
     return BackwardGraph(
         nodes=new_nodes,

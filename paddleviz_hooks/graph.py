@@ -149,6 +149,11 @@ class Node:
             when unknown).
         nonfinite: for a box, NaN/Inf elements in gradients that stayed
             inside it.
+        saved_bytes: for an op, bytes of the tensors it saved for backward
+            in the forward (activations; a storage saved by several ops is
+            counted at the first); for a box, the sum over its ops. 0 when
+            nothing was saved or it was not observed (see
+            ``BackwardGraph.meta["saved_memory"]``).
         grad: for a parameter, the gradient this backward added to
             ``param.grad``: the sum over all its uses, after the user's own
             hooks (None when it was not observed, e.g. graphs saved by older
@@ -175,6 +180,7 @@ class Node:
     norm: float | None = None
     nonfinite: int = 0
     grad: GradMeta | None = None
+    saved_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -202,7 +208,7 @@ class Node:
 
 
 _NODE_BOX_DEFAULTS = {"count": 1, "calls": 1, "ops": 0, "unhooked": 0, "params": 0, "norm": None, "nonfinite": 0,
-                      "grad": None}
+                      "grad": None, "saved_bytes": 0}
 
 
 @dataclass
@@ -247,7 +253,11 @@ class BackwardGraph:
             and their ancestors; the top call has no entry. Empty when
             unknown (no layer given, graphs saved by older versions).
         meta: free-form capture facts: ``step``, ``entry`` (``"backward"`` or
-            ``"grad"``), ``grad_stats``, ``capture_ms``, ``trigger``...
+            ``"grad"``), ``grad_stats``, ``capture_ms``, ``trigger``,
+            ``saved_memory`` (what the forward saved for backward: ``total_bytes``,
+            ``by_layer`` ("path#call" -> bytes, ``"?"`` outside any layer
+            call), ``by_op``, ``by_dtype``, ``params_bytes``, ``allocated_growth``,
+            ``recompute`` (call -> held/inputs/frees bytes), ``unobserved``)...
 
     It is plain data: capturing (``paddleviz_hooks.capture``) builds it;
     collapsing, diffing, wording and drawing are functions elsewhere that take
@@ -430,6 +440,31 @@ class BackwardGraph:
             group = ".".join(parts[:depth]) if parts else "(self)"
             sq[group] += m.norm * m.norm
         return {k: math.sqrt(v) for k, v in sorted(sq.items())}
+
+    def saved_bytes_by_layer(self, depth: int = 1) -> dict[str, int]:
+        """Bytes held for backward (``meta["saved_memory"]``) grouped by layer path prefix.
+
+        Args:
+            depth: how many leading path components name the group.
+
+        Returns:
+            group -> bytes, largest first; the top layer's own saves go to
+            ``"(self)"``, saves outside any layer call to ``"(outside)"``;
+            empty when saved memory was not recorded.
+
+        Example:
+            >>> g = BackwardGraph(meta={"saved_memory": {"by_layer": {
+            ...     "enc.layers.0#0": 5, "enc.layers.1#0": 7, "#0": 2, "?": 1}}})
+            >>> g.saved_bytes_by_layer()
+            {'enc': 12, '(self)': 2, '(outside)': 1}
+        """
+        m = self.meta.get("saved_memory")
+        out: dict[str, int] = defaultdict(int)
+        for name, nbytes in (m.get("by_layer") or {}).items() if isinstance(m, dict) else ():
+            path, sep, _ = name.rpartition("#")
+            group = ".".join(path.split(".")[:depth]) if path else ("(self)" if sep else "(outside)")
+            out[group] += nbytes
+        return dict(sorted(out.items(), key=lambda kv: (-kv[1], kv[0])))
 
     # ------------------------------------------------------------- identities
     def assign_keys(self) -> None:

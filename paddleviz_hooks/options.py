@@ -78,6 +78,7 @@ class RecorderOptions:
     capture_first: bool = True
     max_captures: int | None = None
     grad_stats: bool = True
+    saved_memory: bool = False
     view_max_nodes: int | None = None
     view_max_px: int = 2000
     viewer_px: int | None = 1280
@@ -114,6 +115,7 @@ class RecorderOptions:
         o = {f.name: f.default for f in fields(cls) if f.name in known}
         o.update(options)
         capture_first, max_captures, grad_stats = o["capture_first"], o["max_captures"], o["grad_stats"]
+        saved_memory = o["saved_memory"]
         view_max_nodes, view_max_px, formats, visualdl = o["view_max_nodes"], o["view_max_px"], o["formats"], o["visualdl"]
         visualdl_graphs, visualdl_diagnostics = o["visualdl_graphs"], o["visualdl_diagnostics"]
         viewer_px = o["viewer_px"]
@@ -160,6 +162,7 @@ class RecorderOptions:
             capture_first=_bool("capture_first", capture_first),
             max_captures=_int("max_captures", max_captures, 1),
             grad_stats=_bool("grad_stats", grad_stats),
+            saved_memory=_bool("saved_memory", saved_memory),
             view_max_nodes=_int("view_max_nodes", view_max_nodes, 2),
             view_max_px=_int("view_max_px", view_max_px, 64, allow_none=False),
             viewer_px=_int("viewer_px", viewer_px, 64),

@@ -31,7 +31,7 @@ from .escape import vdl_graph_name
 from .render import EngineNotFound, RenderTimeout, png_size, render_diff_views, render_png, render_svg, render_views, to_dot
 from .sinks.files import StepFiles
 from .sinks.vdl_graph import write_vdl_graph
-from .sinks.visualdl import (LAYER_NORM_GROUP, SCALAR_GROUP, TagPages, VisualDLSink, encode_like_visualdl,
+from .sinks.visualdl import (LAYER_NORM_GROUP, SAVED_MEMORY_GROUP, SCALAR_GROUP, TagPages, VisualDLSink, encode_like_visualdl,
                              png_to_array)
 from .text import backward_role, diff_summary, graph_summary
 from .warn import WarnOnce
@@ -467,6 +467,12 @@ class CapturePipeline:
             })
         for layer, norm in graph.layer_grad_norms().items():
             scalars[f"{LAYER_NORM_GROUP}/{'top_layer_params' if layer == '(self)' else layer}"] = norm
+        saved = graph.meta.get("saved_memory")
+        if isinstance(saved, dict):  # in MB
+            scalars[f"{SAVED_MEMORY_GROUP}/total"] = saved.get("total_bytes", 0) / 1e6
+            for layer, nbytes in graph.saved_bytes_by_layer().items():
+                name = {"(self)": "top_layer", "(outside)": "outside_the_model"}.get(layer, layer)
+                scalars[f"{SAVED_MEMORY_GROUP}/{name}"] = nbytes / 1e6
         if suffix:  # a step's later backwards: their own series (~backward_graph_b2/...)
             scalars = {_join(k.split("/", 1)[0], suffix) + "/" + k.split("/", 1)[1]: v for k, v in scalars.items()}
         sink.scalars(scalars, step)

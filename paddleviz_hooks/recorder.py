@@ -50,6 +50,12 @@ class BackwardGraphRecorder:
         max_captures: stop after this many captures. Default None (no limit).
         grad_stats: record gradient norms, min, max and NaN/Inf counts;
             False records shapes and dtypes only. Default True.
+        saved_memory: on captured steps, record what the forward saves for
+            backward (activation memory per grad node, layer call and op;
+            see :func:`~paddleviz_hooks.capture_backward`). Observing starts
+            at :meth:`begin_step` of a selected step, so run the forward
+            inside the step; steps captured by a trigger are not covered.
+            Default False.
         view_max_nodes: node budget of the viewing PNG (larger graphs are
             collapsed by layer depth). Default None: collapse only as far as
             legibility within ``view_max_px`` needs. The SVG keeps every op.
@@ -144,6 +150,7 @@ class BackwardGraphRecorder:
         capture_first: bool = True,
         max_captures: int | None = None,
         grad_stats: bool = True,
+        saved_memory: bool = False,
         view_max_nodes: int | None = None,
         view_max_px: int = 2000,
         viewer_px: int | None = 1280,
@@ -166,7 +173,7 @@ class BackwardGraphRecorder:
             raise TypeError(f"model must be a paddle.nn.Layer or None, got {type(model).__name__}")
         self.options = RecorderOptions.check(
             log_dir, every, steps, capture_first=capture_first, max_captures=max_captures,
-            grad_stats=grad_stats, view_max_nodes=view_max_nodes, view_max_px=view_max_px,
+            grad_stats=grad_stats, saved_memory=saved_memory, view_max_nodes=view_max_nodes, view_max_px=view_max_px,
             viewer_px=viewer_px,
             formats=formats, visualdl=visualdl, visualdl_graphs=visualdl_graphs,
             visualdl_diagnostics=visualdl_diagnostics, run_name=run_name, ranks=ranks,
@@ -340,12 +347,14 @@ class BackwardGraphRecorder:
             self._armed = "scheduled"
         # a capture of this step's own backward needs layer hooks during its forward
         if (scheduled or self._triggers.pending) and (self._watch is None or not self._watch_names_layers):
-            self._step_capture = self._new_capture()
+            self._step_capture = self._new_capture(saved_memory=scheduled and self.options.saved_memory)
             try:
                 self._step_capture.__enter__()
             except Exception as exc:
                 self._step_capture = None
                 self._warn("arm", f"capture could not start: {exc!r}")
+        elif scheduled and self.options.saved_memory and self._watch is not None:
+            self._watch.observe_saved(True)  # this step's forward only
         return scheduled
 
     def end_step(self) -> None:
@@ -356,6 +365,8 @@ class BackwardGraphRecorder:
         cap, self._step_capture = self._step_capture, None
         if cap is not None:
             cap.__exit__(None, None, None)
+        if self._watch is not None:
+            self._watch.observe_saved(False)
         self._flush()
 
     def disarm(self) -> None:
@@ -402,7 +413,7 @@ class BackwardGraphRecorder:
         opts = self.options
         return opts.on_grad_spike is not None or opts.on_structure_change or self._kept is None
 
-    def _new_capture(self, watch: bool = False) -> BackwardCapture:
+    def _new_capture(self, watch: bool = False, saved_memory: bool = False) -> BackwardCapture:
         """The trigger watch (``watch=True``) or a scheduled step's capture."""
         names = not watch or self._watch_names_layers
         return BackwardCapture(
@@ -415,6 +426,7 @@ class BackwardGraphRecorder:
             after_backward=self._after_backward if (watch or self._watch is None and self.options.watching)
             else None,
             warn=self._warn,  # one warning per cause for the whole run
+            saved_memory=saved_memory,
         )
 
     def _decide(self, roots: list[Any], walk: Any) -> str | None:

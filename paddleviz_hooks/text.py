@@ -27,12 +27,14 @@ __all__ = [
     "TOP_LAYER",
     "backward_role",
     "box_lines",
+    "call_name",
     "capture_title",
     "collapse_note",
     "describe_node",
     "describe_origin",
     "diff_summary",
     "edge_lines",
+    "fmt_bytes",
     "fmt_num",
     "fmt_ratio",
     "fmt_shape",
@@ -45,6 +47,7 @@ __all__ = [
     "notebook_full_detail",
     "origin_mark",
     "plural",
+    "saved_memory_lines",
     "summarize",
 ]
 
@@ -81,6 +84,35 @@ def fmt_num(v: float | None, digits: int = 3) -> str:
     if math.isinf(v):
         return "Inf" if v > 0 else "-Inf"
     return f"{v:.{digits}g}"
+
+
+def fmt_bytes(n: int | None) -> str:
+    """Bytes in decimal units, three significant digits.
+
+    Example:
+        >>> fmt_bytes(760832), fmt_bytes(512), fmt_bytes(None)
+        ('761 kB', '512 B', '?')
+    """
+    if n is None:
+        return "?"
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n} B"
+
+
+def call_name(name: str) -> str:
+    """A layer call ``"path#call"`` as people read it: ``layers.0.self_attn``,
+    ``block (call 2)``; ``"?"`` (no layer call) is outside the model.
+
+    Example:
+        >>> call_name("layers.0.self_attn#0"), call_name("block#1"), call_name("#0"), call_name("?")
+        ('layers.0.self_attn', 'block (call 2)', '<top>', 'outside the model')
+    """
+    path, sep, index = name.rpartition("#")
+    if not sep or not index.isdigit():
+        return OUTSIDE_MODEL
+    return layer_name(path) + _call_suffix(int(index))
 
 
 def fmt_ratio(r: float) -> str:
@@ -299,7 +331,12 @@ def edge_lines(meta: GradMeta | None, stats: bool, observed: bool = True) -> lis
 
 
 def node_lines(node: Node) -> list[str]:
-    """The visible label of a node."""
+    """The visible label of a node (with what it saved for backward, when recorded).
+
+    Example:
+        >>> node_lines(Node(3, "op", "ReluGradNode", "Relu", saved_bytes=2048))
+        ['Relu', 'saved 2.05 kB']
+    """
     if node.kind == "param":
         return [node.param or "parameter", fmt_shape(node.shape)]
     if node.kind == "root":
@@ -308,7 +345,7 @@ def node_lines(node: Node) -> list[str]:
         return ["input"]
     if node.kind == "layer":
         return box_lines(node)
-    return [node.op]
+    return [node.op] + ([f"saved {fmt_bytes(node.saved_bytes)}"] if node.saved_bytes else [])
 
 
 def call_of(call: int, calls: int) -> str:
@@ -352,17 +389,22 @@ def box_lines(node: Node) -> list[str]:
         lines.append(size)
     if node.norm is not None:
         lines.append(f"|g| params {fmt_num(node.norm)}")
+    if node.saved_bytes:
+        lines.append(f"saved for backward {fmt_bytes(node.saved_bytes)}")
     if node.nonfinite:
         lines.append(f"NaN/Inf inside: {node.nonfinite}")
     return lines
 
 
 def node_tooltip(node: Node) -> str:
-    """Hover text: Paddle's grad node name, the layer (call), the key, why unhooked."""
+    """Hover text: Paddle's grad node name, the layer (call), the key, why unhooked,
+    what it saved for backward."""
     tip = [node.name, "layer: " + (layer_name(node.layer) + _call_suffix(node.call, node.calls)
                                    if node.layer is not None else OUTSIDE_MODEL), f"key: {node.key}"]
     if node.note:
         tip.append(node.note)
+    if node.saved_bytes:
+        tip.append(f"saved for backward: {fmt_bytes(node.saved_bytes)}")
     if node.kind == "layer" and node.unhooked:
         tip.append(f"no gradient data at {node.unhooked} of {plural(node.ops, 'op')}")
     return " | ".join(tip)
@@ -497,7 +539,50 @@ def graph_summary(graph: BackwardGraph, top: int = 5, previous: BackwardGraph | 
         lines.append(f"gradients {NOT_OBSERVED} at {plural(len(unhooked), 'node')} ({', '.join(kinds)});")
     if compiled:
         lines.append(f"{plural(compiled, 'op')} {PROGRAM_OP_NOTE} (parameter gradients behind them are exact);")
+    lines.extend(saved_memory_lines(graph, top))
     return "\n".join(lines)
+
+
+def saved_memory_lines(graph: BackwardGraph, top: int = 5) -> list[str]:
+    """Summary lines on what the forward saved for this backward (none when not recorded).
+
+    Example:
+        >>> g = BackwardGraph(meta={"saved_memory": {"total_bytes": 3_000_000, "saves": 12,
+        ...     "by_layer": {"block.conv#0": 2_000_000, "?": 1_000_000}, "by_op": {"Conv2d": 3_000_000},
+        ...     "params_bytes": 40_000, "allocated_growth": 3_000_004, "unobserved": []}})
+        >>> for line in saved_memory_lines(g): print(line)
+        held for backward: 3 MB in 12 saves (activations; parameters apart: 40 kB);
+        held most by: block.conv 2 MB, outside the model 1 MB;
+        held by op: Conv2d 3 MB;
+        allocator growth over the forward: 3 MB (4 B not saved: outputs, the loss);
+    """
+    m = graph.meta.get("saved_memory")
+    if not isinstance(m, dict):
+        return []
+    total = m.get("total_bytes", 0)
+    lines = [f"held for backward: {fmt_bytes(total)} in {plural(m.get('saves', 0), 'save')} "
+             f"(activations; parameters apart: {fmt_bytes(m.get('params_bytes'))});"]
+    by_layer = list((m.get("by_layer") or {}).items())
+    if by_layer and set(k for k, _ in by_layer) != {"?"}:
+        lines.append("held most by: " + _names([f"{call_name(k)} {fmt_bytes(v)}" for k, v in by_layer], top) + ";")
+    by_op = list((m.get("by_op") or {}).items())
+    if by_op:
+        lines.append("held by op: " + _names([f"{k} {fmt_bytes(v)}" for k, v in by_op], top) + ";")
+    best = [(k, v) for k, v in (m.get("recompute") or {}).items() if k != "#0" and v.get("frees", 0) > 0]
+    if best:
+        lines.append("recomputing would free most: " + ", ".join(
+            f"{call_name(k)} {fmt_bytes(v['frees'])} (keeping {fmt_bytes(v['inputs'])} of inputs)"
+            for k, v in best[:3]) + ";")
+    growth = m.get("allocated_growth")
+    if growth is not None:
+        rest = growth - total
+        what = ("not saved: outputs, the loss" if rest >= 0 else
+                "below the total: tensors made before the forward were saved, or others were freed meanwhile")
+        lines.append(f"allocator growth over the forward: {fmt_bytes(growth)} ({fmt_bytes(abs(rest))} {what});")
+    for u in m.get("unobserved") or []:
+        size = f", allocator grew {fmt_bytes(u['bytes'])} in it" if u.get("bytes") is not None else ""
+        lines.append(f"saved tensors {NOT_OBSERVED}: {u.get('what')}{size};")
+    return lines
 
 
 def diff_summary(diff: GraphDiff) -> str:

@@ -236,6 +236,7 @@ def test_not_observed_and_saved_bytes(tmp_path):
         layers={"": "Net", "blk": "Block"}, meta={"step": 7})
     g.assign_keys()
     g.nodes[1].saved_bytes = 4096  # what a capture that measures saved tensors records
+    g.meta["saved_memory"] = {"total_bytes": 4096}
     files = ex.export_explorer(g, str(tmp_path))
     collection, overlays = load_export(files)
     foo = collection["graphs"][0]["nodes"][1]

@@ -8,6 +8,7 @@ Modules, each with one job:
 * ``nested.py``: a backward run inside another (recompute): its PyLayer node, the stitch.
 * ``stats.py``: gradient statistics.
 * ``attribution.py``: forward hooks naming the layer call of each op.
+* ``saved.py``: the tensors each forward saves for backward (``saved_memory``).
 * ``session.py``: :class:`BackwardCapture` and :func:`capture_backward`.
 """
 

@@ -8,7 +8,7 @@ import paddle
 
 from .gradnode import grad_fn, strip_wrapper_prefix
 
-__all__ = ["LayerAttribution", "tensors_in"]
+__all__ = ["LayerAttribution", "frame_name", "tensors_in"]
 
 
 class LayerAttribution:
@@ -103,6 +103,10 @@ class LayerAttribution:
             self._resolve()
         return self.owner.get(ptr)
 
+    def current_frame(self) -> list[Any] | None:
+        """The innermost layer call under way (name it later with :func:`frame_name`)."""
+        return self._stack[-1] if self._stack else None
+
     def _pre(self, layer, args, kwargs):
         frame: list[Any] = [set(), None, self._stack[-1] if self._stack else None]
         self._stack.append(frame)
@@ -177,6 +181,14 @@ def _is_to_static(layer: paddle.nn.Layer) -> bool:
     except Exception:
         return False
     return isinstance(getattr(layer, "forward", None), StaticFunction)
+
+
+def frame_name(frame: list[Any] | None) -> str | None:
+    """``"path#call"`` of a layer-call frame once the call has ended; a call
+    whose outputs carried no gradient has no index and gives its parent's."""
+    while frame is not None and frame[1] is None:
+        frame = frame[2]
+    return None if frame is None else frame[1]
 
 
 def tensors_in(obj: Any) -> list[Any]:

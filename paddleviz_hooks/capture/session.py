@@ -17,6 +17,10 @@
   it (``nested.py``); the step then has one graph with every op and parameter.
 * Every graph says which backward of its block (or step) it is:
   ``meta["backward"] = {"index": i, "of": n or None, "entry": ...}``.
+* With ``saved_memory=True``, the tensors saved for backward during the
+  forward are recorded (``saved.py``) and put on the graph: ``Node.saved_bytes``
+  and ``meta["saved_memory"]``. Observing starts when the block is entered and
+  again after each backward, and stops when a backward starts.
 """
 
 from __future__ import annotations
@@ -29,11 +33,12 @@ import paddle
 from ..graph import BackwardGraph, GradMeta
 from ..hazards import hook_hazard
 from ..warn import WarnOnce
-from .attribution import LayerAttribution
+from .attribution import LayerAttribution, frame_name
 from .dispatch import DISPATCHER
 from .gradnode import Walk, grad_fn, parameter_names, walk_graph
 from .static import ProgramRuns
 from .nested import place, pylayer_context, stitch
+from .saved import SavedMemory
 from . import stats
 
 __all__ = ["BackwardCapture", "capture_backward"]
@@ -91,6 +96,7 @@ class _Session:
         self.loss: float | None = None
         self.trigger: str | None = None
         self.calls: dict[str, str] = {}  # layer-call tree of the walked nodes
+        self.saved: tuple[dict[int, int], dict[str, Any]] | None = None  # see saved.py
 
 
 class BackwardCapture:
@@ -115,6 +121,7 @@ class BackwardCapture:
         when: Callable[[list[Any], Callable[[], Any]], str | None] | None = None,
         after_backward: Callable[[bool], None] | None = None,
         warn: Callable[[str, str], None] | None = None,
+        saved_memory: bool = False,
     ) -> None:
         if layer is not None and not isinstance(layer, paddle.nn.Layer):
             raise TypeError(
@@ -123,6 +130,8 @@ class BackwardCapture:
             )
         if not isinstance(grad_stats, bool):
             raise TypeError(f"grad_stats must be True or False, got {grad_stats!r}")
+        if not isinstance(saved_memory, bool):
+            raise TypeError(f"saved_memory must be True or False, got {saved_memory!r}")
         if params is not None and not isinstance(params, (dict, paddle.nn.Layer)):
             raise TypeError(
                 f"params must be a paddle.nn.Layer or a dict of name -> Tensor, got {type(params).__name__}"
@@ -154,6 +163,10 @@ class BackwardCapture:
         self._param_names: dict[int, tuple[str, Any]] = {}
         self._warn = warn or WarnOnce()
         self._programs = ProgramRuns(self._warn)  # to_static programs run in the block
+        self.saved_memory = saved_memory
+        self._saved: SavedMemory | None = None
+        self._saved_on = False  # observe saved tensors in the forwards of this block
+        self._backwards = 0  # backwards under way (a recompute's inner one runs inside another)
 
     # -- context protocol ---------------------------------------------------
     def __enter__(self) -> "BackwardCapture":
@@ -168,6 +181,8 @@ class BackwardCapture:
             self._programs.install()
             DISPATCHER.activate(self)
             self._active = True
+            if self.saved_memory:
+                self.observe_saved(True)
         except BaseException:
             self._teardown()
             raise
@@ -182,12 +197,37 @@ class BackwardCapture:
 
     def _teardown(self) -> None:
         self._active = False
+        self.observe_saved(False)
+        self._saved = None
         DISPATCHER.deactivate(self)
         self._programs.remove()
         if self._attribution is not None:
             self._attribution.remove()
             self._attribution = None
         self._param_names = {}
+
+    def observe_saved(self, on: bool) -> None:
+        """Start (or stop) recording what the forwards save for backward.
+
+        The recorder turns it on at the start of a selected step only, so
+        steps that are not captured arm nothing. A failure to arm is one
+        warning; training goes on unobserved.
+        """
+        self._saved_on = on and self._active
+        if not self._saved_on:
+            if self._saved is not None:
+                self._saved.disarm()
+                self._saved.release()
+            return
+        try:
+            if self._saved is None:
+                a = self._attribution
+                self._saved = SavedMemory(self.layer, a.current_frame if a is not None else None,
+                                          frame_name if a is not None else None)
+            self._saved.arm()
+        except Exception as exc:
+            self._saved_on = False
+            self._warn("saved", f"saved-tensor memory is not observed: {exc!r}")
 
     @property
     def errors(self) -> list[str]:
@@ -212,7 +252,11 @@ class BackwardCapture:
     def _begin(self, roots: list[Any], entry: str, nested: bool = False,
                parent: _Session | None = None) -> _Session | None:
         t0 = time.perf_counter()
+        self._backwards += 1
+        saved = self._saved if self._saved is not None and self._saved.armed else None
         try:
+            if saved is not None:
+                saved.disarm()  # the forward is over: the backward saves nothing of the step's
             if not any(grad_fn(t) is not None for t in roots):
                 return None
             if nested:  # observed exactly when the backward it runs inside is
@@ -237,6 +281,12 @@ class BackwardCapture:
             s.trigger = trigger
             self._snapshot_calls(s)
             s.index = self.backwards_seen
+            if saved is not None:
+                try:
+                    ids = {gn.node_ptr(): i for i, gn in enumerate(s.walk.wrappers) if gn is not None}
+                    s.saved = saved.collect(ids, {i: n.op for i, n in enumerate(s.walk.nodes)})
+                except Exception as exc:  # the graph is still captured, without it
+                    self._warn("saved", f"saved-tensor memory is not observed: {exc!r}")
             if len(roots) == 1 and roots[0].size == 1:
                 s.loss = float(roots[0])
             self._hook_all(s)
@@ -245,6 +295,9 @@ class BackwardCapture:
         except Exception as exc:  # observability never breaks training
             self._warn("capture", f"backward graph capture failed and was skipped: {exc!r}")
             return None
+        finally:
+            if saved is not None:
+                saved.release()  # the saves' grad node wrappers go now
 
     def _snapshot_calls(self, s: _Session) -> None:
         """The layer-call tree of the walked nodes, taken now: attribution is
@@ -368,6 +421,9 @@ class BackwardCapture:
         return hook
 
     def _end(self, s: _Session | None, ok: bool, retain_graph: bool) -> None:
+        self._backwards = max(0, self._backwards - 1)
+        if self._saved_on and self._active and not self._backwards:
+            self.observe_saved(True)  # the next forward of the block
         if not retain_graph:
             self._programs.reset()  # that forward's program runs are consumed
         if s is None:
@@ -474,6 +530,10 @@ class BackwardCapture:
 
     def _build(self, s: _Session) -> BackwardGraph:
         self._fill_received(s)
+        if s.saved is not None:  # node ids of this session's own walk, before stitching
+            node_bytes, saved_meta = s.saved
+            for nid, nbytes in node_bytes.items():
+                s.walk.nodes[nid].saved_bytes = nbytes
         stitched = len(s.children)
         self._merge_children(s)
         graph = self._graph(s, s.walk.nodes, s.walk.edges, s.ptrs)
@@ -485,6 +545,8 @@ class BackwardCapture:
             graph.meta["loss"] = s.loss
         if s.trigger is not None:
             graph.meta["trigger"] = s.trigger
+        if s.saved is not None:
+            graph.meta["saved_memory"] = saved_meta
         return graph
 
     def _graph(self, s: _Session, nodes: list, edges: list, ptrs: list) -> BackwardGraph:
@@ -521,6 +583,7 @@ def capture_backward(
     *,
     grad_stats: bool = True,
     params: Any = None,
+    saved_memory: bool = False,
 ) -> BackwardCapture:
     """Capture the backward graph of every backward call inside a ``with`` block.
 
@@ -538,6 +601,10 @@ def capture_backward(
             shapes and dtypes only.
         params: names for parameter leaves when ``layer`` is not given: a
             ``paddle.nn.Layer`` or a dict name -> tensor.
+        saved_memory: record the tensors each forward in the block saves for
+            its backward (activation memory): bytes per grad node
+            (``Node.saved_bytes``), per layer call and per op in
+            ``graph.meta["saved_memory"]``. Run the forward inside the block.
 
     Returns:
         A :class:`BackwardCapture`; ``cap.graphs`` holds one graph per backward,
@@ -558,5 +625,5 @@ def capture_backward(
         >>> cap.graph.count_ops()["Matmul"]
         2
     """
-    return BackwardCapture(layer, grad_stats=grad_stats, params=params)
+    return BackwardCapture(layer, grad_stats=grad_stats, params=params, saved_memory=saved_memory)
 

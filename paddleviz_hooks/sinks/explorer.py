@@ -141,6 +141,7 @@ def explorer_graph(graph: BackwardGraph, graph_id: str) -> dict[str, Any]:
     spaces = [_namespace(p, calls) for p in paths]
     sites = graph.nonfinite_sites()
     origin = sites[0].id if sites else None
+    saved_recorded = isinstance(graph.meta.get("saved_memory"), dict)
     nodes = []
     for n in graph.nodes:
         inn = sorted(ins.get(n.id, []), key=lambda e: (e.src, e.slot))
@@ -168,9 +169,8 @@ def explorer_graph(graph: BackwardGraph, graph_id: str) -> dict[str, Any]:
             attrs.append(_kv("NaN/Inf origin", "yes: the first node that turned finite gradients non-finite"))
         if n.note:
             attrs.append(_kv("note", n.note))
-        saved = getattr(n, "saved_bytes", None)
-        if saved is not None:
-            attrs.append(_kv("saved for backward (bytes)", saved))
+        if saved_recorded:
+            attrs.append(_kv("saved for backward (bytes)", n.saved_bytes))
         attrs.append(_kv("key", n.key))
         nodes.append({
             "id": str(n.id),
@@ -276,13 +276,9 @@ def _added_data(graph: BackwardGraph, diff: GraphDiff | None) -> dict[str, Any]:
 
 
 def _saved_data(graph: BackwardGraph) -> dict[str, Any] | None:
-    results = {}
-    for n in graph.nodes:
-        v = getattr(n, "saved_bytes", None)
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-            results[str(n.id)] = {"value": v}
-    if not results:
-        return None
+    if not isinstance(graph.meta.get("saved_memory"), dict):
+        return None  # not recorded for this capture
+    results = {str(n.id): {"value": n.saved_bytes} for n in graph.nodes if n.saved_bytes}
     return {"name": "saved for backward (bytes)", "results": results, "gradient": _SEQUENTIAL}
 
 

@@ -40,7 +40,7 @@ from ..diff import DIFF_FORMAT, GraphDiff, diff_graphs
 from ..escape import clean_svg, html_escape, json_for_script
 from ..graph import BackwardGraph, parse_json
 from ..render import render_diff, render_svg
-from ..text import describe_node, describe_origin, diff_summary, fmt_num, graph_summary
+from ..text import call_name, describe_node, describe_origin, diff_summary, fmt_bytes, fmt_num, graph_summary
 
 __all__ = ["build_report", "find_step_files", "ReportError"]
 
@@ -315,6 +315,26 @@ def _site_list(graph: BackwardGraph) -> str:
             f'<ol class="sites">{"".join(items)}</ol>')
 
 
+def _saved_table(graph: BackwardGraph, limit: int = 30) -> str:
+    """Layer calls by bytes held for backward (sublayers included), with a bar,
+    and what recomputing each would free; empty when not recorded."""
+    m = graph.meta.get("saved_memory")
+    table = m.get("recompute") if isinstance(m, dict) else None
+    if not table:
+        return ""
+    rows = sorted(table.items(), key=lambda kv: (-kv[1].get("held", 0), kv[0]))[:limit]
+    top = max(v.get("held", 0) for _, v in rows) or 1
+    body = "".join(
+        f'<tr><td>{_e(call_name(k))}</td><td class="num">{_e(fmt_bytes(v.get("held")))}</td>'
+        f'<td class="barcell"><span class="bar" style="width:{100 * v.get("held", 0) / top:.1f}%"></span></td>'
+        f'<td class="num">{_e(fmt_bytes(v.get("frees")))}</td></tr>'
+        for k, v in rows)
+    more = f'<p class="muted">and {len(table) - limit} more layer calls</p>' if len(table) > limit else ""
+    return ('<h3>Held for backward, by layer call</h3><table class="saved"><thead><tr><th>layer call</th>'
+            '<th>held (with sublayers)</th><th></th><th>recomputing it frees</th></tr></thead>'
+            f'<tbody>{body}</tbody></table>{more}')
+
+
 def _lines(text: str, skip_heading: bool = True) -> str:
     lines = [line for line in text.splitlines() if line.strip()]
     if skip_heading and lines and lines[0].endswith(":"):  # "step 60:" repeats the panel's heading
@@ -348,6 +368,7 @@ def _step_panel(run: _Run, ri: int, si: int) -> str:
     else:
         out.append('<p class="muted">First capture of this run: nothing to compare with.</p>')
     out.append(f'<h3>Summary</h3><ul class="facts">{_lines(graph_summary(g))}</ul>')
+    out.append(_saved_table(g))
     if st.problem:
         out.append(f'<p class="bad">Drawing problem: {_e(st.problem)}</p>')
     out.append("</section>")

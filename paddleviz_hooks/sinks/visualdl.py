@@ -25,6 +25,7 @@ PAGE = 10  # VisualDL's per-tag sample budget for images and text
 #: Scalar groups: '~' sorts after letters, digits and '_' in VisualDL's group order
 SCALAR_GROUP = "~backward_graph"
 LAYER_NORM_GROUP = "~grad_norm"
+SAVED_MEMORY_GROUP = "~saved_memory"  # MB held for backward, with saved_memory=True
 
 
 class TagPages:
