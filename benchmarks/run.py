@@ -153,17 +153,20 @@ def paddle_resnet50():
 # --------------------------------------------------------------------------
 # training-thread cost of a captured step
 # --------------------------------------------------------------------------
-def bench_steps(table: Table, name: str, model, loss_fn, repeats: int) -> Any:
-    """Plain vs captured forward+backward, interleaved so drift hits all three alike."""
+def _interleaved(model, loss_fn, captures: dict[str, dict[str, Any]], repeats: int
+                 ) -> tuple[dict[str, list[float]], Any]:
+    """Plain forward+backward and one captured variant per ``captures`` entry
+    (name -> capture_backward keywords), interleaved so drift hits all alike;
+    returns the times per kind and the last variant's last graph."""
 
     def plain():
         loss = loss_fn()
         loss.backward()
         model.clear_gradients()
 
-    def captured(stats: bool):
+    def captured(kwargs: dict[str, Any]):
         def run():
-            with capture_backward(model, grad_stats=stats) as cap:
+            with capture_backward(model, **kwargs) as cap:
                 loss = loss_fn()
                 loss.backward()
             model.clear_gradients()
@@ -171,7 +174,8 @@ def bench_steps(table: Table, name: str, model, loss_fn, repeats: int) -> Any:
 
         return run
 
-    kinds = {"plain": plain, "shapes": captured(False), "stats": captured(True)}
+    kinds = {"plain": plain, **{k: captured(kw) for k, kw in captures.items()}}
+    last = list(kinds)[-1]
     for fn in kinds.values():  # warm-up
         fn()
     times: dict[str, list[float]] = {k: [] for k in kinds}
@@ -181,8 +185,15 @@ def bench_steps(table: Table, name: str, model, loss_fn, repeats: int) -> Any:
             gc.collect()
             dt, out = timed(fn)
             times[k].append(dt)
-            if k == "stats":
+            if k == last:
                 graph = out
+    return times, graph
+
+
+def bench_steps(table: Table, name: str, model, loss_fn, repeats: int) -> Any:
+    """Plain vs captured forward+backward, with and without gradient statistics."""
+    times, graph = _interleaved(model, loss_fn, {"shapes": {"grad_stats": False}, "stats": {"grad_stats": True}},
+                                repeats)
     base = med(times["plain"])
     table.add(name, "plain forward+backward", fmt_s(base), f"{repeats} repeats", seconds=base)
     for k, label in (("shapes", "captured, shapes only (grad_stats=False)"), ("stats", "captured, grad_stats=True")):
@@ -197,34 +208,7 @@ def bench_steps(table: Table, name: str, model, loss_fn, repeats: int) -> Any:
 # --------------------------------------------------------------------------
 def bench_saved(table: Table, name: str, model, loss_fn, repeats: int) -> None:
     """Captured step with and without saved_memory, interleaved with a plain step."""
-
-    def plain():
-        loss = loss_fn()
-        loss.backward()
-        model.clear_gradients()
-
-    def captured(saved: bool):
-        def run():
-            with capture_backward(model, saved_memory=saved) as cap:
-                loss = loss_fn()
-                loss.backward()
-            model.clear_gradients()
-            return cap.graph
-
-        return run
-
-    kinds = {"plain": plain, "captured": captured(False), "saved": captured(True)}
-    for fn in kinds.values():  # warm-up
-        fn()
-    times: dict[str, list[float]] = {k: [] for k in kinds}
-    graph = None
-    for _ in range(repeats):
-        for k, fn in kinds.items():
-            gc.collect()
-            dt, out = timed(fn)
-            times[k].append(dt)
-            if k == "saved":
-                graph = out
+    times, graph = _interleaved(model, loss_fn, {"captured": {}, "saved": {"saved_memory": True}}, repeats)
     base, cap, saved = med(times["plain"]), med(times["captured"]), med(times["saved"])
     section = name + ":saved"
     table.add(section, "captured, saved_memory=True / captured without", f"{saved / cap:.2f}x",
