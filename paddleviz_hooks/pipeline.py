@@ -28,7 +28,7 @@ from .diff import GraphDiff, diff_graphs
 from .graph import BackwardGraph
 from .options import RecorderOptions
 from .escape import vdl_graph_name
-from .render import EngineNotFound, RenderTimeout, png_size, render_diff_views, render_png, render_svg, render_views, to_dot
+from .render import EngineNotFound, RenderTimeout, png_size, render_diff_views, render_svg, render_views, to_dot
 from .sinks.files import StepFiles
 from .sinks.vdl_graph import write_vdl_graph
 from .sinks.visualdl import (LAYER_NORM_GROUP, SAVED_MEMORY_GROUP, SCALAR_GROUP, TagPages, VisualDLSink, encode_like_visualdl,
@@ -36,15 +36,17 @@ from .sinks.visualdl import (LAYER_NORM_GROUP, SAVED_MEMORY_GROUP, SCALAR_GROUP,
 from .text import backward_role, diff_summary, graph_summary
 from .warn import WarnOnce
 
-__all__ = ["BackgroundWorker", "CaptureJob", "CapturePipeline", "VIEWER_LABEL_PX", "viewer_png"]
+__all__ = ["BackgroundWorker", "CaptureJob", "CapturePipeline", "VIEWER_LABEL_PX", "viewer_views"]
 
 #: Node labels (11 pt) of the VisualDL picture are at least this many pixels high
 VIEWER_LABEL_PX = 8.0
 
 
-def viewer_png(graph: BackwardGraph, options: RecorderOptions, title: str, *, timeout: float | None = 60.0,
-               info: dict[str, Any] | None = None) -> bytes:
-    """The picture logged to VisualDL, sized for its image viewer.
+def viewer_views(graph: BackwardGraph, options: RecorderOptions, title: str, formats: tuple[str, ...] = ("png",),
+                 *, timeout: float | None = 60.0, info: dict[str, Any] | None = None) -> dict[str, bytes]:
+    """The viewing picture when VisualDL is on, sized for its image viewer, in
+    each of ``formats`` from one engine run (see ``render_views``); the same
+    bytes are the step's PNG file and the VisualDL image.
 
     The viewer fits a picture into the window (about 1300x750 CSS px of a
     1440x900 window) and never enlarges it, so the picture is drawn left to
@@ -59,15 +61,13 @@ def viewer_png(graph: BackwardGraph, options: RecorderOptions, title: str, *, ti
     height = width * 9 // 16
     max_px = width
     for _ in range(4):  # a drawing taller than 16:9 is drawn again, narrower, until it fits
-        png = render_png(graph, max_px=max_px, max_nodes=options.view_max_nodes, rankdir="LR",
-                         min_dpi=VIEWER_LABEL_PX * 72 / 11, timeout=timeout, title=title, info=info)
-        w, h = png_size(png)
+        views = render_views(graph, tuple(formats), max_px=max_px, max_nodes=options.view_max_nodes, rankdir="LR",
+                             min_dpi=VIEWER_LABEL_PX * 72 / 11, timeout=timeout, title=title, info=info)
+        w, h = png_size(views["png"])
         if h <= height or max_px <= 64:
             break
         max_px = max(64, min(max_px - 1, int(max(w, h) * height / h)))
-    return png
-
-_STOP = object()
+    return views
 
 _STOP = object()
 
@@ -205,7 +205,6 @@ class _Drawing:
     prev_path: str | None = field(compare=False)
     diff: GraphDiff | None = field(compare=False)
     suffix: str = field(default="", compare=False)
-    viewer: bytes | None = field(compare=False, default=None)  # the VisualDL picture, once drawn
     tags: list[str] = field(compare=False, default_factory=list)  # VisualDL image tags of the picture
     diff_tag: str = field(compare=False, default="")  # ... and of the diff picture
 
@@ -380,17 +379,19 @@ class CapturePipeline:
 
         png = diff_png = None
         try:
-            # one engine run draws the viewing PNG and, when it has every node, the full-detail SVG
+            # one engine run draws the viewing picture and, when it has every node, the full-detail SVG;
+            # with VisualDL on, the viewing picture is the one sized for its viewer (file and image alike)
             info: dict = {}
-            views = render_views(graph, ("png", "svg") if "svg" in opts.formats else ("png",), info=info,
-                                 max_px=opts.view_max_px, max_nodes=opts.view_max_nodes, timeout=left(),
-                                 title=title)
+            formats = ("png", "svg") if "svg" in opts.formats else ("png",)
+            if opts.visualdl and opts.viewer_px is not None:
+                views = viewer_views(graph, opts, title, formats, timeout=left(), info=info)
+            else:
+                views = render_views(graph, formats, info=info, max_px=opts.view_max_px,
+                                     max_nodes=opts.view_max_nodes, timeout=left(), title=title)
             png = views["png"]
             if "svg" in opts.formats:
                 svg = views["svg"] if info["full_detail"] else render_svg(graph, timeout=left(), title=title)
                 files.write(step, "svg", svg, suffix=suffix)
-            if opts.visualdl and opts.viewer_px is not None:
-                d.viewer = viewer_png(graph, opts, title, timeout=left())
         except (EngineNotFound, RenderTimeout) as exc:
             # JSON, DOT, text and scalars are already written
             self._warn(type(exc).__name__, f"step {step} was not drawn: {exc}")
@@ -425,9 +426,6 @@ class CapturePipeline:
             if "png" in formats:
                 # the same encoder VisualDL uses, so the dashboard serves these exact bytes
                 files.write(step, "png", encode_like_visualdl(array), suffix=suffix)
-            if d.viewer is not None:
-                array = png_to_array(d.viewer)
-                d.viewer = None
             for tag in d.tags:
                 sink.image(tag, array, step)
         if diff_png is not None:

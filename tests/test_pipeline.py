@@ -116,12 +116,14 @@ def test_formats_decide_every_file(tmp_path):
     assert np.isfinite(cb.captured_steps).all()
 
 
-@pytest.mark.parametrize("formats, view_max_px, act, steady", [
-    (("json", "png"), 2000, nn.Tanh, 1),
-    (("png", "svg", "dot", "json"), 2000, nn.Sigmoid, 1),  # the defaults: the SVG comes from the PNG's run
-    (("png", "svg", "dot", "json"), 160, nn.Softsign, 2),  # a collapsed view: the full SVG is another graph
+@pytest.mark.parametrize("formats, view_max_px, act, steady, visualdl", [
+    (("json", "png"), 2000, nn.Tanh, 1, False),
+    (("png", "svg", "dot", "json"), 2000, nn.Sigmoid, 1, False),  # the SVG comes from the PNG's run
+    (("png", "svg", "dot", "json"), 160, nn.Softsign, 2, False),  # a collapsed view: the full SVG is another graph
+    (("png", "svg", "dot", "json"), 2000, nn.Hardtanh, 1, True),  # the defaults: one picture for file and VisualDL
 ])
-def test_engine_runs_once_per_capture_in_steady_state(tmp_path, monkeypatch, formats, view_max_px, act, steady):
+def test_engine_runs_once_per_capture_in_steady_state(tmp_path, monkeypatch, formats, view_max_px, act, steady,
+                                                      visualdl):
     """A `dot` shim first on PATH counts layout-engine runs: with the structure unchanged,
     each capture's viewing PNG costs one run (its size and collapse plan is reused), and
     the full-detail SVG comes from that same run unless the viewing picture is collapsed."""
@@ -146,8 +148,8 @@ def test_engine_runs_once_per_capture_in_steady_state(tmp_path, monkeypatch, for
     per_capture = []
     net = nn.Sequential(nn.Linear(8, 23), act(), nn.Linear(23, 3))  # a structure no other test draws
     x, y = paddle.randn([4, 8]), paddle.randint(0, 3, [4, 1])
-    with BackwardGraphRecorder(str(tmp_path / "log"), net, every=1, verbose=0, visualdl=False,
-                               formats=formats, view_max_px=view_max_px) as rec:
+    with BackwardGraphRecorder(str(tmp_path / "log"), net, every=1, verbose=0, visualdl=visualdl,
+                               visualdl_graphs=False, formats=formats, view_max_px=view_max_px) as rec:
         for step in range(1, 7):
             before = runs()
             with rec.step(step):
