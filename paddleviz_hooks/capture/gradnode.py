@@ -66,6 +66,35 @@ def grad_fn(t: Any) -> Any:
 
 
 
+# Saved tensors our pack hook stored detached (``saved.py``), by (address, shape,
+# dtype) -> the address of the original's grad node, which the stored copy no
+# longer has; a recompute's PyLayer reads its saved inputs back as such copies
+# (``nested.py``). Plain ints: nothing is kept alive. Cleared when a forward is armed.
+_SAVED_FROM: dict[tuple[int, tuple[int, ...], str], int] = {}
+
+
+def note_saved(copy: Any, original: Any) -> None:
+    """Remember which grad node the detached ``copy`` of a saved tensor came from."""
+    gf = grad_fn(original)
+    if gf is not None:
+        _SAVED_FROM[(copy.data_ptr(), tuple(copy.shape), str(copy.dtype))] = gf.node_ptr()
+
+
+def forget_saved() -> None:
+    _SAVED_FROM.clear()
+
+
+def grad_node_ptr(t: Any) -> int | None:
+    """Address of ``t``'s grad node; for a saved tensor our pack hook stored
+    detached (a leaf of its own), that of the original; None without one."""
+    if _SAVED_FROM:
+        ptr = _SAVED_FROM.get((t.data_ptr(), tuple(t.shape), str(t.dtype)))
+        if ptr is not None:
+            return ptr
+    gf = grad_fn(t)
+    return gf.node_ptr() if gf is not None else None
+
+
 def dtype_name(dtype: Any) -> str:
     """``paddle.float32`` -> ``"float32"``."""
     return str(dtype).split(".")[-1]

@@ -15,7 +15,7 @@ import sys
 from typing import Any
 
 from ..graph import Edge, Node
-from .gradnode import grad_fn
+from .gradnode import grad_node_ptr
 
 __all__ = ["DETACHED_INPUT", "pylayer_context", "place", "stitch"]
 
@@ -75,9 +75,9 @@ def place(ctx: Any, nodes: list[Node], ptrs: list[int | None], next_ptrs: dict[i
         saved: set[int] = set()
         try:
             for t in ctx.saved_tensor() or ():
-                gf = grad_fn(t)
-                if gf is not None and not t.stop_gradient:
-                    saved.add(gf.node_ptr())
+                ptr = grad_node_ptr(t)
+                if ptr is not None and not t.stop_gradient:
+                    saved.add(ptr)
         except Exception:
             saved = set()
         if saved:

@@ -42,7 +42,7 @@ from paddle.base import core
 
 from ..graph import op_display_name
 from .attribution import tensors_in
-from .gradnode import dtype_name, grad_fn
+from .gradnode import dtype_name, forget_saved, grad_fn, note_saved
 
 __all__ = ["SavedMemory", "allocated_bytes", "storage_key"]
 
@@ -129,6 +129,7 @@ class SavedMemory:
         """Start observing (a new forward). Raises only on programming errors."""
         if self.armed:
             return
+        forget_saved()
         self.saves.clear()
         self.unobserved.clear()
         self.failed = 0
@@ -210,6 +211,7 @@ class SavedMemory:
         try:
             d = t.detach()  # same storage; t itself would form a cycle that leaks every step
             d.stop_gradient = t.stop_gradient  # PyLayers (reentrant recompute) read it back
+            note_saved(d, t)  # where it came from, for stitching a recompute's backward (nested.py)
             return d
         except Exception:
             return t

@@ -35,7 +35,7 @@ from ..hazards import hook_hazard
 from ..warn import WarnOnce
 from .attribution import LayerAttribution, frame_name
 from .dispatch import DISPATCHER
-from .gradnode import Walk, grad_fn, parameter_names, walk_graph
+from .gradnode import Walk, forget_saved, grad_fn, parameter_names, walk_graph
 from .static import ProgramRuns
 from .nested import place, pylayer_context, stitch
 from .saved import SavedMemory
@@ -218,6 +218,7 @@ class BackwardCapture:
             if self._saved is not None:
                 self._saved.disarm()
                 self._saved.release()
+            forget_saved()  # the step's saved copies are gone with its graph
             return
         try:
             if self._saved is None:
