@@ -400,7 +400,7 @@ def _stop(proc) -> None:
             proc.wait(timeout=10)
 
 
-RED_IN_PANEL = """() => Array.from(document.querySelectorAll('*'))
+RED_IN_PANEL = r"""() => Array.from(document.querySelectorAll('*'))
   .filter(e => getComputedStyle(e).backgroundColor === 'rgb(214, 39, 40)')
   .map(e => e.innerText.split(/\s+/)[0])"""
 
