@@ -157,7 +157,12 @@ class Node:
         grad: for a parameter, the gradient this backward added to
             ``param.grad``: the sum over all its uses, after the user's own
             hooks (None when it was not observed, e.g. graphs saved by older
-            versions).
+            versions). Under multi-process data parallel it is the gradient
+            applied: what the backward changed in ``param.grad`` once the
+            gradients were synchronised across ranks (all-reduce).
+        local_grad: under multi-process data parallel, the gradient this
+            rank's own backward produced for the parameter, before
+            synchronisation (see ``meta["grad_sync"]``); None otherwise.
     """
 
     id: int
@@ -181,11 +186,13 @@ class Node:
     nonfinite: int = 0
     grad: GradMeta | None = None
     saved_bytes: int = 0
+    local_grad: GradMeta | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["shape"] = list(self.shape) if self.shape is not None else None
         d["grad"] = self.grad.to_dict() if self.grad is not None else None
+        d["local_grad"] = self.local_grad.to_dict() if self.local_grad is not None else None
         # Box-only fields are written only when set, so graphs without boxes
         # stay readable by versions that do not know them.
         for k, default in _NODE_BOX_DEFAULTS.items():
@@ -204,11 +211,13 @@ class Node:
             d["norm"] = float_from_json(d["norm"])
         if d.get("grad") is not None:
             d["grad"] = GradMeta.from_dict(d["grad"])
+        if d.get("local_grad") is not None:
+            d["local_grad"] = GradMeta.from_dict(d["local_grad"])
         return cls(**d)
 
 
 _NODE_BOX_DEFAULTS = {"count": 1, "calls": 1, "ops": 0, "unhooked": 0, "params": 0, "norm": None, "nonfinite": 0,
-                      "grad": None, "saved_bytes": 0}
+                      "grad": None, "saved_bytes": 0, "local_grad": None}
 
 
 @dataclass
@@ -309,18 +318,26 @@ class BackwardGraph:
                 counts[n.op] += 1
         return dict(counts)
 
-    def params(self) -> dict[str, GradMeta | None]:
+    def params(self, local: bool = False) -> dict[str, GradMeta | None]:
         """Parameters reached by the gradient, name -> gradient metadata.
 
         The metadata is that of the gradient the backward added to
         ``param.grad`` (``Node.grad``). Only for graphs without it (saved by
         older versions) is it combined from the incoming edges, which is
         exact for a parameter used once.
+
+        Args:
+            local: under data parallel, this rank's own gradients before
+                synchronisation (``Node.local_grad``) instead of the applied
+                ones; the same as the default where no local one was recorded.
         """
         inn = self.in_edges()
         found: dict[str, GradMeta | None] = {}
         for n in self.nodes:
             if n.kind == "param" and n.param is not None:
+                if local and n.local_grad is not None:
+                    found[n.param] = n.local_grad
+                    continue
                 if n.grad is not None:
                     found[n.param] = n.grad
                     continue
@@ -415,25 +432,30 @@ class BackwardGraph:
                 count += n.grad.nonfinite
         return count
 
-    def global_grad_norm(self) -> float | None:
-        """L2 norm over all parameter gradients (None without statistics)."""
-        norms = [m.norm for m in self.params().values() if m is not None and m.norm is not None]
+    def global_grad_norm(self, local: bool = False) -> float | None:
+        """L2 norm over all parameter gradients (None without statistics).
+
+        Args:
+            local: of this rank's gradients before synchronisation (see :meth:`params`).
+        """
+        norms = [m.norm for m in self.params(local).values() if m is not None and m.norm is not None]
         if not norms:
             return None
         return math.sqrt(sum(v * v for v in norms))
 
-    def layer_grad_norms(self, depth: int = 1) -> dict[str, float]:
+    def layer_grad_norms(self, depth: int = 1, local: bool = False) -> dict[str, float]:
         """L2 norm of the parameter gradients grouped by layer path prefix.
 
         Args:
             depth: how many leading path components name the group
                 (1: top-level layers such as ``"encoder"``).
+            local: of this rank's gradients before synchronisation (see :meth:`params`).
 
         Returns:
             group -> norm; parameters of the top layer itself go to ``"(self)"``.
         """
         sq: dict[str, float] = defaultdict(float)
-        for name, m in self.params().items():
+        for name, m in self.params(local).items():
             if m is None or m.norm is None:
                 continue
             parts = name.split(".")[:-1]

@@ -27,6 +27,7 @@ __all__ = [
     "TOP_LAYER",
     "backward_role",
     "box_lines",
+    "grad_sync_line",
     "call_name",
     "capture_title",
     "collapse_note",
@@ -407,6 +408,9 @@ def node_tooltip(node: Node) -> str:
         tip.append(f"saved for backward: {fmt_bytes(node.saved_bytes)}")
     if node.kind == "layer" and node.unhooked:
         tip.append(f"no gradient data at {node.unhooked} of {plural(node.ops, 'op')}")
+    if node.local_grad is not None and node.grad is not None:
+        tip.append(f"grad norm after all-reduce {fmt_num(node.grad.norm)}, "
+                   f"this rank's local {fmt_num(node.local_grad.norm)}")
     return " | ".join(tip)
 
 
@@ -469,6 +473,28 @@ def _unobserved_ops(graph: BackwardGraph) -> list[Node]:
         e.grad is None or (stats and e.grad.norm is None) for e in out.get(n.id, []))]
 
 
+def grad_sync_line(graph: BackwardGraph) -> str:
+    """Which gradient the norms of a multi-process capture are (``meta["grad_sync"]``); "" otherwise.
+
+    Example:
+        >>> g = BackwardGraph([Node(0, "param", "GradNodeAccumulation", param="w",
+        ...                         grad=GradMeta(norm=0.96), local_grad=GradMeta(norm=1.72))],
+        ...                   meta={"grad_sync": {"rank": 0, "world_size": 2, "params": 1, "changed": 1}})
+        >>> grad_sync_line(g)
+        "grad norms are param.grad after all-reduce over 2 ranks; rank 0's own (local) gradients: global norm 1.72;"
+    """
+    sync = graph.meta.get("grad_sync")
+    if not isinstance(sync, dict):
+        return ""
+    rank, world = sync.get("rank"), sync.get("world_size")
+    if not sync.get("changed"):
+        return (f"rank {rank} of {world}: param.grad was not synchronised in this backward "
+                "(e.g. no_sync()): applied and local gradients are the same;")
+    local = graph.global_grad_norm(local=True)
+    return (f"grad norms are param.grad after all-reduce over {world} ranks; rank {rank}'s own (local) "
+            f"gradients: global norm {fmt_num(local, 4)};")
+
+
 def graph_summary(graph: BackwardGraph, top: int = 5, previous: BackwardGraph | None = None) -> str:
     """A compact multi-line summary of one capture (one fact per line).
 
@@ -512,6 +538,9 @@ def graph_summary(graph: BackwardGraph, top: int = 5, previous: BackwardGraph | 
         lines.append(f"global grad norm {gn:.4g}" + (" (this backward);" if acc_differs else ";"))
     if acc_differs:
         lines.append(f"accumulated param.grad norm {fmt_num(acc, 4)} (what the optimizer applies);")
+    sync_line = grad_sync_line(graph)
+    if sync_line:
+        lines.append(sync_line)
     norms = graph.layer_grad_norms()
     if norms:
         biggest = sorted(norms.items(), key=lambda kv: -_sort_val(kv[1]))[:top]

@@ -1,0 +1,165 @@
+"""Both gradients under 2-process data parallel, recorded in a hand-written loop.
+
+One ``paddle.distributed.launch`` job (2 CPU ranks, gloo) trains a small MLP
+wrapped in ``paddle.DataParallel`` for 3 steps, each rank on its own data,
+four times from the same initial weights:
+
+* ``plain``: no capture (the reference losses and weights);
+* ``local``: before each step, a backward under ``no_sync()`` gives this
+  rank's own (local) gradient norms, then the step runs as in ``plain``;
+* ``synced``: a ``BackwardGraphRecorder`` captures every step;
+* ``nosync``: captured, every backward under ``no_sync()``.
+
+Each rank writes ``result_rank<k>.json``: its losses and weights (bytes),
+the float64 norms of ``param.grad`` after each backward, and its run folder.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from _distkit import launch
+from paddleviz_hooks import BackwardGraph
+
+PARAMS = ["0.bias", "0.weight", "2.bias", "2.weight"]
+STEPS = 3
+
+WORKER = '''
+import argparse, json, os
+import numpy as np
+import paddle
+import paddle.distributed as dist
+from paddleviz_hooks import BackwardGraphRecorder
+
+STEPS = 3
+
+
+def net():
+    paddle.seed(0)
+    return paddle.nn.Sequential(paddle.nn.Linear(6, 8), paddle.nn.Tanh(), paddle.nn.Linear(8, 3))
+
+
+def batches(rank):
+    rng = np.random.default_rng(10 + rank)  # each rank its own data: local gradients differ
+    return [(paddle.to_tensor(rng.standard_normal((2, 6)).astype("float32")),
+             paddle.to_tensor(rng.integers(0, 3, (2, 1)).astype("int64"))) for _ in range(STEPS)]
+
+
+def norms(model):
+    return {n[len("_layers."):]: float(np.linalg.norm(p.grad.numpy().astype("float64")))
+            for n, p in model.named_parameters()}
+
+
+def train(data, out=None, local_first=False, sync=True):
+    model = paddle.DataParallel(net())
+    rec = None if out is None else BackwardGraphRecorder(
+        out, model, every=1, ranks="all", formats=["json"], visualdl=False, verbose=0)
+    opt = paddle.optimizer.SGD(learning_rate=0.1, parameters=model.parameters())
+    losses, applied, local = [], [], []
+    for step, (x, y) in enumerate(data, start=1):
+        if local_first:  # this rank's own gradient: a backward under no_sync()
+            with model.no_sync():
+                paddle.nn.functional.cross_entropy(model(x), y).backward()
+            local.append(norms(model))
+            opt.clear_grad()
+        ctx = rec.step(step) if rec is not None else None
+        if ctx is not None:
+            ctx.__enter__()
+        if sync:
+            loss = paddle.nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+        else:
+            with model.no_sync():
+                loss = paddle.nn.functional.cross_entropy(model(x), y)
+                loss.backward()
+        if ctx is not None:
+            ctx.__exit__(None, None, None)
+        losses.append(loss.numpy().tobytes().hex())
+        applied.append(norms(model))
+        opt.step()
+        opt.clear_grad()
+    if rec is not None:
+        rec.close()
+    weights = {n: p.numpy().tobytes().hex() for n, p in model.named_parameters()}
+    return {"losses": losses, "applied": applied, "local": local, "weights": weights,
+            "run_dir": rec.run_dir if rec is not None else None}
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    a = p.parse_args()
+    dist.init_parallel_env()
+    rank = dist.get_rank()
+    data = batches(rank)
+    res = {"rank": rank, "plain": train(data), "local": train(data, local_first=True)}
+    for case, sync in (("synced", True), ("nosync", False)):
+        res[case] = train(data, os.path.join(a.out, case), sync=sync)
+    with open(os.path.join(a.out, f"result_rank{rank}.json"), "w") as f:
+        json.dump(res, f)
+    print("worker done", rank, flush=True)
+'''
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    work = tmp_path_factory.mktemp("dist_grads")
+    out = work / "out"
+    rc, seconds, report = launch(work, WORKER, "--out", str(out), timeout=240)
+    assert rc == 0, report
+    print(f"2-process launch: {seconds:.1f} s")
+    return {r: json.loads((out / f"result_rank{r}.json").read_text()) for r in (0, 1)}
+
+
+def graphs(res: dict, case: str) -> list[BackwardGraph]:
+    d = Path(res[case]["run_dir"])
+    return [BackwardGraph.from_json((d / f"step_{s:06d}.json").read_text()) for s in range(1, STEPS + 1)]
+
+
+def rel_err(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-30)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_capture_changes_nothing(results, rank):
+    res = results[rank]
+    assert res["synced"]["losses"] == res["plain"]["losses"]
+    assert res["synced"]["weights"] == res["plain"]["weights"]
+    assert res["local"]["weights"] == res["plain"]["weights"]  # the no_sync reference trained the same
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_applied_is_param_grad_and_local_is_the_ranks_own(results, rank):
+    res = results[rank]
+    assert Path(res["synced"]["run_dir"]).name == ("rank_1" if rank else "backward_graph")
+    for step, g in enumerate(graphs(res, "synced")):
+        assert g.meta["grad_sync"] == {"rank": rank, "world_size": 2, "params": 4, "changed": 4}
+        applied, local = g.params(), g.params(local=True)
+        assert sorted(applied) == sorted(local) == PARAMS
+        for name in PARAMS:
+            want_applied = res["synced"]["applied"][step][name]  # float64 norm of param.grad
+            want_local = res["local"]["local"][step][name]  # the same rank's backward under no_sync()
+            assert rel_err(applied[name].norm, want_applied) < 1e-5, (step, name)
+            assert rel_err(local[name].norm, want_local) < 1e-5, (step, name)
+            assert rel_err(applied[name].norm, want_local) > 1e-3, (step, name)  # really two numbers
+        assert g.global_grad_norm() != pytest.approx(g.global_grad_norm(local=True), rel=1e-3)
+        assert BackwardGraph.from_json(g.to_json()) == g
+
+
+def test_applied_is_the_same_on_both_ranks(results):
+    for a, b in zip(graphs(results[0], "synced"), graphs(results[1], "synced")):
+        assert a.global_grad_norm() == pytest.approx(b.global_grad_norm(), rel=1e-6)
+        assert a.global_grad_norm(local=True) != pytest.approx(b.global_grad_norm(local=True), rel=1e-3)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_no_sync_records_that_applied_is_local(results, rank):
+    res = results[rank]
+    for step, g in enumerate(graphs(res, "nosync")):
+        assert g.meta["grad_sync"] == {"rank": rank, "world_size": 2, "params": 4, "changed": 0}
+        for name, m in g.params().items():
+            assert m == g.params(local=True)[name]
+            assert rel_err(m.norm, res["nosync"]["applied"][step][name]) < 1e-5
