@@ -337,9 +337,14 @@ def node_lines(node: Node) -> list[str]:
     Example:
         >>> node_lines(Node(3, "op", "ReluGradNode", "Relu", saved_bytes=2048))
         ['Relu', 'saved 2.05 kB']
+        >>> node_lines(Node(4, "param", "GradNodeAccumulation", param="fc.weight", shape=(8, 3),
+        ...                 grad=GradMeta(norm=0.96), local_grad=GradMeta(norm=1.72)))  # data parallel
+        ['fc.weight', '[8, 3]', 'all-reduced |g| 0.96']
     """
     if node.kind == "param":
-        return [node.param or "parameter", fmt_shape(node.shape)]
+        synced = node.local_grad is not None and node.grad is not None and node.grad != node.local_grad
+        return [node.param or "parameter", fmt_shape(node.shape)] + (
+            [f"all-reduced |g| {fmt_num(node.grad.norm)}"] if synced and node.grad.norm is not None else [])
     if node.kind == "root":
         return [node.name, fmt_shape(node.shape)]
     if node.kind == "input":

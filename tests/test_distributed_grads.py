@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 
 from _distkit import launch
-from paddleviz_hooks import BackwardGraph
+from paddleviz_hooks import BackwardGraph, summarize
+from paddleviz_hooks.render import to_dot
 
 PARAMS = ["0.bias", "0.weight", "2.bias", "2.weight"]
 STEPS = 3
@@ -163,3 +164,18 @@ def test_no_sync_records_that_applied_is_local(results, rank):
         for name, m in g.params().items():
             assert m == g.params(local=True)[name]
             assert rel_err(m.norm, res["nosync"]["applied"][step][name]) < 1e-5
+
+
+def test_drawing_and_summary_say_which_gradient(results):
+    g = graphs(results[0], "synced")[0]
+    applied, local = g.params(), g.params(local=True)
+    dot = to_dot(g)
+    for name in PARAMS:  # the parameter box: after all-reduce; the edge into it: what flowed, local
+        assert f"all-reduced |g| {applied[name].norm:.3g}" in dot, name
+        assert f"|g| {local[name].norm:.3g}" in dot, name
+    text = summarize(g)
+    assert f"global grad norm {g.global_grad_norm():.4g};" in text
+    assert "after all-reduce over 2 ranks; rank 0's own (local) gradients: global norm" in text
+    quiet = summarize(graphs(results[0], "nosync")[0])
+    assert "all-reduce" not in quiet and "not synchronised" in quiet
+    assert "all-reduced" not in to_dot(graphs(results[0], "nosync")[0])
