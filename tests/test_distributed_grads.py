@@ -8,7 +8,9 @@ four times from the same initial weights:
 * ``local``: before each step, a backward under ``no_sync()`` gives this
   rank's own (local) gradient norms, then the step runs as in ``plain``;
 * ``synced``: a ``BackwardGraphRecorder`` captures every step;
-* ``nosync``: captured, every backward under ``no_sync()``.
+* ``nosync``: captured, every backward under ``no_sync()``;
+* ``trigger``: only ``on_nonfinite`` captures; rank 1 alone gets a NaN input
+  at step 2.
 
 Each rank writes ``result_rank<k>.json``: its losses and weights (bytes),
 the float64 norms of ``param.grad`` after each backward, and its run folder.
@@ -17,6 +19,7 @@ the float64 norms of ``param.grad`` after each backward, and its run folder.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -89,6 +92,26 @@ def train(data, out=None, local_first=False, sync=True):
             "run_dir": rec.run_dir if rec is not None else None}
 
 
+def nan_on_rank1(out, rank):
+    """Step 2 of rank 1 gets a NaN input; only the triggers may capture."""
+    model = paddle.DataParallel(net())
+    opt = paddle.optimizer.SGD(learning_rate=0.1, parameters=model.parameters())
+    rec = BackwardGraphRecorder(out, model, every=1000, capture_first=False, ranks="all", on_nonfinite=True,
+                                formats=["json"], visualdl=False, verbose=0)
+    for step, (x, y) in enumerate(batches(rank) + batches(rank)[:1], start=1):
+        if step == 2 and rank == 1:
+            x = x.numpy()
+            x[0, 0] = np.nan
+            x = paddle.to_tensor(x)
+        with rec.step(step):
+            paddle.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.clear_grad()
+    rec.close()
+    return {"captured": rec.captured_steps, "triggers": {str(k): v for k, v in rec.triggers.items()},
+            "run_dir": rec.run_dir}
+
+
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -99,6 +122,7 @@ if __name__ == "__main__":
     res = {"rank": rank, "plain": train(data), "local": train(data, local_first=True)}
     for case, sync in (("synced", True), ("nosync", False)):
         res[case] = train(data, os.path.join(a.out, case), sync=sync)
+    res["trigger"] = nan_on_rank1(os.path.join(a.out, "trigger"), rank)
     with open(os.path.join(a.out, f"result_rank{rank}.json"), "w") as f:
         json.dump(res, f)
     print("worker done", rank, flush=True)
@@ -179,3 +203,15 @@ def test_drawing_and_summary_say_which_gradient(results):
     quiet = summarize(graphs(results[0], "nosync")[0])
     assert "all-reduce" not in quiet and "not synchronised" in quiet
     assert "all-reduced" not in to_dot(graphs(results[0], "nosync")[0])
+
+
+def test_a_trigger_on_one_rank_captures_on_that_rank(results):
+    """Rank 1's NaN loss captures its own step 2; rank 0's loss is finite, so it
+    captures nothing there, but the all-reduce hands it NaN gradients: it
+    captures the next step (no replay under data parallel). Nothing hangs."""
+    r0, r1 = results[0]["trigger"], results[1]["trigger"]
+    assert (r1["captured"], r1["triggers"]) == ([2], {"2": "nonfinite_loss"})
+    assert (r0["captured"], r0["triggers"]) == ([3], {"3": "nonfinite_grad"})
+    assert Path(r1["run_dir"]).name == "rank_1" and Path(r0["run_dir"]).name == "backward_graph"
+    g = BackwardGraph.from_json((Path(r1["run_dir"]) / "step_000002.json").read_text())
+    assert math.isnan(g.meta["loss"]) and g.meta["grad_sync"]["rank"] == 1
