@@ -26,6 +26,7 @@ __all__ = [
     "Node",
     "float_from_json",
     "float_to_json",
+    "is_communication",
     "merge_grad_metas",
     "op_display_name",
     "parse_json",
@@ -51,8 +52,12 @@ def op_display_name(grad_node_name: str) -> str:
         'CrossEntropyWithSoftmax'
         >>> op_display_name("GradNodePyLayer__Twice")
         'PyLayer:Twice'
+        >>> op_display_name("GradNodePyLayer_mp_allreduce_eager")  # tensor parallel
+        'PyLayer:mp_allreduce'
     """
     name = grad_node_name
+    if name.startswith("GradNodePyLayer_") and name.endswith("_eager"):  # fleet's communication PyLayers
+        return "PyLayer:" + name[len("GradNodePyLayer_"):-len("_eager")]
     if name.startswith("GradNodePyLayer_"):
         inner = name[len("GradNodePyLayer_"):]
         head = inner.split("_")[0] or inner.strip("_")  # a class named _Twice keeps its name
@@ -65,6 +70,24 @@ def op_display_name(grad_node_name: str) -> str:
     return name
 
 
+#: Readable op names of grad nodes that communicate between ranks: auto-parallel's
+#: explicit reshard, fleet tensor parallel's PyLayers, sequence parallel's PyLayers.
+COMMUNICATION_OPS = frozenset({
+    "Reshard", "PyLayer:c_identity", "PyLayer:c_split", "PyLayer:mp_allreduce",
+    "PyLayer:ScatterOp", "PyLayer:GatherOp", "PyLayer:AllGatherOp", "PyLayer:ReduceScatterOp",
+})
+
+
+def is_communication(op: str) -> bool:
+    """Whether a readable op name is a grad node that communicates between ranks.
+
+    Example:
+        >>> is_communication(op_display_name("ReshardGradNode")), is_communication("Matmul")
+        (True, False)
+    """
+    return op in COMMUNICATION_OPS
+
+
 @dataclass
 class GradMeta:
     """What is known of one gradient tensor flowing along an edge.
@@ -72,6 +95,12 @@ class GradMeta:
     ``norm``, ``min`` and ``max`` are None when gradient statistics were off
     or the gradient was not a floating point tensor; ``nan``/``inf`` count
     non-finite elements (only counted when the norm is not finite).
+
+    A distributed tensor (auto-parallel) keeps its global ``shape``, this
+    rank's shard shape in ``local_shape`` and its ``placements`` per mesh
+    dimension (``"Shard(dim=1)"``, ``"Replicate()"``, ``"Partial(...)"``);
+    its statistics are those of this rank's shard (reading the whole tensor
+    would need communication). Both are None for an ordinary tensor.
     """
 
     shape: tuple[int, ...] | None = None
@@ -81,6 +110,8 @@ class GradMeta:
     max: float | None = None
     nan: int = 0
     inf: int = 0
+    local_shape: tuple[int, ...] | None = None
+    placements: tuple[str, ...] | None = None
 
     @property
     def nonfinite(self) -> int:
@@ -99,6 +130,11 @@ class GradMeta:
         d["shape"] = list(self.shape) if self.shape is not None else None
         for k in ("norm", "min", "max"):
             d[k] = float_to_json(d[k])
+        for k in ("local_shape", "placements"):  # written only for distributed tensors
+            if d[k] is None:
+                del d[k]
+            else:
+                d[k] = list(d[k])
         return d
 
     @classmethod
@@ -111,6 +147,8 @@ class GradMeta:
             max=float_from_json(d.get("max")),
             nan=int(d.get("nan", 0)),
             inf=int(d.get("inf", 0)),
+            local_shape=tuple(d["local_shape"]) if d.get("local_shape") is not None else None,
+            placements=tuple(d["placements"]) if d.get("placements") is not None else None,
         )
 
 
@@ -690,6 +728,8 @@ def merge_grad_metas(metas: Iterable[GradMeta]) -> GradMeta | None:
     return GradMeta(
         shape=first.shape,
         dtype=first.dtype,
+        local_shape=first.local_shape,
+        placements=first.placements,
         # Norm of the sum is not known from the parts; the root-sum-square is
         # exact for orthogonal contributions and a fair summary otherwise.
         norm=None if None in norms else math.sqrt(sum(v * v for v in norms)),

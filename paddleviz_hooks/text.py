@@ -17,10 +17,11 @@ import os
 from typing import Any, Iterable
 
 from .diff import GraphDiff
-from .graph import BackwardGraph, GradMeta, Node
+from .graph import BackwardGraph, GradMeta, Node, is_communication
 from .hazards import PROGRAM_OP_NOTE
 
 __all__ = [
+    "COMMUNICATION_LEGEND",
     "NOT_OBSERVED",
     "MODEL_OUTPUT",
     "OUTSIDE_MODEL",
@@ -28,6 +29,7 @@ __all__ = [
     "backward_role",
     "box_lines",
     "grad_sync_line",
+    "shard_line",
     "call_name",
     "capture_title",
     "collapse_note",
@@ -60,6 +62,8 @@ OUTSIDE_MODEL = "outside the model"
 MODEL_OUTPUT = "model output"
 #: A gradient that flowed but could not be seen (its producer takes no hook).
 NOT_OBSERVED = "not observed"
+#: Legend row and label line of a grad node that communicates between ranks.
+COMMUNICATION_LEGEND = "communication between ranks"
 
 _LIST_LIMIT = 4  # names listed per summary line before "and N more"
 _DTYPE_SHORT = {
@@ -323,12 +327,25 @@ def edge_lines(meta: GradMeta | None, stats: bool, observed: bool = True) -> lis
     lines = [f"{fmt_shape(meta.shape)} {_DTYPE_SHORT.get(meta.dtype or '', meta.dtype or '')}".strip()]
     if not observed:
         return lines + [NOT_OBSERVED]
+    if meta.local_shape is not None:  # auto-parallel: this rank's shard
+        lines.append(shard_line(meta))
     if stats and meta.norm is not None:
-        extra = f"|g| {fmt_num(meta.norm)}"
+        part = meta.local_shape is not None and meta.local_shape != meta.shape  # of this rank's part only
+        extra = f"|g| {fmt_num(meta.norm)}" + (" (shard)" if part else "")
         if meta.nonfinite:
             extra += f" NaN:{meta.nan} Inf:{meta.inf}"
         lines.append(extra)
     return lines
+
+
+def shard_line(meta: GradMeta) -> str:
+    """This rank's shard of a distributed gradient: local shape and placements.
+
+    Example:
+        >>> shard_line(GradMeta((8, 16), "float32", local_shape=(8, 8), placements=("Shard(dim=1)",)))
+        'shard [8, 8] Shard(dim=1)'
+    """
+    return f"shard {fmt_shape(meta.local_shape)} {', '.join(meta.placements or ())}".strip()
 
 
 def node_lines(node: Node) -> list[str]:
@@ -343,7 +360,8 @@ def node_lines(node: Node) -> list[str]:
     """
     if node.kind == "param":
         synced = node.local_grad is not None and node.grad is not None and node.grad != node.local_grad
-        return [node.param or "parameter", fmt_shape(node.shape)] + (
+        shard = [shard_line(node.grad)] if node.grad is not None and node.grad.local_shape is not None else []
+        return [node.param or "parameter", fmt_shape(node.shape)] + shard + (
             [f"all-reduced |g| {fmt_num(node.grad.norm)}"] if synced and node.grad.norm is not None else [])
     if node.kind == "root":
         return [node.name, fmt_shape(node.shape)]
@@ -351,7 +369,8 @@ def node_lines(node: Node) -> list[str]:
         return ["input"]
     if node.kind == "layer":
         return box_lines(node)
-    return [node.op] + ([f"saved {fmt_bytes(node.saved_bytes)}"] if node.saved_bytes else [])
+    return [node.op] + ([COMMUNICATION_LEGEND] if is_communication(node.op) else []) + (
+        [f"saved {fmt_bytes(node.saved_bytes)}"] if node.saved_bytes else [])
 
 
 def call_of(call: int, calls: int) -> str:

@@ -572,7 +572,9 @@ class BackwardCapture:
             single process or when reading failed (one warning).
         """
         ag = s.totals.applied
-        if ag is None:
+        if ag is None or not ag.params:  # one process, or only distributed tensors (not read)
+            if ag is not None:
+                ag.clear()
             return None
         try:
             s.totals.applied_metas, changed = ag.read(self.grad_stats)

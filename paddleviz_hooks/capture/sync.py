@@ -39,11 +39,6 @@ def data_parallel_world() -> tuple[int, int] | None:
         return None
 
 
-def _dense(t: Any) -> bool:
-    is_dist = getattr(t, "is_dist", None)
-    return not (callable(is_dist) and is_dist())
-
-
 class AppliedGrads:
     """Per parameter of one backward: ``param.grad`` before it, its local gradient, then the applied one.
 
@@ -70,7 +65,7 @@ class AppliedGrads:
 
     def note(self, ptr: int, param: Any, local_total: Any) -> None:
         """Called from a parameter's leaf hook with this backward's local total so far."""
-        if not _dense(local_total):
+        if stats.is_dist(local_total):
             return
         if ptr not in self.before:
             g = param.grad
