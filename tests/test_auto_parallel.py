@@ -128,6 +128,11 @@ def test_reshard_is_drawn_as_communication(rank0):
     assert graph.count_ops().get("Reshard") == 1
     reshard = next(n for n in graph.nodes if n.op == "Reshard")
     assert reshard.name == "ReshardGradNode" and reshard.layer == ""
+    # its post-hook never fires: not hooked, so it does not claim gradient data it never saw
+    assert not reshard.hooked and reshard.note == "reshard (communication): post-hooks never fire"
+    out = [e for e in graph.edges if e.src == reshard.id]
+    assert len(out) == 1 and out[0].grad is not None  # recovered: Relu received exactly that gradient
+    assert (out[0].grad.shape, out[0].grad.local_shape, out[0].grad.placements) == ((4, 16), (4, 8), ("Shard(dim=1)",))
     dot = to_dot(graph)
     stmt = next(line for line in dot.splitlines() if line.strip().startswith(f"n{reshard.id} ["))
     assert "communication between ranks" in stmt and "#ffe0b2" in stmt, stmt
