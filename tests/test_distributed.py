@@ -72,7 +72,7 @@ WORKER = textwrap.dedent(
             return len(self.y)
 
 
-    def fit(out, ranks, wrap):
+    def fit(out, ranks, wrap, record=True):
         paddle.seed(0)
         net = Net()
         if wrap:
@@ -87,8 +87,9 @@ WORKER = textwrap.dedent(
                       paddle.nn.CrossEntropyLoss())
         kwargs = {} if ranks is None else {"ranks": ranks}
         cb = BackwardGraphCallback(out, every=2, verbose=0, **kwargs)
-        model.fit(Data(64), epochs=1, batch_size=8, callbacks=[cb], verbose=0, shuffle=False)
+        model.fit(Data(64), epochs=1, batch_size=8, callbacks=[cb] if record else [], verbose=0, shuffle=False)
         rank = dist.get_rank()
+        os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, f"result_rank{rank}.json"), "w") as f:
             json.dump({
                 "rank": rank,
@@ -98,6 +99,7 @@ WORKER = textwrap.dedent(
                 "run_dir": cb.run_dir,
                 "network_type": type(model.network).__name__,
                 "param_names": [n for n, _ in model.network.named_parameters()],
+                "weights": {n: p.numpy().tobytes().hex() for n, p in model.network.named_parameters()},
             }, f)
 
 
@@ -109,6 +111,7 @@ WORKER = textwrap.dedent(
         fit(os.path.join(a.out, "default"), None, wrap=False)
         fit(os.path.join(a.out, "all"), "all", wrap=False)
         fit(os.path.join(a.out, "all_dp"), "all", wrap=True)
+        fit(os.path.join(a.out, "plain"), "all", wrap=False, record=False)
         print("worker done", dist.get_rank(), flush=True)
     """
 )
@@ -203,6 +206,13 @@ def test_dataparallel_prefix_is_stripped(launched):
                 assert any(n.get("layer") == "conv" for n in graph["nodes"]), "no op attributed to conv"
 
 
+def test_fit_weights_are_bit_identical_with_and_without_capture(launched):
+    out, _ = launched
+    captured, plain = results(out, "all"), results(out, "plain")
+    for rank in (0, 1):
+        assert captured[rank]["weights"] == plain[rank]["weights"], rank
+
+
 def test_fit_records_applied_and_local_gradients(launched):
     """Model.fit under 2 ranks: parameter norms are those after all-reduce, the same on
     both ranks; each rank's local norms (its own data shard) are kept beside them."""
@@ -226,6 +236,16 @@ def test_fit_records_applied_and_local_gradients(launched):
         fc_weight = next(n for n in g[0].nodes if n.param == "fc.weight")
         into = [e.grad.norm for e in g[0].edges if e.dst == fc_weight.id]
         assert into == [local[0]["fc.weight"].norm]
+    # each rank's VisualDL run has both series
+    from visualdl import LogReader
+
+    for r, d in ((0, run_dir), (1, run_dir / "rank_1")):
+        reader = LogReader(file_path=str(next(d.glob("vdlrecords*"))))
+        for tag, local in (("~backward_graph/global_grad_norm", False), ("~backward_graph/local_grad_norm", True)):
+            got = {rec.id: rec.value for rec in reader.get_data("scalar", tag)}
+            want = {s: BackwardGraph.from_dict(graphs[r][s]).global_grad_norm(local=local) for s in EXPECTED_STEPS}
+            assert got.keys() == want.keys(), (r, tag, got)
+            assert all(got[s] == pytest.approx(want[s], rel=1e-5) for s in want), (r, tag, got, want)
 
 
 def test_dashboard_shows_each_rank_as_a_run(launched, tmp_path):
