@@ -29,6 +29,7 @@ __all__ = [
     "backward_role",
     "box_lines",
     "grad_sync_line",
+    "rank_comparison_lines",
     "shard_line",
     "call_name",
     "capture_title",
@@ -517,6 +518,44 @@ def grad_sync_line(graph: BackwardGraph) -> str:
     local = graph.global_grad_norm(local=True)
     return (f"grad norms are param.grad after all-reduce over {world} ranks; rank {rank}'s own (local) "
             f"gradients: global norm {fmt_num(local, 4)};")
+
+
+def rank_comparison_lines(graph: BackwardGraph, base: BackwardGraph, diff: GraphDiff,
+                          rank: Any, base_rank: Any = 0) -> list[str]:
+    """How one rank's capture of a step compares with another rank's (the report's per-rank view).
+
+    Under data parallel every rank runs the same graph, so a structural
+    difference is worth a warning; gradient norms differ by data.
+
+    Args:
+        graph: this rank's capture.
+        base: the other rank's capture of the same step.
+        diff: ``diff_graphs(base, graph)``.
+        rank / base_rank: the two ranks.
+
+    Returns:
+        Lines, the structural one first.
+
+    Example:
+        >>> from paddleviz_hooks.diff import diff_graphs
+        >>> g = BackwardGraph([Node(0, "root", "loss", "loss")])
+        >>> g.assign_keys()
+        >>> rank_comparison_lines(g, g, diff_graphs(g, g), 1)
+        ['same graph structure as rank 0']
+    """
+    if diff.structure_changed:
+        lines = [f"graph structure differs from rank {base_rank}: {len(diff.added_nodes)} nodes only here, "
+                 f"{len(diff.removed_nodes)} only on rank {base_rank} (under data parallel every rank "
+                 "should run the same graph)"]
+    else:
+        lines = [f"same graph structure as rank {base_rank}"]
+    here, there = graph.global_grad_norm(), base.global_grad_norm()
+    if here is not None and there is not None:
+        lines.append(f"global grad norm {fmt_num(here, 4)} here, {fmt_num(there, 4)} on rank {base_rank}")
+    if isinstance(graph.meta.get("grad_sync"), dict) and isinstance(base.meta.get("grad_sync"), dict):
+        lines.append(f"before all-reduce (each rank's own data): {fmt_num(graph.global_grad_norm(local=True), 4)} "
+                     f"here, {fmt_num(base.global_grad_norm(local=True), 4)} on rank {base_rank}")
+    return lines
 
 
 def graph_summary(graph: BackwardGraph, top: int = 5, previous: BackwardGraph | None = None) -> str:

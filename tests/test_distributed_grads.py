@@ -215,3 +215,79 @@ def test_a_trigger_on_one_rank_captures_on_that_rank(results):
     assert Path(r1["run_dir"]).name == "rank_1" and Path(r0["run_dir"]).name == "backward_graph"
     g = BackwardGraph.from_json((Path(r1["run_dir"]) / "step_000002.json").read_text())
     assert math.isnan(g.meta["loss"]) and g.meta["grad_sync"]["rank"] == 1
+
+
+CHROMIUM = "/usr/bin/chromium"
+
+
+def _drop_last_node(path: Path) -> None:
+    """A rank whose graph lost a node: what a structural difference between ranks looks like."""
+    d = json.loads(path.read_text())
+    last = len(d["nodes"]) - 1
+    d["nodes"] = d["nodes"][:-1]
+    d["edges"] = [e for e in d["edges"] if last not in (e["src"], e["dst"])]
+    path.write_text(json.dumps(d))
+
+
+@pytest.fixture(scope="module")
+def rank_report(results, tmp_path_factory):
+    import shutil
+
+    from paddleviz_hooks.sinks.report import build_report
+
+    log = tmp_path_factory.mktemp("rank_report") / "backward_graph"
+    shutil.copytree(results[0]["synced"]["run_dir"], log)
+    _drop_last_node(log / "rank_1" / "step_000002.json")
+    html = Path(build_report(log, log.parent / "report.html"))
+    return html, [graphs(results[r], "synced") for r in (0, 1)]
+
+
+def test_report_compares_each_rank_with_rank_0(rank_report):
+    html, (g0, g1) = rank_report
+    text = html.read_text()
+    for step in (1, 3):
+        a, b = g0[step - 1], g1[step - 1]
+        assert (f"Compared with rank 0 at step {step}</h3><ul class=\"facts ranks\"><li>same graph structure as rank 0"
+                f"</li><li>global grad norm {b.global_grad_norm():.4g} here, {a.global_grad_norm():.4g} on rank 0</li>"
+                f"<li>before all-reduce (each rank&#x27;s own data): {b.global_grad_norm(local=True):.4g} here, "
+                f"{a.global_grad_norm(local=True):.4g} on rank 0</li>") in text
+    assert ('<h3 class="bad ranks">Compared with rank 0 at step 2</h3><ul class="facts ranks"><li>graph structure '
+            'differs from rank 0: 0 nodes only here, 1 only on rank 0') in text
+    assert text.count("Compared with rank 0") == 3  # rank 0's own panels compare with nothing
+
+
+@pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="needs Debian's Chromium at /usr/bin/chromium")
+def test_rank_report_in_chromium(rank_report, tmp_path):
+    import shutil
+
+    from playwright.sync_api import sync_playwright
+
+    html, _ = rank_report
+    errors = []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=[
+            "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+            "--disable-background-networking", "--disable-component-update", "--disable-sync"])
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 900})
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(html.as_uri())
+            page.wait_for_selector("#stage svg")
+            options = page.locator("#run-select option").all_inner_texts()
+            assert options == ["backward_graph (3 steps)", "rank_1 (3 steps)"], options
+            page.select_option("#run-select", "1")
+            slider = page.locator("#step-slider")
+            slider.focus()
+            page.keyboard.press("ArrowRight")  # step 2: the structural difference
+            panel = page.locator("#panel-1-1")
+            assert panel.is_visible()
+            assert panel.locator("h3.bad.ranks").inner_text() == "Compared with rank 0 at step 2"
+            assert "graph structure differs from rank 0" in panel.locator("ul.ranks").inner_text()
+            shot = tmp_path / "report_ranks.png"
+            page.screenshot(path=str(shot), full_page=True)
+            out = Path(__file__).resolve().parents[1] / "test-output"
+            out.mkdir(exist_ok=True)
+            shutil.copy(shot, out / "report_ranks.png")
+        finally:
+            browser.close()
+    assert errors == []
