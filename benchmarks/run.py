@@ -27,6 +27,9 @@ Rows (medians over repeats, every ratio taken from numbers of this same run):
   extra, playwright or /usr/bin/chromium).
 * training thread: forward+backward inside ``capture_backward`` divided by the
   plain forward+backward, with and without ``grad_stats``.
+* dp2: under 2-process data parallel (``paddle.distributed.launch``, gloo on
+  CPU), rank 0's uncaptured and captured steps with
+  ``BackwardGraphRecorder(every=10, ranks="all")`` divided by plain steps.
 * saved memory: a captured step with ``saved_memory=True`` divided by a
   captured step without it (both ``grad_stats=True``), encoder and resnet50,
   with the bytes held for backward next to the allocator's growth over the
@@ -856,6 +859,98 @@ def callback_rows(table: Table, quick: bool) -> None:
             table.add("callback", f"RSS at step {last} / step 100, every=10", "n/a", "RSS not recorded")
 
 
+def dp_child(out: str, quick: bool) -> None:
+    """One rank of the 2-process data-parallel rows (started by ``dp_rows`` through the launcher)."""
+    import paddle.distributed as dist
+
+    from paddleviz_hooks import BackwardGraphRecorder
+
+    dist.init_parallel_env()
+    rank = dist.get_rank()
+    steps, rounds, every = (60, 2, 10) if quick else (150, 3, 10)
+    rng = np.random.default_rng(rank)
+    data = [(paddle.to_tensor(rng.standard_normal((32, 256)).astype("float32")),
+             paddle.to_tensor(rng.integers(0, 10, (32, 1)).astype("int64"))) for _ in range(8)]
+
+    def run(rec_dir: str | None, **options: Any) -> tuple[list[float], list[float]]:
+        paddle.seed(0)
+        net = paddle.nn.Sequential(paddle.nn.Linear(256, 1024), paddle.nn.ReLU(), paddle.nn.Linear(1024, 1024),
+                                   paddle.nn.ReLU(), paddle.nn.Linear(1024, 10))
+        model = paddle.DataParallel(net)
+        opt = paddle.optimizer.Adam(parameters=model.parameters())
+        rec = None if rec_dir is None else BackwardGraphRecorder(rec_dir, model, every=every, ranks="all", verbose=0,
+                                                                    **options)
+        times = []
+        for step in range(1, steps + 1):
+            x, y = data[step % len(data)]
+            t = time.perf_counter()
+            if rec is not None:
+                with rec.step(step):
+                    paddle.nn.functional.cross_entropy(model(x), y).backward()
+            else:
+                paddle.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.clear_grad()
+            times.append(time.perf_counter() - t)
+        captured = set()
+        if rec is not None:
+            rec.close()
+            captured = set(rec.captured_steps)
+        kept = [(s, t) for s, t in enumerate(times, start=1) if s > 5]
+        return [t for s, t in kept if s not in captured], [t for s, t in kept if s in captured]
+
+    with tempfile.TemporaryDirectory(prefix=f"pvh-dp{rank}-") as tmp:
+        run(None)  # warm-up
+        # default options (drawing in background threads), and JSON only (no drawing, no VisualDL)
+        variants = {"": {}, ", JSON only": {"formats": ["json"], "visualdl": False}}
+        base: list[float] = []
+        found: dict[str, tuple[list[float], list[float]]] = {k: ([], []) for k in variants}
+        for r in range(rounds):
+            base += run(None)[0]
+            for k, options in variants.items():
+                u, c = run(os.path.join(tmp, f"r{r}{len(k)}"), **options)
+                found[k][0].extend(u)
+                found[k][1].extend(c)
+    if rank == 0:
+        b = med(base)
+        table = Table()
+        for k, (uncaptured, captured) in found.items():
+            u, c = med(uncaptured), med(captured)
+            what = f"BackwardGraphRecorder(every={every}, ranks='all'{k})"
+            table.add("dp2", f"uncaptured step, {what} / none", f"{u / b:.3f}x",
+                      f"{u * 1000:.2f} vs {b * 1000:.2f} ms per step on rank 0 (3-layer MLP, batch 32 per rank, "
+                      f"2 gloo CPU processes), {rounds} x {steps} steps", ratio=u / b, seconds=u, base_seconds=b)
+            table.add("dp2", f"captured step, {what} / none", f"{c / b:.2f}x",
+                      f"{c * 1000:.1f} ms, {len(captured)} captured steps, both gradients recorded",
+                      ratio=c / b, seconds=c, base_seconds=b)
+        with open(out, "w") as f:
+            json.dump(table.rows, f)
+
+
+def dp_rows(table: Table, quick: bool) -> None:
+    """Step ratios under 2-process data parallel, run through ``paddle.distributed.launch``."""
+    import subprocess
+
+    with tempfile.TemporaryDirectory(prefix="pvh-bench-dp-") as tmp:
+        out = os.path.join(tmp, "rows.json")
+        cmd = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", "2", "--log_dir",
+               os.path.join(tmp, "logs"), os.path.abspath(__file__), "--dp-child", out] + (["--quick"] if quick else [])
+        env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=tmp)
+            ok = proc.returncode == 0 and os.path.exists(out)
+            why = "" if ok else ((proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"])[0]
+        except subprocess.TimeoutExpired:
+            ok, why = False, "timed out after 900 s"
+        if not ok:
+            table.add("dp2", "2-process data parallel rows", "failed", why[:160])
+            return
+        with open(out) as f:
+            for row in json.load(f):
+                row = dict(row)
+                table.add(row.pop("section"), row.pop("measurement"), row.pop("value"), row.pop("note"), **row)
+
+
 # --------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -863,12 +958,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="few repeats, shorter fit runs (a few minutes)")
     ap.add_argument("--json", metavar="PATH", default=DEFAULT_JSON, help=f"results file (default {DEFAULT_JSON})")
     ap.add_argument("--skip", action="append", default=[],
-                    choices=["transformer", "resnet50", "huge", "fit5", "explorer", "torchviz", "callback", "nan", "saved"],
+                    choices=["transformer", "resnet50", "huge", "fit5", "explorer", "torchviz", "callback", "nan", "saved",
+                             "dp"],
                     help="leave out a group of rows (repeatable)")
     ap.add_argument("--callback-child", metavar="PATH", help=argparse.SUPPRESS)
+    ap.add_argument("--dp-child", metavar="PATH", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
 
     quick = args.quick
+    if args.dp_child:  # one rank of the data-parallel rows
+        dp_child(args.dp_child, quick)
+        return 0
     if args.callback_child:  # the Model.fit rows, in their own process
         table = Table()
         callback_rows(table, quick)
@@ -915,6 +1015,8 @@ def main(argv: list[str] | None = None) -> int:
         bench_callback(table, quick)
     if "nan" not in args.skip:
         nan_origin_rows(table, quick)
+    if "dp" not in args.skip:
+        dp_rows(table, quick)
 
     table.print()
     elapsed = time.time() - started

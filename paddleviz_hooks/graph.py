@@ -26,6 +26,7 @@ __all__ = [
     "Node",
     "float_from_json",
     "float_to_json",
+    "is_communication",
     "merge_grad_metas",
     "op_display_name",
     "parse_json",
@@ -51,8 +52,12 @@ def op_display_name(grad_node_name: str) -> str:
         'CrossEntropyWithSoftmax'
         >>> op_display_name("GradNodePyLayer__Twice")
         'PyLayer:Twice'
+        >>> op_display_name("GradNodePyLayer_mp_allreduce_eager")  # tensor parallel
+        'PyLayer:mp_allreduce'
     """
     name = grad_node_name
+    if name.startswith("GradNodePyLayer_") and name.endswith("_eager"):  # fleet's communication PyLayers
+        return "PyLayer:" + name[len("GradNodePyLayer_"):-len("_eager")]
     if name.startswith("GradNodePyLayer_"):
         inner = name[len("GradNodePyLayer_"):]
         head = inner.split("_")[0] or inner.strip("_")  # a class named _Twice keeps its name
@@ -65,6 +70,24 @@ def op_display_name(grad_node_name: str) -> str:
     return name
 
 
+#: Readable op names of grad nodes that communicate between ranks: auto-parallel's
+#: explicit reshard, fleet tensor parallel's PyLayers, sequence parallel's PyLayers.
+COMMUNICATION_OPS = frozenset({
+    "Reshard", "PyLayer:c_identity", "PyLayer:c_split", "PyLayer:mp_allreduce",
+    "PyLayer:ScatterOp", "PyLayer:GatherOp", "PyLayer:AllGatherOp", "PyLayer:ReduceScatterOp",
+})
+
+
+def is_communication(op: str) -> bool:
+    """Whether a readable op name is a grad node that communicates between ranks.
+
+    Example:
+        >>> is_communication(op_display_name("ReshardGradNode")), is_communication("Matmul")
+        (True, False)
+    """
+    return op in COMMUNICATION_OPS
+
+
 @dataclass
 class GradMeta:
     """What is known of one gradient tensor flowing along an edge.
@@ -72,6 +95,12 @@ class GradMeta:
     ``norm``, ``min`` and ``max`` are None when gradient statistics were off
     or the gradient was not a floating point tensor; ``nan``/``inf`` count
     non-finite elements (only counted when the norm is not finite).
+
+    A distributed tensor (auto-parallel) keeps its global ``shape``, this
+    rank's shard shape in ``local_shape`` and its ``placements`` per mesh
+    dimension (``"Shard(dim=1)"``, ``"Replicate()"``, ``"Partial(...)"``);
+    its statistics are those of this rank's shard (reading the whole tensor
+    would need communication). Both are None for an ordinary tensor.
     """
 
     shape: tuple[int, ...] | None = None
@@ -81,6 +110,8 @@ class GradMeta:
     max: float | None = None
     nan: int = 0
     inf: int = 0
+    local_shape: tuple[int, ...] | None = None
+    placements: tuple[str, ...] | None = None
 
     @property
     def nonfinite(self) -> int:
@@ -99,6 +130,11 @@ class GradMeta:
         d["shape"] = list(self.shape) if self.shape is not None else None
         for k in ("norm", "min", "max"):
             d[k] = float_to_json(d[k])
+        for k in ("local_shape", "placements"):  # written only for distributed tensors
+            if d[k] is None:
+                del d[k]
+            else:
+                d[k] = list(d[k])
         return d
 
     @classmethod
@@ -111,6 +147,8 @@ class GradMeta:
             max=float_from_json(d.get("max")),
             nan=int(d.get("nan", 0)),
             inf=int(d.get("inf", 0)),
+            local_shape=tuple(d["local_shape"]) if d.get("local_shape") is not None else None,
+            placements=tuple(d["placements"]) if d.get("placements") is not None else None,
         )
 
 
@@ -157,7 +195,12 @@ class Node:
         grad: for a parameter, the gradient this backward added to
             ``param.grad``: the sum over all its uses, after the user's own
             hooks (None when it was not observed, e.g. graphs saved by older
-            versions).
+            versions). Under multi-process data parallel it is the gradient
+            applied: what the backward changed in ``param.grad`` once the
+            gradients were synchronised across ranks (all-reduce).
+        local_grad: under multi-process data parallel, the gradient this
+            rank's own backward produced for the parameter, before
+            synchronisation (see ``meta["grad_sync"]``); None otherwise.
     """
 
     id: int
@@ -181,11 +224,13 @@ class Node:
     nonfinite: int = 0
     grad: GradMeta | None = None
     saved_bytes: int = 0
+    local_grad: GradMeta | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["shape"] = list(self.shape) if self.shape is not None else None
         d["grad"] = self.grad.to_dict() if self.grad is not None else None
+        d["local_grad"] = self.local_grad.to_dict() if self.local_grad is not None else None
         # Box-only fields are written only when set, so graphs without boxes
         # stay readable by versions that do not know them.
         for k, default in _NODE_BOX_DEFAULTS.items():
@@ -204,11 +249,13 @@ class Node:
             d["norm"] = float_from_json(d["norm"])
         if d.get("grad") is not None:
             d["grad"] = GradMeta.from_dict(d["grad"])
+        if d.get("local_grad") is not None:
+            d["local_grad"] = GradMeta.from_dict(d["local_grad"])
         return cls(**d)
 
 
 _NODE_BOX_DEFAULTS = {"count": 1, "calls": 1, "ops": 0, "unhooked": 0, "params": 0, "norm": None, "nonfinite": 0,
-                      "grad": None, "saved_bytes": 0}
+                      "grad": None, "saved_bytes": 0, "local_grad": None}
 
 
 @dataclass
@@ -309,18 +356,26 @@ class BackwardGraph:
                 counts[n.op] += 1
         return dict(counts)
 
-    def params(self) -> dict[str, GradMeta | None]:
+    def params(self, local: bool = False) -> dict[str, GradMeta | None]:
         """Parameters reached by the gradient, name -> gradient metadata.
 
         The metadata is that of the gradient the backward added to
         ``param.grad`` (``Node.grad``). Only for graphs without it (saved by
         older versions) is it combined from the incoming edges, which is
         exact for a parameter used once.
+
+        Args:
+            local: under data parallel, this rank's own gradients before
+                synchronisation (``Node.local_grad``) instead of the applied
+                ones; the same as the default where no local one was recorded.
         """
         inn = self.in_edges()
         found: dict[str, GradMeta | None] = {}
         for n in self.nodes:
             if n.kind == "param" and n.param is not None:
+                if local and n.local_grad is not None:
+                    found[n.param] = n.local_grad
+                    continue
                 if n.grad is not None:
                     found[n.param] = n.grad
                     continue
@@ -415,25 +470,30 @@ class BackwardGraph:
                 count += n.grad.nonfinite
         return count
 
-    def global_grad_norm(self) -> float | None:
-        """L2 norm over all parameter gradients (None without statistics)."""
-        norms = [m.norm for m in self.params().values() if m is not None and m.norm is not None]
+    def global_grad_norm(self, local: bool = False) -> float | None:
+        """L2 norm over all parameter gradients (None without statistics).
+
+        Args:
+            local: of this rank's gradients before synchronisation (see :meth:`params`).
+        """
+        norms = [m.norm for m in self.params(local).values() if m is not None and m.norm is not None]
         if not norms:
             return None
         return math.sqrt(sum(v * v for v in norms))
 
-    def layer_grad_norms(self, depth: int = 1) -> dict[str, float]:
+    def layer_grad_norms(self, depth: int = 1, local: bool = False) -> dict[str, float]:
         """L2 norm of the parameter gradients grouped by layer path prefix.
 
         Args:
             depth: how many leading path components name the group
                 (1: top-level layers such as ``"encoder"``).
+            local: of this rank's gradients before synchronisation (see :meth:`params`).
 
         Returns:
             group -> norm; parameters of the top layer itself go to ``"(self)"``.
         """
         sq: dict[str, float] = defaultdict(float)
-        for name, m in self.params().items():
+        for name, m in self.params(local).items():
             if m is None or m.norm is None:
                 continue
             parts = name.split(".")[:-1]
@@ -668,6 +728,8 @@ def merge_grad_metas(metas: Iterable[GradMeta]) -> GradMeta | None:
     return GradMeta(
         shape=first.shape,
         dtype=first.dtype,
+        local_shape=first.local_shape,
+        placements=first.placements,
         # Norm of the sum is not known from the parts; the root-sum-square is
         # exact for orthogonal contributions and a fair summary otherwise.
         norm=None if None in norms else math.sqrt(sum(v * v for v in norms)),

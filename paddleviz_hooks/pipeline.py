@@ -456,6 +456,8 @@ class CapturePipeline:
         sink.text(self._pages.tag(_join("summary", suffix), step), text, step)
         g = SCALAR_GROUP
         scalars = {f"{g}/global_grad_norm": graph.global_grad_norm(), f"{g}/nonfinite_grads": graph.nonfinite_count()}
+        if isinstance(graph.meta.get("grad_sync"), dict):  # several ranks: this rank's own, before all-reduce
+            scalars[f"{g}/local_grad_norm"] = graph.global_grad_norm(local=True)
         if self.options.visualdl_diagnostics:
             scalars.update({
                 f"{g}/nodes": len(graph.nodes),

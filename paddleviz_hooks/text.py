@@ -17,16 +17,20 @@ import os
 from typing import Any, Iterable
 
 from .diff import GraphDiff
-from .graph import BackwardGraph, GradMeta, Node
+from .graph import BackwardGraph, GradMeta, Node, is_communication
 from .hazards import PROGRAM_OP_NOTE
 
 __all__ = [
+    "COMMUNICATION_LEGEND",
     "NOT_OBSERVED",
     "MODEL_OUTPUT",
     "OUTSIDE_MODEL",
     "TOP_LAYER",
     "backward_role",
     "box_lines",
+    "grad_sync_line",
+    "rank_comparison_lines",
+    "shard_line",
     "call_name",
     "capture_title",
     "collapse_note",
@@ -59,6 +63,8 @@ OUTSIDE_MODEL = "outside the model"
 MODEL_OUTPUT = "model output"
 #: A gradient that flowed but could not be seen (its producer takes no hook).
 NOT_OBSERVED = "not observed"
+#: Legend row and label line of a grad node that communicates between ranks.
+COMMUNICATION_LEGEND = "communication between ranks"
 
 _LIST_LIMIT = 4  # names listed per summary line before "and N more"
 _DTYPE_SHORT = {
@@ -322,12 +328,25 @@ def edge_lines(meta: GradMeta | None, stats: bool, observed: bool = True) -> lis
     lines = [f"{fmt_shape(meta.shape)} {_DTYPE_SHORT.get(meta.dtype or '', meta.dtype or '')}".strip()]
     if not observed:
         return lines + [NOT_OBSERVED]
+    if meta.local_shape is not None:  # auto-parallel: this rank's shard
+        lines.append(shard_line(meta))
     if stats and meta.norm is not None:
-        extra = f"|g| {fmt_num(meta.norm)}"
+        part = meta.local_shape is not None and meta.local_shape != meta.shape  # of this rank's part only
+        extra = f"|g| {fmt_num(meta.norm)}" + (" (shard)" if part else "")
         if meta.nonfinite:
             extra += f" NaN:{meta.nan} Inf:{meta.inf}"
         lines.append(extra)
     return lines
+
+
+def shard_line(meta: GradMeta) -> str:
+    """This rank's shard of a distributed gradient: local shape and placements.
+
+    Example:
+        >>> shard_line(GradMeta((8, 16), "float32", local_shape=(8, 8), placements=("Shard(dim=1)",)))
+        'shard [8, 8] Shard(dim=1)'
+    """
+    return f"shard {fmt_shape(meta.local_shape)} {', '.join(meta.placements or ())}".strip()
 
 
 def node_lines(node: Node) -> list[str]:
@@ -336,16 +355,23 @@ def node_lines(node: Node) -> list[str]:
     Example:
         >>> node_lines(Node(3, "op", "ReluGradNode", "Relu", saved_bytes=2048))
         ['Relu', 'saved 2.05 kB']
+        >>> node_lines(Node(4, "param", "GradNodeAccumulation", param="fc.weight", shape=(8, 3),
+        ...                 grad=GradMeta(norm=0.96), local_grad=GradMeta(norm=1.72)))  # data parallel
+        ['fc.weight', '[8, 3]', 'all-reduced |g| 0.96']
     """
     if node.kind == "param":
-        return [node.param or "parameter", fmt_shape(node.shape)]
+        synced = node.local_grad is not None and node.grad is not None and node.grad != node.local_grad
+        shard = [shard_line(node.grad)] if node.grad is not None and node.grad.local_shape is not None else []
+        return [node.param or "parameter", fmt_shape(node.shape)] + shard + (
+            [f"all-reduced |g| {fmt_num(node.grad.norm)}"] if synced and node.grad.norm is not None else [])
     if node.kind == "root":
         return [node.name, fmt_shape(node.shape)]
     if node.kind == "input":
         return ["input"]
     if node.kind == "layer":
         return box_lines(node)
-    return [node.op] + ([f"saved {fmt_bytes(node.saved_bytes)}"] if node.saved_bytes else [])
+    return [node.op] + ([COMMUNICATION_LEGEND] if is_communication(node.op) else []) + (
+        [f"saved {fmt_bytes(node.saved_bytes)}"] if node.saved_bytes else [])
 
 
 def call_of(call: int, calls: int) -> str:
@@ -407,6 +433,9 @@ def node_tooltip(node: Node) -> str:
         tip.append(f"saved for backward: {fmt_bytes(node.saved_bytes)}")
     if node.kind == "layer" and node.unhooked:
         tip.append(f"no gradient data at {node.unhooked} of {plural(node.ops, 'op')}")
+    if node.local_grad is not None and node.grad is not None:
+        tip.append(f"grad norm after all-reduce {fmt_num(node.grad.norm)}, "
+                   f"this rank's local {fmt_num(node.local_grad.norm)}")
     return " | ".join(tip)
 
 
@@ -469,6 +498,66 @@ def _unobserved_ops(graph: BackwardGraph) -> list[Node]:
         e.grad is None or (stats and e.grad.norm is None) for e in out.get(n.id, []))]
 
 
+def grad_sync_line(graph: BackwardGraph) -> str:
+    """Which gradient the norms of a multi-process capture are (``meta["grad_sync"]``); "" otherwise.
+
+    Example:
+        >>> g = BackwardGraph([Node(0, "param", "GradNodeAccumulation", param="w",
+        ...                         grad=GradMeta(norm=0.96), local_grad=GradMeta(norm=1.72))],
+        ...                   meta={"grad_sync": {"rank": 0, "world_size": 2, "params": 1, "changed": 1}})
+        >>> grad_sync_line(g)
+        "grad norms are param.grad after all-reduce over 2 ranks; rank 0's own (local) gradients: global norm 1.72;"
+    """
+    sync = graph.meta.get("grad_sync")
+    if not isinstance(sync, dict):
+        return ""
+    rank, world = sync.get("rank"), sync.get("world_size")
+    if not sync.get("changed"):
+        return (f"rank {rank} of {world}: param.grad was not synchronised in this backward "
+                "(e.g. no_sync()): applied and local gradients are the same;")
+    local = graph.global_grad_norm(local=True)
+    return (f"grad norms are param.grad after all-reduce over {world} ranks; rank {rank}'s own (local) "
+            f"gradients: global norm {fmt_num(local, 4)};")
+
+
+def rank_comparison_lines(graph: BackwardGraph, base: BackwardGraph, diff: GraphDiff,
+                          rank: Any, base_rank: Any = 0) -> list[str]:
+    """How one rank's capture of a step compares with another rank's (the report's per-rank view).
+
+    Under data parallel every rank runs the same graph, so a structural
+    difference is worth a warning; gradient norms differ by data.
+
+    Args:
+        graph: this rank's capture.
+        base: the other rank's capture of the same step.
+        diff: ``diff_graphs(base, graph)``.
+        rank / base_rank: the two ranks.
+
+    Returns:
+        Lines, the structural one first.
+
+    Example:
+        >>> from paddleviz_hooks.diff import diff_graphs
+        >>> g = BackwardGraph([Node(0, "root", "loss", "loss")])
+        >>> g.assign_keys()
+        >>> rank_comparison_lines(g, g, diff_graphs(g, g), 1)
+        ['same graph structure as rank 0']
+    """
+    if diff.structure_changed:
+        lines = [f"graph structure differs from rank {base_rank}: {len(diff.added_nodes)} nodes only here, "
+                 f"{len(diff.removed_nodes)} only on rank {base_rank} (under data parallel every rank "
+                 "should run the same graph)"]
+    else:
+        lines = [f"same graph structure as rank {base_rank}"]
+    here, there = graph.global_grad_norm(), base.global_grad_norm()
+    if here is not None and there is not None:
+        lines.append(f"global grad norm {fmt_num(here, 4)} here, {fmt_num(there, 4)} on rank {base_rank}")
+    if isinstance(graph.meta.get("grad_sync"), dict) and isinstance(base.meta.get("grad_sync"), dict):
+        lines.append(f"before all-reduce (each rank's own data): {fmt_num(graph.global_grad_norm(local=True), 4)} "
+                     f"here, {fmt_num(base.global_grad_norm(local=True), 4)} on rank {base_rank}")
+    return lines
+
+
 def graph_summary(graph: BackwardGraph, top: int = 5, previous: BackwardGraph | None = None) -> str:
     """A compact multi-line summary of one capture (one fact per line).
 
@@ -512,6 +601,9 @@ def graph_summary(graph: BackwardGraph, top: int = 5, previous: BackwardGraph | 
         lines.append(f"global grad norm {gn:.4g}" + (" (this backward);" if acc_differs else ";"))
     if acc_differs:
         lines.append(f"accumulated param.grad norm {fmt_num(acc, 4)} (what the optimizer applies);")
+    sync_line = grad_sync_line(graph)
+    if sync_line:
+        lines.append(sync_line)
     norms = graph.layer_grad_norms()
     if norms:
         biggest = sorted(norms.items(), key=lambda kv: -_sort_val(kv[1]))[:top]

@@ -23,6 +23,7 @@ from typing import Any, Callable
 import paddle
 
 from .capture import structure_fingerprint
+from .capture.stats import local_value
 from .options import RecorderOptions
 
 __all__ = ["Triggers", "global_grad_norm", "grads_nonfinite"]
@@ -32,10 +33,12 @@ def global_grad_norm(params: Any) -> float | None:
     """L2 norm over every initialised ``p.grad`` of ``params`` (None without any).
 
     ``square().sum()`` per tensor, summed on the device, one host transfer.
+    Of a distributed (auto-parallel) gradient only this rank's shard is read:
+    the whole would need communication.
     """
     sq = []
     for p in params:
-        g = p.grad
+        g = local_value(p.grad) if p.grad is not None else None
         if g is not None and g._is_initialized():
             if g.dtype != paddle.float32 and g.dtype != paddle.float64:
                 g = g.astype("float32")
@@ -57,7 +60,7 @@ def grads_nonfinite(params: Any) -> bool | None:
     """
     grads = []
     for p in params:
-        g = p.grad
+        g = local_value(p.grad) if p.grad is not None else None  # this rank's shard only
         if g is not None and g._is_initialized():
             grads.append(g if g.dtype in (paddle.float32, paddle.float64) else g.astype("float32"))
     if not grads:

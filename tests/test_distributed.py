@@ -30,8 +30,10 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from paddleviz_hooks import BackwardGraph
 
-REPO = Path(__file__).resolve().parents[1]
+from _distkit import launch, tail
+
 RUN = "backward_graph"
 STEPS_PER_RANK = 4  # 64 samples, 2 ranks, batch 8
 EXPECTED_STEPS = [1, 2, 4]  # capture_first + every=2
@@ -70,7 +72,7 @@ WORKER = textwrap.dedent(
             return len(self.y)
 
 
-    def fit(out, ranks, wrap):
+    def fit(out, ranks, wrap, record=True):
         paddle.seed(0)
         net = Net()
         if wrap:
@@ -85,8 +87,9 @@ WORKER = textwrap.dedent(
                       paddle.nn.CrossEntropyLoss())
         kwargs = {} if ranks is None else {"ranks": ranks}
         cb = BackwardGraphCallback(out, every=2, verbose=0, **kwargs)
-        model.fit(Data(64), epochs=1, batch_size=8, callbacks=[cb], verbose=0, shuffle=False)
+        model.fit(Data(64), epochs=1, batch_size=8, callbacks=[cb] if record else [], verbose=0, shuffle=False)
         rank = dist.get_rank()
+        os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, f"result_rank{rank}.json"), "w") as f:
             json.dump({
                 "rank": rank,
@@ -96,6 +99,7 @@ WORKER = textwrap.dedent(
                 "run_dir": cb.run_dir,
                 "network_type": type(model.network).__name__,
                 "param_names": [n for n, _ in model.network.named_parameters()],
+                "weights": {n: p.numpy().tobytes().hex() for n, p in model.network.named_parameters()},
             }, f)
 
 
@@ -107,81 +111,18 @@ WORKER = textwrap.dedent(
         fit(os.path.join(a.out, "default"), None, wrap=False)
         fit(os.path.join(a.out, "all"), "all", wrap=False)
         fit(os.path.join(a.out, "all_dp"), "all", wrap=True)
+        fit(os.path.join(a.out, "plain"), "all", wrap=False, record=False)
         print("worker done", dist.get_rank(), flush=True)
     """
 )
 
 
-def _tail(path: Path, n: int = 4000) -> str:
-    try:
-        return path.read_text(errors="replace")[-n:]
-    except OSError as exc:
-        return f"<{exc}>"
-
-
-def _children(pid: int) -> list[int]:
-    kids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        kids.append(int(entry))
-            except (OSError, ValueError, IndexError):
-                pass
-    return kids
-
-
-def _stop_launch(proc: subprocess.Popen) -> None:
-    """End a hung launch and its workers (launch puts each worker in its own session)."""
-    workers = [(pid, _cmdline(pid)) for pid in _children(proc.pid)]
-    proc.terminate()  # launch stops its workers on SIGTERM
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=20)
-    for pid, cmdline in workers:
-        if cmdline and _cmdline(pid) == cmdline:  # still that worker, not a reused pid
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
-
-def _cmdline(pid: int) -> bytes:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read()
-    except OSError:
-        return b""
-
-
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
     work = tmp_path_factory.mktemp("dist")
-    script = work / "train_dp.py"
-    script.write_text(WORKER)
     out = work / "out"
-    logs = work / "launch_logs"
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env.pop("CUDA_VISIBLE_DEVICES", None)
-    cmd = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", "2",
-           "--log_dir", str(logs), str(script), "--out", str(out)]
-    t0 = time.perf_counter()
-    # its own session, so a hung job is ended with its workers (and only them)
-    with open(work / "launch.out", "wb") as log:
-        proc = subprocess.Popen(cmd, cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    try:
-        proc.wait(timeout=300)
-    except subprocess.TimeoutExpired:
-        _stop_launch(proc)
-    seconds = time.perf_counter() - t0
-    report = (f"rc={proc.returncode} after {seconds:.1f} s\n--- launch output:\n{_tail(work / 'launch.out')}"
-              f"\n--- worker 0:\n{_tail(logs / 'workerlog.0')}\n--- worker 1:\n{_tail(logs / 'workerlog.1')}")
-    assert proc.returncode == 0, report
+    rc, seconds, report = launch(work, WORKER, "--out", str(out))
+    assert rc == 0, report
     print(f"2-process launch: {seconds:.1f} s")
     return out, report
 
@@ -265,6 +206,48 @@ def test_dataparallel_prefix_is_stripped(launched):
                 assert any(n.get("layer") == "conv" for n in graph["nodes"]), "no op attributed to conv"
 
 
+def test_fit_weights_are_bit_identical_with_and_without_capture(launched):
+    out, _ = launched
+    captured, plain = results(out, "all"), results(out, "plain")
+    for rank in (0, 1):
+        assert captured[rank]["weights"] == plain[rank]["weights"], rank
+
+
+def test_fit_records_applied_and_local_gradients(launched):
+    """Model.fit under 2 ranks: parameter norms are those after all-reduce, the same on
+    both ranks; each rank's local norms (its own data shard) are kept beside them."""
+    out, _ = launched
+    run_dir = out / "all" / RUN
+    graphs = {r: step_jsons(d) for r, d in ((0, run_dir), (1, run_dir / "rank_1"))}
+    for step in EXPECTED_STEPS:
+        g = {r: BackwardGraph.from_dict(graphs[r][step]) for r in (0, 1)}
+        for r in (0, 1):
+            sync = g[r].meta["grad_sync"]
+            assert sync == {"rank": r, "world_size": 2, "params": 4, "changed": 4}, (step, sync)
+        applied = {r: g[r].params() for r in (0, 1)}
+        local = {r: g[r].params(local=True) for r in (0, 1)}
+        assert sorted(applied[0]) == sorted(applied[1]) == ["conv.bias", "conv.weight", "fc.bias", "fc.weight"]
+        for name in applied[0]:
+            a0, a1 = applied[0][name].norm, applied[1][name].norm
+            assert a0 == pytest.approx(a1, rel=1e-6), (step, name, a0, a1)  # all-reduced: one gradient
+            assert local[0][name].norm != pytest.approx(local[1][name].norm, rel=1e-3), (step, name)
+        assert g[0].global_grad_norm() == pytest.approx(g[1].global_grad_norm(), rel=1e-6)
+        # the edges into a parameter carry what flowed there: this rank's local gradient
+        fc_weight = next(n for n in g[0].nodes if n.param == "fc.weight")
+        into = [e.grad.norm for e in g[0].edges if e.dst == fc_weight.id]
+        assert into == [local[0]["fc.weight"].norm]
+    # each rank's VisualDL run has both series
+    from visualdl import LogReader
+
+    for r, d in ((0, run_dir), (1, run_dir / "rank_1")):
+        reader = LogReader(file_path=str(next(d.glob("vdlrecords*"))))
+        for tag, local in (("~backward_graph/global_grad_norm", False), ("~backward_graph/local_grad_norm", True)):
+            got = {rec.id: rec.value for rec in reader.get_data("scalar", tag)}
+            want = {s: BackwardGraph.from_dict(graphs[r][s]).global_grad_norm(local=local) for s in EXPECTED_STEPS}
+            assert got.keys() == want.keys(), (r, tag, got)
+            assert all(got[s] == pytest.approx(want[s], rel=1e-5) for s in want), (r, tag, got, want)
+
+
 def test_dashboard_shows_each_rank_as_a_run(launched, tmp_path):
     """``visualdl --logdir LOG_DIR`` lists rank 1's records as their own run."""
     out, _ = launched
@@ -294,7 +277,7 @@ def test_dashboard_shows_each_rank_as_a_run(launched, tmp_path):
             except OSError:
                 pass
             time.sleep(0.25)
-        assert runs is not None, f"visualdl did not come up:\n{_tail(tmp_path / 'visualdl.log')}"
+        assert runs is not None, f"visualdl did not come up:\n{tail(tmp_path / 'visualdl.log')}"
         # named "<log dir>/<run_name>[/rank_K]"
         assert sorted(runs) == ["all/backward_graph", "all/backward_graph/rank_1"], runs
         for run in runs:

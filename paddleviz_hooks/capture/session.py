@@ -39,6 +39,7 @@ from .gradnode import Walk, forget_saved, grad_fn, parameter_names, walk_graph
 from .static import ProgramRuns
 from .nested import place, pylayer_context, stitch
 from .saved import SavedMemory
+from .sync import AppliedGrads, data_parallel_world
 from . import stats
 
 __all__ = ["BackwardCapture", "capture_backward"]
@@ -59,12 +60,18 @@ class _ParamTotals:
 
     def __init__(self, keep: bool) -> None:
         self.keep = keep
+        world = data_parallel_world()
+        # several processes: param.grad is also read after the backward (sync.py)
+        self.applied = AppliedGrads(*world) if world is not None else None
         self.metas: dict[int, GradMeta] = {}
         self.tensors: dict[int, Any] = {}
         self.hooked: set[int] = set()  # parameters whose hook is in place
+        self.applied_metas: dict[int, GradMeta] = {}  # filled after the backward (sync.py)
 
     def clear(self) -> None:
         self.tensors.clear()
+        if self.applied is not None:
+            self.applied.clear()
 
 
 class _Session:
@@ -363,6 +370,8 @@ class BackwardCapture:
                 prev = totals.tensors.get(ptr)
                 total = grad if prev is None else prev + grad  # before Paddle adds grad to param.grad
                 totals.metas[ptr] = stats.grad_meta(total, with_stats)
+                if totals.applied is not None:
+                    totals.applied.note(ptr, named[1], total)
                 if totals.keep:
                     totals.tensors[ptr] = total
             except Exception as exc:
@@ -537,8 +546,11 @@ class BackwardCapture:
                 s.walk.nodes[nid].saved_bytes = nbytes
         stitched = len(s.children)
         self._merge_children(s)
+        sync = self._read_applied(s)
         graph = self._graph(s, s.walk.nodes, s.walk.edges, s.ptrs)
         s.totals.clear()
+        if sync is not None:
+            graph.meta["grad_sync"] = sync
         graph.meta["backward"] = {"index": s.index, "of": None, "entry": s.entry}
         if stitched:
             graph.meta["nested"] = stitched
@@ -549,6 +561,33 @@ class BackwardCapture:
         if s.saved is not None:
             graph.meta["saved_memory"] = saved_meta
         return graph
+
+    def _read_applied(self, s: _Session) -> dict[str, Any] | None:
+        """Several processes: each parameter's applied gradient, read from ``param.grad`` now.
+
+        Returns:
+            ``meta["grad_sync"]``: ``rank``, ``world_size``, ``params`` (how
+            many were read) and ``changed`` (how many ``param.grad`` differ
+            from what this rank's backward alone added: synchronised; 0 under
+            ``no_sync()``, where applied and local are the same); None in a
+            single process or when reading failed (one warning).
+        """
+        ag = s.totals.applied
+        if ag is None or not ag.params:  # one process, or only distributed tensors (not read)
+            if ag is not None:
+                ag.clear()
+            return None
+        try:
+            s.totals.applied_metas, changed = ag.read(self.grad_stats)
+        except Exception as exc:
+            s.totals.applied_metas = {}
+            self._warn("applied", f"param.grad after the backward was not read (gradients shown are "
+                                  f"this rank's local ones): {exc!r}")
+            return None
+        finally:
+            ag.clear()
+        return {"rank": ag.rank, "world_size": ag.world, "params": len(s.totals.applied_metas),
+                "changed": changed}
 
     def _graph(self, s: _Session, nodes: list, edges: list, ptrs: list) -> BackwardGraph:
         """Parameter totals in place, the rest of the edges filled, keys given."""
@@ -567,6 +606,10 @@ class BackwardCapture:
             elif nodes[e.dst].kind == "param":
                 leaf = nodes[e.dst]
                 e.grad = GradMeta(shape=leaf.shape, dtype=leaf.dtype)
+        applied = s.totals.applied_metas
+        for n, p in zip(nodes, ptrs):  # edges keep what flowed: the local gradient
+            if n.kind == "param" and p in applied:
+                n.local_grad, n.grad = n.grad, applied[p]
         graph = BackwardGraph(
             nodes=nodes,
             edges=edges,

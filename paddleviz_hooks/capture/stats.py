@@ -10,7 +10,7 @@ import paddle
 from ..graph import GradMeta
 from .gradnode import dtype_name
 
-__all__ = ["StatsBatch", "grad_meta", "flat_tensors"]
+__all__ = ["StatsBatch", "grad_meta", "flat_tensors", "is_dist", "local_value"]
 
 _FLOAT_DTYPES = {"float16", "bfloat16", "float32", "float64"}
 
@@ -66,6 +66,10 @@ def grad_meta(t: Any, stats: bool, batch: StatsBatch | None = None) -> GradMeta:
     """
     shape = tuple(int(s) for s in t.shape)
     meta = GradMeta(shape=shape, dtype=dtype_name(t.dtype))
+    if is_dist(t):  # auto-parallel: statistics of this rank's shard; the whole would need communication
+        meta.placements = tuple(str(p) for p in t.placements)
+        t = t._local_value()
+        shape = meta.local_shape = tuple(int(s) for s in t.shape)
     if not stats or meta.dtype not in _FLOAT_DTYPES or 0 in shape:
         return meta
     f = t if meta.dtype in ("float32", "float64") else t.astype("float32")
@@ -77,6 +81,17 @@ def grad_meta(t: Any, stats: bool, batch: StatsBatch | None = None) -> GradMeta:
     own.add(meta, f, dtype)
     own.resolve()
     return meta
+
+
+def is_dist(t: Any) -> bool:
+    """Whether ``t`` is an auto-parallel distributed tensor (its values spread over ranks)."""
+    f = getattr(t, "is_dist", None)
+    return bool(f()) if callable(f) else False
+
+
+def local_value(t: Any) -> Any:
+    """This rank's shard of a distributed tensor, the tensor itself otherwise (never communicates)."""
+    return t._local_value() if is_dist(t) else t
 
 
 def flat_tensors(slots: Iterable[Any]) -> list[Any]:

@@ -7,9 +7,9 @@ from collections import defaultdict
 from typing import Any, Mapping
 
 from ..escape import dot_attrs, dot_html_table, dot_label, dot_quote
-from ..graph import BackwardGraph, Edge, Node
+from ..graph import BackwardGraph, Edge, Node, is_communication
 from ..hazards import PROGRAM_OP_NOTE
-from ..text import NOT_OBSERVED, call_of, edge_lines, layer_name, node_lines, node_tooltip, origin_mark
+from ..text import COMMUNICATION_LEGEND, NOT_OBSERVED, call_of, edge_lines, layer_name, node_lines, node_tooltip, origin_mark
 
 __all__ = ["to_dot", "dot_parts", "STYLE"]
 
@@ -22,6 +22,7 @@ STYLE = {
     "layer": {"shape": "box3d", "style": "filled", "fillcolor": "#fbe5d6", "margin": "0.14,0.07"},
     "nonfinite": {"fillcolor": "#ff6b6b", "color": "#b00000", "penwidth": "2.5"},
     "unhooked": {"style": "rounded,filled,dashed"},
+    "communication": {"fillcolor": "#ffe0b2", "color": "#e65100", "penwidth": "1.5"},
     # where the NaN/Inf started (graph.meta["nonfinite_origin"]): a thick violet double frame
     "origin": {"color": "#7b1fa2", "penwidth": "4", "peripheries": "2", "fontcolor": "#4a0072"},
 }
@@ -86,6 +87,8 @@ def dot_parts(
         lines = node_lines(n)
         if n.kind == "op" and not n.hooked:
             attrs.update(STYLE["unhooked"])
+        if n.kind == "op" and is_communication(n.op):
+            attrs.update(STYLE["communication"])
         if n.id in bad_src or (n.kind == "layer" and n.nonfinite):
             attrs.update(STYLE["nonfinite"])
             if n.id == origin and found_id is None:
@@ -135,7 +138,8 @@ def dot_parts(
     if extra_body:
         body.extend(extra_body)
     if legend:
-        body.append(_legend(stats, any(n.note == PROGRAM_OP_NOTE for n in graph.nodes), found_id is not None))
+        body.append(_legend(stats, any(n.note == PROGRAM_OP_NOTE for n in graph.nodes), found_id is not None,
+                            any(n.kind == "op" and is_communication(n.op) for n in graph.nodes)))
     return graph_attr, body
 
 
@@ -213,7 +217,7 @@ def _origin_node(graph: BackwardGraph, origin: dict) -> int | None:
     return best.id if best is not None else None
 
 
-def _legend(stats: bool, compiled: bool = False, origin: bool = False) -> str:
+def _legend(stats: bool, compiled: bool = False, origin: bool = False, communication: bool = False) -> str:
     rows = [({"BGCOLOR": c}, t) for c, t in (
         ("#ffd966", "loss / root"),
         ("#dae8fc", "op (grad node)"),
@@ -223,6 +227,8 @@ def _legend(stats: bool, compiled: bool = False, origin: bool = False) -> str:
     )]
     if origin:
         rows.append(({"BGCOLOR": "#7b1fa2"}, "where the NaN/Inf starts"))
+    if communication:
+        rows.append(({"BGCOLOR": STYLE["communication"]["fillcolor"]}, COMMUNICATION_LEGEND))
     rows.append(({}, f"dashed: gradient {NOT_OBSERVED} (the node takes no hook)"))
     if compiled:
         rows.append(({}, f"dashed *_grad op: {PROGRAM_OP_NOTE} (to_static)"))

@@ -40,7 +40,8 @@ from ..diff import DIFF_FORMAT, GraphDiff, diff_graphs
 from ..escape import clean_svg, html_escape, json_for_script
 from ..graph import BackwardGraph, parse_json
 from ..render import render_diff, render_svg
-from ..text import call_name, describe_node, describe_origin, diff_summary, fmt_bytes, fmt_num, graph_summary
+from ..text import (call_name, describe_node, describe_origin, diff_summary, fmt_bytes, fmt_num, graph_summary,
+                    rank_comparison_lines)
 
 __all__ = ["build_report", "find_step_files", "ReportError"]
 
@@ -62,6 +63,9 @@ class _Step:
     diff: GraphDiff | None = None
     diff_svg: str | None = None
     problem: str | None = None
+    rank: int | None = None  # in a rank_K folder: K
+    rank_base: BackwardGraph | None = None  # rank 0's capture of the same step
+    rank_diff: GraphDiff | None = None
 
 
 @dataclass
@@ -69,6 +73,7 @@ class _Run:
     name: str
     directory: str
     steps: list[_Step] = field(default_factory=list)
+    suffix: str = ""
 
 
 def find_step_files(log_dir: str) -> dict[tuple[str, str], list[tuple[int, str]]]:
@@ -143,7 +148,7 @@ def _load_runs(log_dir: str, timeout: float) -> tuple[list[_Run], list[tuple[str
     for (directory, suffix), files in groups.items():
         rel = os.path.relpath(directory, log_dir)
         name = os.path.basename(os.path.abspath(log_dir)) if rel == "." else rel
-        run = _Run(name + (f" [{suffix}]" if suffix else ""), directory)
+        run = _Run(name + (f" [{suffix}]" if suffix else ""), directory, suffix=suffix)
         for number, path in files:
             try:
                 g = _read_graph(path)
@@ -160,6 +165,7 @@ def _load_runs(log_dir: str, timeout: float) -> tuple[list[_Run], list[tuple[str
         first = skipped[0] if skipped else ("?", "?")
         raise ReportError(f"no readable step_*.json under {log_dir} (e.g. {first[0]}: {first[1]})")
 
+    _pair_ranks(runs)
     jobs = []
     for run in runs:
         prev = None
@@ -184,6 +190,26 @@ def _load_runs(log_dir: str, timeout: float) -> tuple[list[_Run], list[tuple[str
             if problem and st.problem is None:
                 st.problem = problem
     return runs, skipped
+
+
+_RANK_DIR = re.compile(r"rank_(\d+)")
+
+
+def _pair_ranks(runs: list[_Run]) -> None:
+    """A run in ``X/rank_K`` (the recorder's folder for rank K) is compared, step by step,
+    with the run in ``X`` (rank 0): structure by :func:`diff_graphs`, norms side by side."""
+    by_dir = {(os.path.abspath(r.directory), r.suffix): r for r in runs}
+    for run in runs:
+        m = _RANK_DIR.fullmatch(os.path.basename(run.directory))
+        base = by_dir.get((os.path.dirname(os.path.abspath(run.directory)), run.suffix))
+        if m is None or base is None:
+            continue
+        base_steps = {st.number: st for st in base.steps}
+        for st in run.steps:
+            other = base_steps.get(st.number)
+            if other is not None:
+                st.rank, st.rank_base = int(m.group(1)), other.graph
+                st.rank_diff = diff_graphs(other.graph, st.graph)
 
 
 # ---------------------------------------------------------------- HTML parts
@@ -367,6 +393,11 @@ def _step_panel(run: _Run, ri: int, si: int) -> str:
             out.append(f'<ul class="nodes">{"".join(rows)}</ul>')
     else:
         out.append('<p class="muted">First capture of this run: nothing to compare with.</p>')
+    if st.rank_diff is not None:
+        cls = "bad" if st.rank_diff.structure_changed else "same"
+        lines = rank_comparison_lines(g, st.rank_base, st.rank_diff, st.rank)
+        out.append(f'<h3 class="{cls} ranks">Compared with rank 0 at step {_e(st.number)}</h3>'
+                   f'<ul class="facts ranks">{"".join(f"<li>{_e(x)}</li>" for x in lines)}</ul>')
     out.append(f'<h3>Summary</h3><ul class="facts">{_lines(graph_summary(g))}</ul>')
     out.append(_saved_table(g))
     if st.problem:
