@@ -44,9 +44,8 @@ VIEWER_LABEL_PX = 8.0
 
 def viewer_views(graph: BackwardGraph, options: RecorderOptions, title: str, formats: tuple[str, ...] = ("png",),
                  *, timeout: float | None = 60.0, info: dict[str, Any] | None = None) -> dict[str, bytes]:
-    """The viewing picture when VisualDL is on, sized for its image viewer, in
-    each of ``formats`` from one engine run (see ``render_views``); the same
-    bytes are the step's PNG file and the VisualDL image.
+    """The picture logged to VisualDL, sized for its image viewer, in each of
+    ``formats`` from one engine run (see ``render_views``).
 
     The viewer fits a picture into the window (about 1300x750 CSS px of a
     1440x900 window) and never enlarges it, so the picture is drawn left to
@@ -205,6 +204,7 @@ class _Drawing:
     prev_path: str | None = field(compare=False)
     diff: GraphDiff | None = field(compare=False)
     suffix: str = field(default="", compare=False)
+    viewer: bytes | None = field(compare=False, default=None)  # the VisualDL picture, once drawn
     tags: list[str] = field(compare=False, default_factory=list)  # VisualDL image tags of the picture
     diff_tag: str = field(compare=False, default="")  # ... and of the diff picture
 
@@ -379,19 +379,22 @@ class CapturePipeline:
 
         png = diff_png = None
         try:
-            # one engine run draws the viewing picture and, when it has every node, the full-detail SVG;
-            # with VisualDL on, the viewing picture is the one sized for its viewer (file and image alike)
+            # one engine run draws the viewing PNG and, when it has every node, the full-detail SVG
             info: dict = {}
             formats = ("png", "svg") if "svg" in opts.formats else ("png",)
-            if opts.visualdl and opts.viewer_px is not None:
-                views = viewer_views(graph, opts, title, formats, timeout=left(), info=info)
-            else:
-                views = render_views(graph, formats, info=info, max_px=opts.view_max_px,
-                                     max_nodes=opts.view_max_nodes, timeout=left(), title=title)
+            views = render_views(graph, formats, info=info, max_px=opts.view_max_px,
+                                 max_nodes=opts.view_max_nodes, timeout=left(), title=title)
             png = views["png"]
             if "svg" in opts.formats:
                 svg = views["svg"] if info["full_detail"] else render_svg(graph, timeout=left(), title=title)
                 files.write(step, "svg", svg, suffix=suffix)
+            if opts.visualdl and opts.viewer_px is not None:
+                seen: dict = {}
+                viewer = viewer_views(graph, opts, title, timeout=left(), info=seen)["png"]
+                # a viewer picture that had to shrink the whole model into one box shows less
+                # than the PNG file: VisualDL gets the file's picture then (its viewer can zoom)
+                if not (seen.get("collapsed_depth") == 0 and info.get("collapsed_depth") != 0):
+                    d.viewer = viewer
         except (EngineNotFound, RenderTimeout) as exc:
             # JSON, DOT, text and scalars are already written
             self._warn(type(exc).__name__, f"step {step} was not drawn: {exc}")
@@ -426,6 +429,9 @@ class CapturePipeline:
             if "png" in formats:
                 # the same encoder VisualDL uses, so the dashboard serves these exact bytes
                 files.write(step, "png", encode_like_visualdl(array), suffix=suffix)
+            if d.viewer is not None:  # the picture sized for VisualDL's viewer
+                array = png_to_array(d.viewer)
+                d.viewer = None
             for tag in d.tags:
                 sink.image(tag, array, step)
         if diff_png is not None:

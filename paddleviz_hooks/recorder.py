@@ -59,14 +59,14 @@ class BackwardGraphRecorder:
         view_max_nodes: node budget of the viewing PNG (larger graphs are
             collapsed by layer depth). Default None: collapse only as far as
             legibility within ``view_max_px`` needs. The SVG keeps every op.
-        view_max_px: longest side of the viewing PNG in pixels when VisualDL
-            is off or ``viewer_px`` is None. Default 2000.
-        viewer_px: with VisualDL on, width of the viewing picture (the step's
-            PNG file and the VisualDL image are the same bytes), sized for
-            VisualDL's image viewer: left to right (landscape), node labels
-            at least 8 px high when the viewer fits it into a 1440x900
-            window, collapsed into layer boxes as far as that needs.
-            Default 1280. None: the picture is sized by ``view_max_px``.
+        view_max_px: longest side of the viewing PNG in pixels. Default 2000.
+        viewer_px: width of the picture logged to VisualDL, drawn apart from
+            the PNG file for VisualDL's image viewer: left to right
+            (landscape), node labels at least 8 px high when the viewer fits
+            it into a 1440x900 window, collapsed into layer boxes as far as
+            that needs (when that is the whole model in one box, the PNG
+            file's picture is logged instead). Default 1280. None logs the
+            PNG file itself.
         formats: which files to keep per step, any of png, svg, dot, json.
             Default all four.
         visualdl: log records to VisualDL. Default True.

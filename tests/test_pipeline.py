@@ -120,7 +120,7 @@ def test_formats_decide_every_file(tmp_path):
     (("json", "png"), 2000, nn.Tanh, 1, False),
     (("png", "svg", "dot", "json"), 2000, nn.Sigmoid, 1, False),  # the SVG comes from the PNG's run
     (("png", "svg", "dot", "json"), 160, nn.Softsign, 2, False),  # a collapsed view: the full SVG is another graph
-    (("png", "svg", "dot", "json"), 2000, nn.Hardtanh, 1, True),  # the defaults: one picture for file and VisualDL
+    (("png", "svg", "dot", "json"), 2000, nn.Hardtanh, 2, True),  # the defaults: + the picture for VisualDL's viewer
 ])
 def test_engine_runs_once_per_capture_in_steady_state(tmp_path, monkeypatch, formats, view_max_px, act, steady,
                                                       visualdl):
@@ -196,3 +196,26 @@ def test_a_10000_node_graph_is_captured_and_drawn_legibly(tmp_path):
     assert time.perf_counter() - t0 < 30
     assert info["dpi"] >= LEGIBLE_DPI and info["nodes"] < 20
     print(f"\n10k-node graph: captured step {step_seconds:.1f} s, viewing PNG {info}")
+
+
+def test_visualdl_never_gets_a_one_box_picture_of_a_real_model(tmp_path):
+    """The picture sized for VisualDL's viewer shrinks resnet18 into a single box; then the
+    PNG file's picture (blocks visible, the viewer can zoom) is what VisualDL shows."""
+    from _fitkit import vdl_records
+
+    paddle.seed(0)
+    net = paddle.vision.models.resnet18(num_classes=4)
+    x = paddle.randn([2, 3, 32, 32])
+    with BackwardGraphRecorder(str(tmp_path), net, every=1, verbose=0, formats=("json", "png"),
+                               visualdl_graphs=False) as rec:
+        with rec.step(1):
+            net(x).mean().backward()
+    run = tmp_path / "backward_graph"
+    image = vdl_records(str(run)).get_data("image", "backward_graph/from_step_000001")[0]
+    assert image.image.encoded_image_string == (run / "step_000001.png").read_bytes()
+    graph = BackwardGraph.from_json((run / "step_000001.json").read_text())
+    from paddleviz_hooks.render import render_png
+
+    info: dict = {}
+    render_png(graph, info=info)  # what the PNG file shows: blocks, not one box
+    assert info["collapsed_depth"] != 0
