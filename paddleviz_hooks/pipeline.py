@@ -310,14 +310,18 @@ class CapturePipeline:
         opts, files = self.options, self.files
         graph, step, trigger, suffix = job.graph, job.step, job.trigger, job.suffix
         prev = self._prev.get(suffix)  # the same backward of an earlier step
+        # a replayed step (the NaN origin's replay) is rooted at the model output, not the loss:
+        # compared with ordinary captures it would report its missing loss ops as a structure change
+        replayed = bool(graph.meta.get("replayed"))
         diff = None
-        if prev is not None:
+        if prev is not None and not replayed:
             try:
                 diff = diff_graphs(prev[0], graph)
             except Exception as exc:
                 self._warn("diff", f"comparing with the previous capture failed: {exc!r}")
         path = self._json_path(graph, step, suffix)
-        self._prev[suffix] = (graph, path)
+        if not replayed:
+            self._prev[suffix] = (graph, path)
         if "dot" in opts.formats:
             files.write(step, "dot", to_dot(graph, title=_title(step, trigger, graph)), suffix=suffix)
         if diff is not None and diff.structure_changed and "json" in opts.formats:

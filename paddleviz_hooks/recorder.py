@@ -533,6 +533,15 @@ class BackwardGraphRecorder:
                 self._applied_norm = global_grad_norm(self.model.parameters())
             except Exception as exc:
                 self._warn("accumulated", f"reading param.grad failed: {exc!r}")
+        if trigger == "scheduled" and self.options.on_nonfinite:
+            # a scheduled step that went NaN/Inf is that trigger's capture too (named, and filed as such)
+            loss = graph.meta.get("loss")
+            if isinstance(loss, float) and not math.isfinite(loss):
+                trigger = "nonfinite_loss"
+            elif graph.nonfinite_count():
+                trigger = "nonfinite_grad"
+            if trigger != "scheduled":
+                graph.meta["trigger"] = trigger
         self._locate(graph, trigger)
         if self._triggers.note is not None:
             graph.meta["trigger_note"], self._triggers.note = self._triggers.note, None

@@ -436,3 +436,41 @@ def test_gradient_accumulation_replays_the_micro_batch_that_went_wrong(tmp_path)
     assert g.meta["replayed"] is True and g.nonfinite_count() > 0
     assert g.meta["backward"]["role"] == "micro-batch 2 of 2"
     _assert_sqrt_origin(g.meta["nonfinite_origin"])
+
+
+class _SqrtNet(nn.Layer):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.b(paddle.sqrt(self.a(x).abs() + x.mean()))  # NaN when the batch mean is very negative
+
+
+def _sqrt_run(tmp_path, every, bad_step, steps=4):
+    paddle.seed(3)
+    net = _SqrtNet()
+    with BackwardGraphRecorder(str(tmp_path), net, every=every, on_nonfinite=True, verbose=0,
+                               formats=("json",)) as rec:
+        for step in range(1, steps + 1):
+            x = paddle.rand([2, 4]) - (1000.0 if step == bad_step else 0.0)
+            with rec.step(step):
+                net(x).mean().backward()
+            net.clear_gradients()
+    return tmp_path / "backward_graph"
+
+
+def test_a_scheduled_step_that_goes_nan_is_filed_and_named_as_nan(tmp_path):
+    run = _sqrt_run(tmp_path, every=3, bad_step=3)
+    meta = BackwardGraph.from_json((run / "step_000003.json").read_text()).meta
+    assert meta["trigger"] == "nonfinite_loss"  # not just 'scheduled': the user is told
+    assert meta["nonfinite_origin"]["op"] == "sqrt"
+
+
+def test_a_replayed_step_is_not_diffed_against_ordinary_captures(tmp_path):
+    run = _sqrt_run(tmp_path, every=2, bad_step=3)
+    replayed = BackwardGraph.from_json((run / "step_000003.json").read_text())
+    assert replayed.meta.get("replayed") and replayed.meta["nonfinite_origin"]["op"] == "sqrt"
+    # the replay is rooted at the model output: compared with step 2 or 4 it would report the
+    # loss ops as gone and back again
+    assert not list(run.glob("step_*_diff.json")), sorted(p.name for p in run.iterdir())

@@ -173,11 +173,14 @@ def _load_runs(log_dir: str, timeout: float) -> tuple[list[_Run], list[tuple[str
             st.svg = _existing_svg(st.json_path)
             if st.svg is None:
                 jobs.append((st, "svg", render_svg, (st.graph,), {"title": f"step {st.number}"}))
-            if prev is not None:
+            # a replayed step (rooted at the model output) is not compared with ordinary ones
+            replayed = bool(st.graph.meta.get("replayed"))
+            if prev is not None and not replayed:
                 st.diff = diff_graphs(prev.graph, st.graph)
                 if st.diff.changed:
                     jobs.append((st, "diff_svg", render_diff, (st.diff, st.graph, prev.graph), {"format": "svg"}))
-            prev = st
+            if not replayed:
+                prev = st
     workers = max(1, min(4, os.cpu_count() or 1))
     with ThreadPoolExecutor(max_workers=workers) as pool:
         futures = [
@@ -380,7 +383,7 @@ def _step_panel(run: _Run, ri: int, si: int) -> str:
     out.append(_site_list(g))
     d = st.diff
     if d is not None:
-        prev = run.steps[si - 1].number
+        prev = d.older_step if d.older_step is not None else run.steps[si - 1].number
         cls = "changed" if d.structure_changed else "same"
         out.append(f'<h3 class="{cls}">Changes since step {_e(prev)}</h3><ul class="facts">{_lines(diff_summary(d))}</ul>')
         if d.structure_changed:
