@@ -17,13 +17,14 @@ from typing import Any, Iterable, Iterator, Sequence
 import paddle
 
 from .capture import BackwardCapture
+from .capture.gradnode import strip_wrapper_prefix
 from .capture.nan_origin import StepInputs, locate, replay_step
 from .graph import BackwardGraph
 from .options import FORMATS, RecorderOptions
 from .pipeline import CaptureJob, CapturePipeline
 from .sinks.files import StepFiles
 from .text import MODEL_OUTPUT, backward_role, describe_node, describe_origin
-from .triggers import Triggers, global_grad_norm
+from .triggers import Triggers, global_grad_norm, weights_nonfinite
 from .warn import WarnOnce
 
 __all__ = ["BackwardGraphRecorder"]
@@ -533,6 +534,12 @@ class BackwardGraphRecorder:
                 self._applied_norm = global_grad_norm(self.model.parameters())
             except Exception as exc:
                 self._warn("accumulated", f"reading param.grad failed: {exc!r}")
+            try:  # an earlier update may have written NaN/Inf into the weights themselves
+                bad = weights_nonfinite(self.model.named_parameters())
+                if bad:
+                    graph.meta["nonfinite_weights"] = [strip_wrapper_prefix(n) for n in bad]
+            except Exception as exc:
+                self._warn("weights", f"checking the weights for NaN/Inf failed: {exc!r}")
         if trigger == "scheduled" and self.options.on_nonfinite:
             # a scheduled step that went NaN/Inf is that trigger's capture too (named, and filed as such)
             loss = graph.meta.get("loss")

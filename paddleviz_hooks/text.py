@@ -625,6 +625,9 @@ def graph_summary(graph: BackwardGraph, top: int = 5, previous: BackwardGraph | 
         lines.append(f"NaN/Inf in the gradients of {plural(len(bad_params), 'parameter')}: {_names(bad_params)};")
     elif graph.meta.get("grad_stats"):
         lines.append("no NaN/Inf in the observed gradients;" if unhooked or compiled else "no NaN/Inf gradients;")
+    weights = graph.meta.get("nonfinite_weights")
+    if weights:  # an update already wrote NaN/Inf into them: finite gradients do not mean a healthy model
+        lines.append(f"NaN/Inf in the weights of {plural(len(weights), 'parameter')}: {_names(list(weights))};")
     kinds = sorted({n.op for n in unhooked})
     # named once, and again only when the set changes (no repeated boilerplate step after step)
     if unhooked and (previous is None or kinds != sorted({n.op for n in _unobserved_ops(previous)})):

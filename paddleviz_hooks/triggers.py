@@ -72,6 +72,21 @@ def grads_nonfinite(params: Any) -> bool | None:
     return any(not bool(paddle.isfinite(g).all()) for g in grads)
 
 
+def weights_nonfinite(named: Any) -> list[str]:
+    """Names of the parameters whose values (not gradients) hold NaN/Inf.
+
+    One sum per parameter, one host transfer; only a non-finite total is
+    looked at per tensor. Run on captured steps only.
+    """
+    items = [(n, p) for n, p in named if p.dtype in (paddle.float32, paddle.float64, paddle.float16, paddle.bfloat16)]
+    if not items:
+        return []
+    sums = [local_value(p).astype("float32").sum() for _, p in items]
+    if math.isfinite(float(paddle.add_n(sums)) if len(sums) > 1 else float(sums[0])):
+        return []
+    return [n for n, p in items if not bool(paddle.isfinite(local_value(p)).all())]
+
+
 class Triggers:
     """The trigger state of one recorder.
 

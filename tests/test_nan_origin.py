@@ -17,7 +17,7 @@ import paddle.nn as nn
 import paddle.nn.functional as F
 import pytest
 
-from paddleviz_hooks import BackwardGraph, BackwardGraphCallback, BackwardGraphRecorder, find_nonfinite_origin
+from paddleviz_hooks import BackwardGraph, BackwardGraphCallback, BackwardGraphRecorder, find_nonfinite_origin, summarize
 from paddleviz_hooks.capture import dispatcher_installed
 from paddleviz_hooks.text import describe_origin
 
@@ -474,3 +474,20 @@ def test_a_replayed_step_is_not_diffed_against_ordinary_captures(tmp_path):
     # the replay is rooted at the model output: compared with step 2 or 4 it would report the
     # loss ops as gone and back again
     assert not list(run.glob("step_*_diff.json")), sorted(p.name for p in run.iterdir())
+
+
+def test_nan_weights_are_reported_when_the_gradients_are_finite(tmp_path):
+    """An update wrote NaN into conv weights; relu turns the NaN activations into 0 on CPU, so
+    loss and gradients are finite: the summary must not read as a healthy model."""
+    paddle.seed(4)
+    net = nn.Sequential(nn.Conv2D(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 2))
+    with paddle.no_grad():
+        w = net[0].weight.numpy()
+        w[0, 0, 0, 0] = float("nan")
+        net[0].weight.set_value(w)
+    with BackwardGraphRecorder(str(tmp_path), net, every=1, verbose=0, formats=("json",)) as rec:
+        with rec.step(1):
+            net(paddle.rand([2, 3, 8, 8])).mean().backward()
+    g = BackwardGraph.from_json((tmp_path / "backward_graph" / "step_000001.json").read_text())
+    assert g.meta["nonfinite_weights"] == ["0.weight"]
+    assert "NaN/Inf in the weights of 1 parameter: 0.weight;" in summarize(g)
