@@ -33,7 +33,7 @@ from .sinks.files import StepFiles
 from .sinks.vdl_graph import write_vdl_graph
 from .sinks.visualdl import (LAYER_NORM_GROUP, SAVED_MEMORY_GROUP, SCALAR_GROUP, TagPages, VisualDLSink, encode_like_visualdl,
                              png_to_array)
-from .text import backward_role, diff_summary, graph_summary
+from .text import backward_role, diff_summary, graph_summary, origin_title
 from .warn import WarnOnce
 
 __all__ = ["BackgroundWorker", "CaptureJob", "CapturePipeline", "VIEWER_LABEL_PX", "viewer_views"]
@@ -524,8 +524,10 @@ class CapturePipeline:
 
 def _title(step: int, trigger: str, graph: BackwardGraph | None = None) -> str:
     role = backward_role(graph.meta.get("backward")) if graph is not None else ""
+    origin = graph.meta.get("nonfinite_origin") if graph is not None else None
     return (f"step {step}" + (f", {role}" if role else "")
-            + ("" if trigger == "scheduled" else f" - trigger: {trigger}"))
+            + ("" if trigger == "scheduled" else f" - trigger: {trigger}")
+            + (f" - {origin_title(origin)}" if isinstance(origin, dict) else ""))
 
 
 def _join(name: str, suffix: str) -> str:

@@ -33,6 +33,7 @@ __all__ = [
     "shard_line",
     "call_name",
     "capture_title",
+    "origin_title",
     "collapse_note",
     "describe_node",
     "describe_origin",
@@ -288,6 +289,29 @@ def describe_origin(origin: dict[str, Any]) -> str:
         return ("the replay of this step did not reproduce its NaN/Inf (the forward depends on more than "
                 f"its inputs and the random state, e.g. a counter); {first}")
     return first
+
+
+def origin_title(origin: dict[str, Any]) -> str:
+    """Where a NaN/Inf started, short enough for a picture's title.
+
+    Example:
+        >>> origin_title({"kind": "forward", "op": "sqrt", "layer": "block", "file": "/src/model.py", "line": 16})
+        'NaN/Inf starts at sqrt in block, model.py:16'
+        >>> origin_title({"kind": "not_reproduced", "op": "Sqrt"})
+        'a replay that did not reproduce the NaN/Inf'
+    """
+    kind = origin.get("kind")
+    if kind == "forward":
+        where = f" in {layer_name(origin.get('layer'))}" if origin.get("layer") is not None else f" {OUTSIDE_MODEL}"
+        at = f", {os.path.basename(str(origin['file']))}:{origin.get('line')}" if origin.get("file") else ""
+        return f"NaN/Inf starts at {origin.get('op')}{where}{at}"
+    return {
+        "input": "NaN/Inf already in the input data",
+        "weights": f"NaN/Inf already in the weights ({layer_name(origin.get('layer'))})",
+        "outside": f"NaN/Inf made {OUTSIDE_MODEL}",
+        "backward": "NaN/Inf made in the backward",
+        "not_reproduced": "a replay that did not reproduce the NaN/Inf",
+    }.get(kind, "NaN/Inf")
 
 
 def origin_mark(origin: dict[str, Any]) -> str:

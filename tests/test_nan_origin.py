@@ -451,7 +451,7 @@ def _sqrt_run(tmp_path, every, bad_step, steps=4):
     paddle.seed(3)
     net = _SqrtNet()
     with BackwardGraphRecorder(str(tmp_path), net, every=every, on_nonfinite=True, verbose=0,
-                               formats=("json",)) as rec:
+                               formats=("json", "dot")) as rec:
         for step in range(1, steps + 1):
             x = paddle.rand([2, 4]) - (1000.0 if step == bad_step else 0.0)
             with rec.step(step):
@@ -465,6 +465,8 @@ def test_a_scheduled_step_that_goes_nan_is_filed_and_named_as_nan(tmp_path):
     meta = BackwardGraph.from_json((run / "step_000003.json").read_text()).meta
     assert meta["trigger"] == "nonfinite_loss"  # not just 'scheduled': the user is told
     assert meta["nonfinite_origin"]["op"] == "sqrt"
+    # the picture says it too, also where the sqrt has no grad node to frame
+    assert "NaN/Inf starts at sqrt in <top>, test_nan_origin.py:" in (run / "step_000003.dot").read_text()
 
 
 def test_a_replayed_step_is_not_diffed_against_ordinary_captures(tmp_path):
