@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -134,11 +135,13 @@ class Explorer:
         files: the exported files it serves.
     """
 
-    def __init__(self, url: str, files: ExplorerExport, process: subprocess.Popen, log_path: str) -> None:
+    def __init__(self, url: str, files: ExplorerExport, process: subprocess.Popen, log_path: str,
+                 temp_dir: str | None = None) -> None:
         self.url = url
         self.files = files
         self._process = process
         self._log_path = log_path
+        self._temp_dir = temp_dir  # made by explore(): removed by stop()
 
     @property
     def running(self) -> bool:
@@ -157,6 +160,9 @@ class Explorer:
                 proc.wait(timeout=10)
             except ProcessLookupError:
                 pass
+        if self._temp_dir is not None:
+            shutil.rmtree(self._temp_dir, ignore_errors=True)
+            self._temp_dir = None
 
     def iframe(self, height: int = 800) -> str:
         """HTML of an iframe showing the page."""
@@ -205,8 +211,14 @@ def explore(source: Any, *, host: str = DEFAULT_HOST, port: int | None = None, o
     _check_host_port(host, port)
     if not isinstance(height, int) or isinstance(height, bool) or height < 100:
         raise ValueError(f"height must be an int of at least 100 pixels, got {height!r}")
-    files = export_explorer(source, out_dir or tempfile.mkdtemp(prefix="paddleviz-explorer-"))
     _require()
+    temp_dir = None if out_dir else tempfile.mkdtemp(prefix="paddleviz-explorer-")
+    try:
+        files = export_explorer(source, out_dir or temp_dir)
+    except BaseException:
+        if temp_dir is not None:
+            shutil.rmtree(temp_dir, ignore_errors=True)
+        raise
     port = _free_port(host, port)
     log_path = os.path.join(os.path.dirname(files.graphs), "server.log")
     cmd = [sys.executable, "-m", "paddleviz_hooks.explore", files.graphs, *files.overlays.values(),
@@ -214,7 +226,7 @@ def explore(source: Any, *, host: str = DEFAULT_HOST, port: int | None = None, o
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True)
-    handle = Explorer(explorer_url(files, host, port), files, proc, log_path)
+    handle = Explorer(explorer_url(files, host, port), files, proc, log_path, temp_dir)
     deadline = time.monotonic() + _START_TIMEOUT
     shown = f"[{host}]" if ":" in host else host
     while True:

@@ -324,6 +324,18 @@ def test_explore_returns_at_once_and_serves_offline(tmp_path, monkeypatch, capsy
     assert not handle.running
 
 
+def test_explore_removes_its_own_temporary_export_when_stopped():
+    pytest.importorskip("model_explorer")
+    from paddleviz_hooks.explore import explore
+
+    g = BackwardGraph([Node(0, "root", "loss", "loss"), Node(1, "op", "ExpGradNode", "Exp")], [Edge(0, 1)],
+                      meta={"step": 1})
+    with explore(g, inline=False) as handle:
+        export_dir = os.path.dirname(handle.files.graphs)
+        assert os.path.isdir(export_dir)
+    assert not os.path.exists(export_dir)  # nothing left in the temporary directory
+
+
 # --------------------------------------------------------------------------
 # end to end: Model.fit with a NaN trigger, `paddleviz-hooks explore`, headless Chromium
 # --------------------------------------------------------------------------
