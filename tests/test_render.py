@@ -283,3 +283,22 @@ def test_hostile_names_dot_has_no_open_strings(hostile_graph, tmp_path):
         pytest.skip("no engine")
     nodes, _ = parse_plain(run_engine(source, "plain", engine=eng).decode("utf-8"))
     assert len(nodes) == len(hostile_graph.nodes) + 1
+
+
+def test_an_edge_into_an_op_without_a_hook_says_not_observed():
+    """paddle.Model sums its losses with add_n (AddN takes no hook): the loss's gradient into it
+    has a shape but no value seen, and is drawn so, not as a plain solid edge."""
+    import paddle
+
+    from paddleviz_hooks import capture_backward
+    from paddleviz_hooks.render import to_dot
+
+    net = paddle.nn.Linear(3, 2)
+    with capture_backward(net) as cap:
+        out = net(paddle.randn([2, 3]))
+        paddle.add_n([out.mean(), out.sum()]).backward()
+    g = cap.graph
+    addn = next(n for n in g.nodes if n.op.startswith("AddN"))
+    assert not addn.hooked
+    line = next(l for l in to_dot(g).split("\n") if l.strip().startswith(f"n0 -> n{addn.id} "))
+    assert "not observed" in line and "dashed" in line, line

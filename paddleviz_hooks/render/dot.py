@@ -145,13 +145,13 @@ def dot_parts(
 
 def _observed(graph: BackwardGraph, e: Edge) -> bool:
     """False for a gradient with a known shape whose values no hook saw: one
-    that leaves or enters an op inside a compiled program (or a box of
-    unhooked ops only) and carries no statistics."""
+    that leaves or enters an op without a hook (inside a compiled program,
+    AddN, Concat...) or a box of such ops only, and carries no statistics."""
     if e.grad is None or e.grad.norm is not None or not graph.meta.get("grad_stats"):
         return e.grad is not None
 
-    def unseen(n: Node) -> bool:
-        return n.note == PROGRAM_OP_NOTE or (n.kind == "layer" and 0 < n.ops == n.unhooked)
+    def unseen(n: Node) -> bool:  # an op without a hook (AddN, Concat, a program op) or a box of such ops
+        return (n.kind == "op" and not n.hooked) or (n.kind == "layer" and 0 < n.ops == n.unhooked)
 
     return not (unseen(graph.nodes[e.src]) or unseen(graph.nodes[e.dst]))
 
