@@ -242,27 +242,22 @@ def _nonfinite_data(graph: BackwardGraph) -> dict[str, Any]:
             "hideInChildrenStatsTable": True}
 
 
-def _norm_data(graph: BackwardGraph) -> dict[str, Any]:
+def _log10_overlay(graph: BackwardGraph, values: dict[str, float], name: str, gradient: Any) -> dict[str, Any]:
+    """A node-data overlay of log10 of positive finite values given by node key."""
     by_key = {n.key: n.id for n in graph.nodes}
-    results = {}
-    for key, norm in node_norms(graph).items():
-        if math.isfinite(norm) and norm > 0 and key in by_key:
-            results[str(by_key[key])] = {"value": math.log10(norm)}
-    return {"name": "log10 grad norm", "results": results,
-            "gradient": _SEQUENTIAL, "hideAggregatedStats": ["sum"],
+    results = {str(by_key[k]): {"value": math.log10(v)} for k, v in values.items()
+               if k in by_key and v > 0 and math.isfinite(v)}
+    return {"name": name, "results": results, "gradient": gradient, "hideAggregatedStats": ["sum"],
             "hideInChildrenStatsTable": True}
+
+
+def _norm_data(graph: BackwardGraph) -> dict[str, Any]:
+    return _log10_overlay(graph, node_norms(graph), "log10 grad norm", _SEQUENTIAL)
 
 
 def _change_data(graph: BackwardGraph, diff: GraphDiff | None) -> dict[str, Any]:
-    by_key = {n.key: n.id for n in graph.nodes}
-    results = {}
-    if diff is not None:
-        for key, r in diff.node_norm_ratios.items():
-            if key in by_key and r > 0 and math.isfinite(r):
-                results[str(by_key[key])] = {"value": math.log10(r)}
-    return {"name": "log10 norm change since previous", "results": results,
-            "gradient": _DIVERGING, "hideAggregatedStats": ["sum"],
-            "hideInChildrenStatsTable": True}
+    ratios = diff.node_norm_ratios if diff is not None else {}
+    return _log10_overlay(graph, ratios, "log10 norm change since previous", _DIVERGING)
 
 
 def _added_data(graph: BackwardGraph, diff: GraphDiff | None) -> dict[str, Any]:
