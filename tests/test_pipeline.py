@@ -199,9 +199,14 @@ def test_a_10000_node_graph_is_captured_and_drawn_legibly(tmp_path):
 
 
 def test_visualdl_never_gets_a_one_box_picture_of_a_real_model(tmp_path):
-    """The picture sized for VisualDL's viewer shrinks resnet18 into a single box; then the
-    PNG file's picture (blocks visible, the viewer can zoom) is what VisualDL shows."""
+    """resnet18's picture for VisualDL's viewer (1280x720, labels >= 8 px) wraps its top-level
+    blocks into rows instead of shrinking the model into a single box; were it one box, the PNG
+    file's picture would be logged instead."""
     from _fitkit import vdl_records
+    from paddleviz_hooks.options import RecorderOptions
+    from paddleviz_hooks.pipeline import viewer_views
+    from paddleviz_hooks.render import png_size
+    from paddleviz_hooks.sinks.visualdl import encode_like_visualdl, png_to_array
 
     paddle.seed(0)
     net = paddle.vision.models.resnet18(num_classes=4)
@@ -212,10 +217,10 @@ def test_visualdl_never_gets_a_one_box_picture_of_a_real_model(tmp_path):
             net(x).mean().backward()
     run = tmp_path / "backward_graph"
     image = vdl_records(str(run)).get_data("image", "backward_graph/from_step_000001")[0]
-    assert image.image.encoded_image_string == (run / "step_000001.png").read_bytes()
     graph = BackwardGraph.from_json((run / "step_000001.json").read_text())
-    from paddleviz_hooks.render import render_png
-
-    info: dict = {}
-    render_png(graph, info=info)  # what the PNG file shows: blocks, not one box
-    assert info["collapsed_depth"] != 0
+    seen: dict = {}
+    viewer = viewer_views(graph, RecorderOptions.check(), "step 1", info=seen)["png"]
+    assert seen["collapsed_depth"] != 0 and seen["nodes"] > 5, seen  # the blocks, not one box
+    w, h = png_size(viewer)
+    assert w <= 1280 and h <= 720
+    assert image.image.encoded_image_string == encode_like_visualdl(png_to_array(viewer))

@@ -109,11 +109,14 @@ _EDGE_LINE = re.compile(r"^(\s*)(\w+) -> (\w+) \[(.*)\]$")
 _NODE_LINE = re.compile(r"^\s*(\w+) \[label=")
 
 
-def _cluster_members(source: str, innermost: bool = False) -> list[set[str]]:
+def _cluster_members(source: str, innermost: bool = False, boxes_split: bool = False) -> list[set[str]]:
     """Node names inside each ``subgraph cluster_*`` of DOT ``source``.
 
     With ``innermost``, only clusters that hold no other cluster (one
-    layer's own ops, such as a Conv2D's conv, bias add and reshape).
+    layer's own ops, such as a Conv2D's conv, bias add and reshape); with
+    ``boxes_split`` also not a frame around collapsed sublayers (``box3d``
+    nodes, a model's top-level blocks), which holds sublayers, not one
+    layer's own ops.
     """
     clusters: list[set[str]] = []
     has_child: list[bool] = []
@@ -133,6 +136,8 @@ def _cluster_members(source: str, innermost: bool = False) -> list[set[str]]:
             if m and stack:
                 for c in stack:
                     clusters[c].add(m.group(1))
+                if boxes_split and 'shape="box3d"' in line:
+                    has_child[stack[-1]] = True  # a collapsed sublayer: as good as a child cluster
     if innermost:
         return [c for c, child in zip(clusters, has_child) if not child]
     return clusters
@@ -214,7 +219,9 @@ def _wrapped(source: str, plain: str, rankdir: str, bands: int) -> tuple[str, di
         return None
     lo, hi = min(pos.values()), max(pos.values())
     extents = []
-    inner = _cluster_members(source, innermost=True)
+    # rows (LR) read like lines of text: a frame of collapsed blocks may continue on the next
+    # row; columns (TB) keep such a frame whole (cut, it scatters its blocks over two columns)
+    inner = _cluster_members(source, innermost=True, boxes_split=rankdir == "LR")
     for members in _cluster_members(source):
         ps = [pos[n] for n in members if n in pos]
         # a layer's own ops stay together (model-wide frames may be cut), and
