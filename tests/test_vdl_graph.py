@@ -203,3 +203,34 @@ def test_capture_folder_names_read_as_step_trigger_run(tmp_path):
     assert os.path.relpath(pipe.graph_dir(8, "nonfinite_loss"), files.directory) == os.path.join(
         "graphs", "step_000008-nonfinite_loss-exp_b.backward_graph")
     assert os.path.basename(pipe.graph_dir(100, "scheduled")) == "step_000100-exp_b.backward_graph"
+
+
+def test_a_sublayers_ops_sit_inside_the_call_of_its_parent_that_ran_them():
+    """A block called twice: its Linear's ops of each call lie in that call's box (the layer-call
+    tree), not in one box of the Linear shared by both calls."""
+
+    class Blk(paddle.nn.Layer):
+        def __init__(self):
+            super().__init__()
+            self.fc = paddle.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return paddle.tanh(self.fc(x))
+
+    class Twice(paddle.nn.Layer):
+        def __init__(self):
+            super().__init__()
+            self.blk = Blk()
+
+        def forward(self, x):
+            return self.blk(self.blk(x))
+
+    net = Twice()
+    with capture_backward(net) as cap:
+        net(paddle.randn([2, 4])).sum().backward()
+    nodes = vdl_graph(cap.graph)["nodes"]
+    matmul_boxes = sorted(n["parent_node"] for n in nodes if n["is_leaf_node"] and n["name"].startswith("/blk")
+                          and "Matmul" in n["name"])
+    assert [p.split("/")[2] for p in matmul_boxes] == ["call1", "call2"], matmul_boxes
+    weight = next(n for n in nodes if n["is_leaf_node"] and n["name"].endswith("weight"))
+    assert weight["parent_node"] == "/blk/fc"  # shared by both calls: in the Linear's box, beside them

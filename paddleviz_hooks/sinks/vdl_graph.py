@@ -40,6 +40,7 @@ from collections import defaultdict
 from typing import Any
 
 from .._fileio import atomic_write
+from ..collapse import call_paths
 from ..escape import vdl_graph_name
 from ..graph import BackwardGraph, GradMeta, Node
 from ..text import NOT_OBSERVED, edge_lines, fmt_num, layer_name
@@ -139,6 +140,17 @@ def _layer_of(graph: BackwardGraph, n: Node) -> str | None:
     return n.layer if n.kind == "op" else None
 
 
+def _levels(layer: str | None, skip: int = 0) -> list[tuple[str, None]]:
+    """The layer boxes down to ``layer`` (not one call of any), without the first ``skip``.
+
+    Example:
+        >>> _levels("encoder.layers.0", 1)
+        [('encoder.layers', None), ('encoder.layers.0', None)]
+    """
+    parts = layer.split(".") if layer else []
+    return [(".".join(parts[:i]), None) for i in range(skip + 1, len(parts) + 1)]
+
+
 def vdl_graph(graph: BackwardGraph) -> dict[str, Any]:
     """VisualDL's graph JSON (``{"version", "nodes", "vars", "edges"}``) for one capture.
 
@@ -149,33 +161,31 @@ def vdl_graph(graph: BackwardGraph) -> dict[str, Any]:
         A dict that VisualDL's ``visualdl.component.graph.Model`` loads.
     """
     tree = _Tree()
-    calls: dict[str | None, set[int]] = defaultdict(set)
-    for n in graph.nodes:
-        if n.kind == "op":
-            calls[n.layer].add(n.call)
+    paths = call_paths(graph)  # the layer calls each node lies in, outermost first
+    calls: dict[str, int] = defaultdict(int)  # layer path -> calls the graph shows
+    for pairs in paths:
+        for layer, call in pairs:
+            calls[layer] = max(calls[layer], call + 1)
     norms: dict[str, list[float]] = defaultdict(list)  # box path -> its parameters' gradient norms
 
-    def layer_box(layer: str | None, call: int | None) -> str:
-        if layer is None:
-            return "/"
+    def layer_box(pairs: list[tuple[str, int | None]]) -> str:
+        """The box of a node inside these layer calls (``None``: the layer, not one call of it);
+        a layer the graph shows called several times holds one box per call."""
         path = "/"
-        if layer:
-            parts = layer.split(".")
-            for i, part in enumerate(parts):
-                dotted = ".".join(parts[: i + 1])
-                cls = graph.layers.get(dotted, "Layer")
-                path = tree.child(path, ("layer", part), part, f"{part} ({cls})", leaf=False,
-                                  show=f"{dotted} ({cls})")
-                box = tree.nodes[path]
-                if "layer" not in box["attrs"]:
-                    _set(box, "layer", dotted)
-                    _set(box, "class", graph.layers.get(dotted, "?"))
-        if call is not None and len(calls.get(layer, ())) > 1:
-            n_calls = len(calls[layer])
-            path = tree.child(path, ("call", call), f"call{call + 1}",
-                              f"call {call + 1} of {n_calls} ({graph.layers.get(layer, 'Layer')})", leaf=False,
-                              show=f"{layer_name(layer)} call {call + 1} of {n_calls}")
-            _set(tree.nodes[path], "call", f"{call + 1} of {n_calls}")
+        for dotted, call in pairs:
+            part = dotted.rsplit(".", 1)[-1]
+            cls = graph.layers.get(dotted, "Layer")
+            path = tree.child(path, ("layer", part), part, f"{part} ({cls})", leaf=False,
+                              show=f"{dotted} ({cls})")
+            box = tree.nodes[path]
+            if "layer" not in box["attrs"]:
+                _set(box, "layer", dotted)
+                _set(box, "class", graph.layers.get(dotted, "?"))
+            if call is not None and calls[dotted] > 1:
+                n_calls = calls[dotted]
+                path = tree.child(path, ("call", call), f"call{call + 1}", f"call {call + 1} of {n_calls} ({cls})",
+                                  leaf=False, show=f"{layer_name(dotted)} call {call + 1} of {n_calls}")
+                _set(tree.nodes[path], "call", f"{call + 1} of {n_calls}")
         return path
 
     # leaves
@@ -185,7 +195,9 @@ def vdl_graph(graph: BackwardGraph) -> dict[str, Any]:
             path = tree.child("/", ("node", n.id), n.name or "loss", "feed", leaf=True)
         elif n.kind == "param":
             layer = _layer_of(graph, n)
-            box = layer_box(layer, None)
+            # in the calls that used it (call_paths); a weight shared by several calls of its
+            # layer sits in that layer's box, beside the boxes of the calls
+            box = layer_box(list(paths[n.id]) + _levels(layer, len(paths[n.id])))
             short = (n.param or "parameter").rpartition(".")[2] if layer is not None else (n.param or "parameter")
             path = tree.child(box, ("node", n.id), short, f"{short} (parameter)", leaf=True)
             _set(tree.nodes[path], "param", n.param or "?")
@@ -193,10 +205,10 @@ def vdl_graph(graph: BackwardGraph) -> dict[str, Any]:
                 for b in [box] + tree.ancestors(box) if box != "/" else []:
                     norms[b].append(n.grad.norm)
         elif n.kind == "op":
-            box = layer_box(n.layer, n.call)
+            box = layer_box(list(paths[n.id]))
             path = tree.child(box, ("node", n.id), n.op or n.name, _op_type(n.op or n.name), leaf=True)
             where = layer_name(n.layer) if n.layer is not None else "outside the model"
-            if len(calls.get(n.layer, ())) > 1:
+            if n.layer is not None and calls[n.layer] > 1:
                 where += f" (call {n.call + 1})"
             node = tree.nodes[path]
             _set(node, "op", n.op)
@@ -260,7 +272,7 @@ def vdl_graph(graph: BackwardGraph) -> dict[str, Any]:
         where = " ".join(str(origin[k]) for k in ("op", "layer") if origin.get(k))
         at = f"{origin.get('file')}:{origin.get('line')}" if origin.get("file") else ""
         text = " ".join(x for x in (where, at, str(origin.get("code") or "")) if x) or "unknown"
-        target = "/" if not origin.get("layer") else layer_box(str(origin["layer"]), None)
+        target = "/" if not origin.get("layer") else layer_box(_levels(str(origin["layer"])))
         if target != "/":
             tree.nodes[target]["type"] = "NaN origin: " + tree.nodes[target]["type"]
         _set(tree.nodes[target], "NaN from", text)
