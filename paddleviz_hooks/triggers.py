@@ -51,40 +51,34 @@ def global_grad_norm(params: Any) -> float | None:
     return math.sqrt(max(total, 0.0)) if not math.isnan(total) else math.nan
 
 
-def grads_nonfinite(params: Any) -> bool | None:
-    """Whether any initialised ``p.grad`` of ``params`` holds NaN/Inf (None without any).
+def _nonfinite(tensors: list[Any]) -> list[int]:
+    """Indices of the tensors holding NaN/Inf.
 
-    One sum per gradient, summed on the device, one host transfer; a sum
-    that is not finite is confirmed per tensor, so finite gradients whose
-    sum overflows are not taken for NaN/Inf.
+    One sum per tensor, summed on the device, one host transfer; a sum that
+    is not finite is confirmed per tensor, so finite values whose sum
+    overflows are not taken for NaN/Inf.
     """
-    grads = []
-    for p in params:
-        g = local_value(p.grad) if p.grad is not None else None  # this rank's shard only
-        if g is not None and g._is_initialized():
-            grads.append(g if g.dtype in (paddle.float32, paddle.float64) else g.astype("float32"))
-    if not grads:
-        return None
-    sums = [g.sum() for g in grads]
-    total = float(paddle.add_n(sums)) if len(sums) > 1 else float(sums[0])
-    if math.isfinite(total):
-        return False
-    return any(not bool(paddle.isfinite(g).all()) for g in grads)
+    ts = [t if t.dtype in (paddle.float32, paddle.float64) else t.astype("float32") for t in tensors]
+    if not ts:
+        return []
+    sums = [t.sum() for t in ts]
+    if math.isfinite(float(paddle.add_n(sums)) if len(sums) > 1 else float(sums[0])):
+        return []
+    return [i for i, t in enumerate(ts) if not bool(paddle.isfinite(t).all())]
+
+
+def grads_nonfinite(params: Any) -> bool | None:
+    """Whether any initialised ``p.grad`` of ``params`` holds NaN/Inf (None without any);
+    of a distributed gradient only this rank's shard is read."""
+    grads = [local_value(p.grad) for p in params if p.grad is not None]
+    grads = [g for g in grads if g is not None and g._is_initialized()]
+    return bool(_nonfinite(grads)) if grads else None
 
 
 def weights_nonfinite(named: Any) -> list[str]:
-    """Names of the parameters whose values (not gradients) hold NaN/Inf.
-
-    One sum per parameter, one host transfer; only a non-finite total is
-    looked at per tensor. Run on captured steps only.
-    """
+    """Names of the parameters whose values (not gradients) hold NaN/Inf; run on captured steps only."""
     items = [(n, p) for n, p in named if p.dtype in (paddle.float32, paddle.float64, paddle.float16, paddle.bfloat16)]
-    if not items:
-        return []
-    sums = [local_value(p).astype("float32").sum() for _, p in items]
-    if math.isfinite(float(paddle.add_n(sums)) if len(sums) > 1 else float(sums[0])):
-        return []
-    return [n for n, p in items if not bool(paddle.isfinite(local_value(p)).all())]
+    return [items[i][0] for i in _nonfinite([local_value(p) for _, p in items])]
 
 
 class Triggers:
