@@ -33,7 +33,7 @@ from .sinks.files import StepFiles
 from .sinks.vdl_graph import write_vdl_graph
 from .sinks.visualdl import (LAYER_NORM_GROUP, SAVED_MEMORY_GROUP, SCALAR_GROUP, TagPages, VisualDLSink, encode_like_visualdl,
                              png_to_array)
-from .text import backward_role, diff_summary, graph_summary, origin_title
+from .text import backward_role, capture_title, diff_summary, graph_summary
 from .warn import WarnOnce
 
 __all__ = ["BackgroundWorker", "CaptureJob", "CapturePipeline", "VIEWER_LABEL_PX", "viewer_views"]
@@ -522,12 +522,9 @@ class CapturePipeline:
         return self._sink
 
 
-def _title(step: int, trigger: str, graph: BackwardGraph | None = None) -> str:
-    role = backward_role(graph.meta.get("backward")) if graph is not None else ""
-    origin = graph.meta.get("nonfinite_origin") if graph is not None else None
-    return (f"step {step}" + (f", {role}" if role else "")
-            + ("" if trigger == "scheduled" else f" - trigger: {trigger}")
-            + (f" - {origin_title(origin)}" if isinstance(origin, dict) else ""))
+def _title(step: int, trigger: str, graph: BackwardGraph) -> str:
+    meta = graph.meta
+    return capture_title(step, trigger, backward_role(meta.get("backward")), origin=meta.get("nonfinite_origin"))
 
 
 def _join(name: str, suffix: str) -> str:

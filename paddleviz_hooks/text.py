@@ -463,14 +463,17 @@ def node_tooltip(node: Node) -> str:
     return " | ".join(tip)
 
 
-def capture_title(step: Any, trigger: str | None = None, role: Any = None, index: int | None = None) -> str:
-    """The name of one capture in a list of captures: step, trigger, backward role.
+def capture_title(step: Any, trigger: str | None = None, role: Any = None, index: int | None = None,
+                  origin: dict[str, Any] | None = None) -> str:
+    """The name of one capture (in a list of captures, on its picture): step, backward role,
+    trigger, where a NaN/Inf started.
 
     Args:
         step: the step (text or number), None when unknown.
         trigger: what made the capture (``"scheduled"`` or None is not named).
         role: which backward of the step it was, as :func:`backward_role` words it.
         index: the capture's position (from 1), named when the step is unknown.
+        origin: ``graph.meta["nonfinite_origin"]``, worded by :func:`origin_title`.
 
     Example:
         >>> capture_title(8, "nonfinite_loss"), capture_title("03", "scheduled", "micro-batch 2 of 2")
@@ -483,6 +486,8 @@ def capture_title(step: Any, trigger: str | None = None, role: Any = None, index
         title += f" - {role}"
     if trigger and trigger != "scheduled":
         title += f" - trigger: {trigger}"
+    if isinstance(origin, dict):
+        title += f" - {origin_title(origin)}"
     return title
 
 
