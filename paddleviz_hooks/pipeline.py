@@ -28,7 +28,8 @@ from .diff import GraphDiff, diff_graphs
 from .graph import BackwardGraph
 from .options import RecorderOptions
 from .escape import vdl_graph_name
-from .render import EngineNotFound, RenderTimeout, png_size, render_diff_views, render_svg, render_views, to_dot
+from .render import (EngineNotFound, RenderTimeout, png_size, render_diff_views, render_png, render_svg,
+                     render_views, to_dot)
 from .sinks.files import StepFiles
 from .sinks.vdl_graph import write_vdl_graph
 from .sinks.visualdl import (LAYER_NORM_GROUP, SAVED_MEMORY_GROUP, SCALAR_GROUP, TagPages, VisualDLSink, encode_like_visualdl,
@@ -36,16 +37,15 @@ from .sinks.visualdl import (LAYER_NORM_GROUP, SAVED_MEMORY_GROUP, SCALAR_GROUP,
 from .text import backward_role, capture_title, diff_summary, graph_summary
 from .warn import WarnOnce
 
-__all__ = ["BackgroundWorker", "CaptureJob", "CapturePipeline", "VIEWER_LABEL_PX", "viewer_views"]
+__all__ = ["BackgroundWorker", "CaptureJob", "CapturePipeline", "VIEWER_LABEL_PX", "viewer_png"]
 
 #: Node labels (11 pt) of the VisualDL picture are at least this many pixels high
 VIEWER_LABEL_PX = 8.0
 
 
-def viewer_views(graph: BackwardGraph, options: RecorderOptions, title: str, formats: tuple[str, ...] = ("png",),
-                 *, timeout: float | None = 60.0, info: dict[str, Any] | None = None) -> dict[str, bytes]:
-    """The picture logged to VisualDL, sized for its image viewer, in each of
-    ``formats`` from one engine run (see ``render_views``).
+def viewer_png(graph: BackwardGraph, options: RecorderOptions, title: str, *, timeout: float | None = 60.0,
+               info: dict[str, Any] | None = None) -> bytes:
+    """The picture logged to VisualDL, sized for its image viewer.
 
     The viewer fits a picture into the window (about 1300x750 CSS px of a
     1440x900 window) and never enlarges it, so the picture is drawn left to
@@ -60,13 +60,13 @@ def viewer_views(graph: BackwardGraph, options: RecorderOptions, title: str, for
     height = width * 9 // 16
     max_px = width
     for _ in range(4):  # a drawing taller than 16:9 is drawn again, narrower, until it fits
-        views = render_views(graph, tuple(formats), max_px=max_px, max_nodes=options.view_max_nodes, rankdir="LR",
-                             min_dpi=VIEWER_LABEL_PX * 72 / 11, timeout=timeout, title=title, info=info)
-        w, h = png_size(views["png"])
+        png = render_png(graph, max_px=max_px, max_nodes=options.view_max_nodes, rankdir="LR",
+                         min_dpi=VIEWER_LABEL_PX * 72 / 11, timeout=timeout, title=title, info=info)
+        w, h = png_size(png)
         if h <= height or max_px <= 64:
             break
         max_px = max(64, min(max_px - 1, int(max(w, h) * height / h)))
-    return views
+    return png
 
 _STOP = object()
 
@@ -394,7 +394,7 @@ class CapturePipeline:
                 files.write(step, "svg", svg, suffix=suffix)
             if opts.visualdl and opts.viewer_px is not None:
                 seen: dict = {}
-                viewer = viewer_views(graph, opts, title, timeout=left(), info=seen)["png"]
+                viewer = viewer_png(graph, opts, title, timeout=left(), info=seen)
                 # a viewer picture that had to shrink the whole model into one box shows less
                 # than the PNG file: VisualDL gets the file's picture then (its viewer can zoom)
                 if not (seen.get("collapsed_depth") == 0 and info.get("collapsed_depth") != 0):

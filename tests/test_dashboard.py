@@ -34,7 +34,7 @@ import pytest
 
 from paddleviz_hooks import BackwardGraph, BackwardGraphCallback
 from paddleviz_hooks.options import RecorderOptions
-from paddleviz_hooks.pipeline import VIEWER_LABEL_PX, viewer_views
+from paddleviz_hooks.pipeline import VIEWER_LABEL_PX, viewer_png
 from paddleviz_hooks.sinks.visualdl import encode_like_visualdl, png_to_array
 
 REPO = Path(__file__).resolve().parents[1]
@@ -298,7 +298,7 @@ def expected_viewer_png(run_dir: Path, step: int, info: dict | None = None) -> b
     """The picture the dashboard should serve for a scheduled capture: the viewer picture
     drawn again from the step's saved JSON, encoded as VisualDL stores it."""
     graph = BackwardGraph.from_json(step_file(run_dir, step, "json").read_text())
-    png = viewer_views(graph, RecorderOptions.check(), f"step {step}", info=info)["png"]
+    png = viewer_png(graph, RecorderOptions.check(), f"step {step}", info=info)
     return encode_like_visualdl(png_to_array(png))
 
 

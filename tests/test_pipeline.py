@@ -204,7 +204,7 @@ def test_visualdl_never_gets_a_one_box_picture_of_a_real_model(tmp_path):
     file's picture would be logged instead."""
     from _fitkit import vdl_records
     from paddleviz_hooks.options import RecorderOptions
-    from paddleviz_hooks.pipeline import viewer_views
+    from paddleviz_hooks.pipeline import viewer_png
     from paddleviz_hooks.render import png_size
     from paddleviz_hooks.sinks.visualdl import encode_like_visualdl, png_to_array
 
@@ -219,7 +219,7 @@ def test_visualdl_never_gets_a_one_box_picture_of_a_real_model(tmp_path):
     image = vdl_records(str(run)).get_data("image", "backward_graph/from_step_000001")[0]
     graph = BackwardGraph.from_json((run / "step_000001.json").read_text())
     seen: dict = {}
-    viewer = viewer_views(graph, RecorderOptions.check(), "step 1", info=seen)["png"]
+    viewer = viewer_png(graph, RecorderOptions.check(), "step 1", info=seen)
     assert seen["collapsed_depth"] != 0 and seen["nodes"] > 5, seen  # the blocks, not one box
     w, h = png_size(viewer)
     assert w <= 1280 and h <= 720
