@@ -95,9 +95,16 @@ def grad_node_ptr(t: Any) -> int | None:
     return gf.node_ptr() if gf is not None else None
 
 
+_DTYPE_NAMES: dict[tuple[type, Any], str] = {}
+
+
 def dtype_name(dtype: Any) -> str:
-    """``paddle.float32`` -> ``"float32"``."""
-    return str(dtype).split(".")[-1]
+    """``paddle.float32`` -> ``"float32"`` (remembered: it is asked for every gradient)."""
+    key = (type(dtype), dtype)  # old and new dtype enums may compare equal but print differently
+    name = _DTYPE_NAMES.get(key)
+    if name is None:
+        name = _DTYPE_NAMES[key] = str(dtype).split(".")[-1]
+    return name
 
 
 def has_graph(t: Any) -> bool:

@@ -86,6 +86,9 @@ class _Session:
         self.ptrs: list[int | None] = [gn.node_ptr() if gn is not None else None for gn in walk.wrappers]
         self.totals = parent.totals if parent is not None else _ParamTotals(
             keep=any(n.name.startswith("GradNodePyLayer_") for n in walk.nodes))
+        # gradient statistics of the whole backward, nested ones included: read
+        # when it is over (one device synchronisation, see stats.py)
+        self.stats = parent.stats if parent is not None else stats.StatsQueue()
         self.param_hooks: list[int] = []  # parameters this session hooked
         self.children: list[tuple[int, "_Session"]] = []  # (node id here, stitched inner session)
         self.at: int | None = None  # where this nested session is stitched into its parent
@@ -369,7 +372,7 @@ class BackwardCapture:
             try:
                 prev = totals.tensors.get(ptr)
                 total = grad if prev is None else prev + grad  # before Paddle adds grad to param.grad
-                totals.metas[ptr] = stats.grad_meta(total, with_stats)
+                totals.metas[ptr] = stats.grad_meta(total, with_stats, s.stats)
                 if totals.applied is not None:
                     totals.applied.note(ptr, named[1], total)
                 if totals.keep:
@@ -388,6 +391,7 @@ class BackwardCapture:
 
     def _make_hook(self, s: _Session, nid: int, want_in: bool):
         with_stats = self.grad_stats
+        queue = s.stats
         out_edges = s.walk.out_edges.get(nid, [])
         root_edge = s.walk.root_edges.get(nid)
         sums = s.leaf_sums
@@ -397,10 +401,9 @@ class BackwardCapture:
         def hook(outs, ins):
             t = time.perf_counter()
             try:
-                batch = stats.StatsBatch()  # one host transfer for this node's gradients
                 produced = stats.flat_tensors(outs)
                 for e, g in zip(out_edges, produced):
-                    e.grad = stats.grad_meta(g, with_stats, batch)
+                    e.grad = stats.grad_meta(g, with_stats, queue)
                 for i in to_leaf:  # before Paddle accumulates it into the leaf (see _ParamTotals)
                     if i < len(produced):
                         prev = sums.get(out_edges[i].dst)
@@ -408,11 +411,10 @@ class BackwardCapture:
                 if root_edge is not None or want_in:
                     received = stats.flat_tensors(ins)
                     if len(received) == 1:
-                        m = stats.grad_meta(received[0], with_stats, batch)
+                        m = stats.grad_meta(received[0], with_stats, queue)
                         if root_edge is not None:
                             root_edge.grad = m
                         s.in_meta[nid] = m
-                batch.resolve()
             except Exception as exc:  # a raising hook would abort backward
                 s.errors.append(exc)
             except BaseException as exc:  # Ctrl-C: re-raised when the backward returns
@@ -463,6 +465,7 @@ class BackwardCapture:
                 return
             if not ok:
                 s.totals.clear()
+                s.stats.clear()
                 return
             if s.errors:
                 self._warn("hook", f"gradient recording failed at {len(s.errors)} nodes: {s.errors[0]!r}")
@@ -498,6 +501,7 @@ class BackwardCapture:
             return
         self._warn("unplaced", "a backward ran inside another backward but the node that ran it could not "
                                "be told for sure; it is kept as its own graph (meta['backward']['nested'])")
+        s.stats.resolve()
         graph = self._graph(s, s.walk.nodes, s.walk.edges, s.ptrs)
         graph.meta["backward"] = {"index": None, "of": None, "entry": s.entry, "nested": True}
         self._deliver(graph)
@@ -528,7 +532,7 @@ class BackwardCapture:
         for nid, total in sums.items():
             into = [e for e in w.edges if e.dst == nid]
             if all(w.nodes[e.src].hooked for e in into):
-                w.nodes[nid].grad = stats.grad_meta(total, self.grad_stats)
+                w.nodes[nid].grad = stats.grad_meta(total, self.grad_stats, s.stats)
 
     @staticmethod
     def _merge_children(s: _Session) -> None:
@@ -547,6 +551,7 @@ class BackwardCapture:
         stitched = len(s.children)
         self._merge_children(s)
         sync = self._read_applied(s)
+        s.stats.resolve()  # every statistic of this backward, in one read
         graph = self._graph(s, s.walk.nodes, s.walk.edges, s.ptrs)
         s.totals.clear()
         if sync is not None:
@@ -578,7 +583,7 @@ class BackwardCapture:
                 ag.clear()
             return None
         try:
-            s.totals.applied_metas, changed = ag.read(self.grad_stats)
+            s.totals.applied_metas, changed = ag.read(self.grad_stats, s.stats)
         except Exception as exc:
             s.totals.applied_metas = {}
             self._warn("applied", f"param.grad after the backward was not read (gradients shown are "

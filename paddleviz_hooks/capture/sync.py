@@ -73,11 +73,13 @@ class AppliedGrads:
             self.params[ptr] = param
         self.local[ptr] = local_total.clone()  # the first one may become param.grad's own storage
 
-    def read(self, with_stats: bool) -> tuple[dict[int, GradMeta], int]:
+    def read(self, with_stats: bool, queue: "stats.StatsQueue | None" = None) -> tuple[dict[int, GradMeta], int]:
         """After the backward returned: the applied gradient of each noted parameter.
 
         Args:
             with_stats: compute norms, min, max.
+            queue: the backward's statistics queue (an accelerator's numbers
+                are then read with the rest of the backward's, in one transfer).
 
         Returns:
             ptr -> metadata of ``param.grad`` after minus before, and how many
@@ -85,7 +87,7 @@ class AppliedGrads:
             synchronisation).
         """
         applied: dict[int, GradMeta] = {}
-        changed = 0
+        same = []  # 0-d booleans, read together
         for ptr, param in self.params.items():
             after = param.grad
             if after is None or not after._is_initialized() or ptr not in self.local:
@@ -93,9 +95,9 @@ class AppliedGrads:
             before = self.before.get(ptr)
             local = self.local[ptr]
             expected = local if before is None else before + local  # what Paddle accumulated
-            if not bool(paddle.equal_all(after, expected)):
-                changed += 1
-            applied[ptr] = stats.grad_meta(after if before is None else after - before, with_stats)
+            same.append(paddle.equal_all(after, expected))
+            applied[ptr] = stats.grad_meta(after if before is None else after - before, with_stats, queue)
+        changed = len(same) - int(paddle.stack(same).astype("int32").sum()) if same else 0
         return applied, changed
 
     def clear(self) -> None:

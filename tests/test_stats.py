@@ -1,0 +1,141 @@
+"""Gradient statistics: exact numbers, read without a device synchronisation per gradient.
+
+On the CPU wheel a gradient is host memory and is read in place (numpy over a
+zero-copy view). On an accelerator the reductions are queued as 0-d tensors
+and read in one transfer when the backward is over. The queued way is the
+same Paddle code on any device, so it is tested here by queuing every
+gradient (``StatsQueue(on_device=True)``) and comparing both ways with float64
+references and with ``param.grad``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import paddle
+import paddle.nn as nn
+import pytest
+
+from paddleviz_hooks import capture_backward
+from paddleviz_hooks.capture import stats
+
+
+def _ref(a: np.ndarray) -> tuple[float, float, float, int, int]:
+    a64 = a.astype(np.float64)
+    with np.errstate(all="ignore"):
+        return (float(np.sqrt(np.square(a64).sum())), float(a64.min()), float(a64.max()),
+                int(np.isnan(a64).sum()), int(np.isinf(a64).sum()))
+
+
+def _cases() -> dict[str, paddle.Tensor]:
+    rng = np.random.default_rng(0)
+    big = rng.standard_normal(300_000).astype(np.float32)  # above the zero-copy threshold
+    with_nan = big.copy()
+    with_nan[[5, 70_000]] = np.nan
+    with_inf = rng.standard_normal((4, 9)).astype(np.float32)
+    with_inf[1, 2], with_inf[3, 3] = np.inf, -np.inf
+    huge = (rng.standard_normal(1000) * 1e21).astype(np.float32)  # finite, squares overflow float32
+    return {
+        "small": paddle.to_tensor(rng.standard_normal((3, 5)).astype(np.float32)),
+        "big": paddle.to_tensor(big),
+        "constant": paddle.full([1_000_003], 0.1, "float32"),  # the hardest sum for float32 accumulation
+        "float64": paddle.to_tensor(rng.standard_normal(50_000)),
+        "float16": paddle.to_tensor(rng.standard_normal(999).astype(np.float16)),
+        "nan": paddle.to_tensor(with_nan),
+        "inf": paddle.to_tensor(with_inf),
+        "huge": paddle.to_tensor(huge),
+        "strided": paddle.to_tensor(rng.standard_normal((256, 300)).astype(np.float32)).t(),
+    }
+
+
+@pytest.mark.parametrize("on_device", [False, True], ids=["host", "queued"])
+def test_statistics_equal_float64_references(on_device):
+    q = stats.StatsQueue(on_device=on_device)
+    tensors = _cases()
+    metas = {k: stats.grad_meta(t, True, q) for k, t in tensors.items()}
+    if on_device:
+        assert all(m.norm is None for m in metas.values())  # nothing read before resolve
+    q.resolve()
+    for k, t in tensors.items():
+        m = metas[k]
+        norm, lo, hi, nan, inf = _ref(t.numpy())
+        assert (m.nan, m.inf) == (nan, inf), k
+        if nan:
+            assert math.isnan(m.norm), k
+            continue
+        if inf:
+            assert m.norm == math.inf and (m.min, m.max) == (lo, hi), k
+            continue
+        assert m.min == lo and m.max == hi, k
+        # host: numpy in blocks added in float64; queued: Paddle's own reduction
+        # (on the CPU wheel a float32 accumulation, as before this queue existed)
+        assert abs(m.norm - norm) <= (1e-5 if on_device else 1e-7) * norm, (k, m.norm, norm)
+
+
+def test_a_non_float_or_empty_gradient_has_no_statistics():
+    q = stats.StatsQueue(on_device=True)
+    ints = stats.grad_meta(paddle.to_tensor([1, 2, 3]), True, q)
+    empty = stats.grad_meta(paddle.zeros([0, 4]), True, q)
+    q.resolve()
+    assert (ints.dtype, ints.norm, empty.shape, empty.norm) == ("int64", None, (0, 4), None)
+
+
+class _Net(nn.Layer):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2D(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2D(8)
+        self.emb = nn.Embedding(20, 8)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x, ids):
+        h = nn.functional.relu(self.bn(self.conv(x))).mean(axis=[2, 3])
+        return self.head(h + self.emb(ids).mean(axis=1))
+
+
+def _capture(monkeypatch, on_device: bool):
+    reads = []
+    resolve = stats.StatsQueue.resolve
+
+    def counting(self):
+        reads.append(len(self._metas))
+        return resolve(self)
+
+    monkeypatch.setattr(stats.StatsQueue, "resolve", counting)
+    monkeypatch.setattr(stats.StatsQueue, "__init__",
+                        lambda self, on_device=on_device, _init=stats.StatsQueue.__init__: _init(self, on_device=on_device))
+    paddle.seed(1)
+    net = _Net()
+    x, ids = paddle.randn([2, 3, 8, 8]), paddle.randint(0, 20, [2, 5])
+    with capture_backward(net) as cap:
+        net(x, ids).square().mean().backward()
+    grads = {n: p.grad.numpy().astype(np.float64) for n, p in net.named_parameters() if p.grad is not None}
+    monkeypatch.undo()
+    return cap.graph, grads, reads
+
+
+def test_queued_statistics_are_read_once_per_backward_and_match_param_grad(monkeypatch):
+    graph, grads, reads = _capture(monkeypatch, on_device=True)
+    queued = [r for r in reads if r]
+    assert len(queued) == 1 and queued[0] >= 15  # one read for every gradient of the backward
+    recorded = graph.params()
+    assert set(recorded) == set(grads) and len(grads) >= 7
+    for name, g in grads.items():
+        want = float(np.linalg.norm(g.ravel()))
+        assert abs(recorded[name].norm - want) <= 1e-5 * want, name
+    want = math.sqrt(sum(float(np.square(g).sum()) for g in grads.values()))
+    assert graph.global_grad_norm() == pytest.approx(want, rel=1e-5)
+    floats = [e.grad for e in graph.edges if e.grad is not None and e.grad.dtype == "float32"]
+    assert floats and all(m.norm is not None for m in floats)  # every queued number filled
+
+
+def test_host_and_queued_statistics_agree(monkeypatch):
+    host, _, _ = _capture(monkeypatch, on_device=False)
+    queued, _, _ = _capture(monkeypatch, on_device=True)
+    a = [(e.grad.norm, e.grad.min, e.grad.max) for e in host.edges if e.grad is not None and e.grad.norm is not None]
+    b = [(e.grad.norm, e.grad.min, e.grad.max) for e in queued.edges if e.grad is not None and e.grad.norm is not None]
+    assert len(a) == len(b) >= 15
+    for (n1, lo1, hi1), (n2, lo2, hi2) in zip(a, b):
+        assert (lo1, hi1) == (lo2, hi2)
+        assert abs(n1 - n2) <= 1e-6 * max(n1, 1e-30)
