@@ -26,7 +26,10 @@ Rows (medians over repeats, every ratio taken from numbers of this same run):
   drawing of the graph, layers collapsed (skipped without the ``explorer``
   extra, playwright or /usr/bin/chromium).
 * training thread: forward+backward inside ``capture_backward`` divided by the
-  plain forward+backward, with and without ``grad_stats``.
+  plain forward+backward, with and without ``grad_stats``, in wall time and
+  in process CPU time (steadier on a shared machine), for the encoder,
+  resnet50 and two networks of many small gradients (mobilenet_v3_small and
+  shufflenet_v2_x1_0, batch 2, 224x224; section ``cnn``).
 * dp2: under 2-process data parallel (``paddle.distributed.launch``, gloo on
   CPU), rank 0's uncaptured and captured steps with
   ``BackwardGraphRecorder(every=10, ranks="all")`` divided by plain steps.
@@ -144,6 +147,16 @@ def paddle_transformer():
     return model, (lambda: model(x).mean())
 
 
+def paddle_vision(name: str, batch: int = 2, size: int = 224):
+    """A ``paddle.vision.models`` network (random weights) and its loss."""
+    import paddle.vision.models as models
+
+    paddle.seed(0)
+    model = getattr(models, name)()
+    x = paddle.randn([batch, 3, size, size])
+    return model, (lambda: model(x).mean())
+
+
 def paddle_resnet50():
     from paddle.vision.models import resnet50
 
@@ -157,10 +170,12 @@ def paddle_resnet50():
 # training-thread cost of a captured step
 # --------------------------------------------------------------------------
 def _interleaved(model, loss_fn, captures: dict[str, dict[str, Any]], repeats: int
-                 ) -> tuple[dict[str, list[float]], Any]:
+                 ) -> tuple[dict[str, list[float]], dict[str, list[float]], Any]:
     """Plain forward+backward and one captured variant per ``captures`` entry
     (name -> capture_backward keywords), interleaved so drift hits all alike;
-    returns the times per kind and the last variant's last graph."""
+    returns the wall times and the process CPU times per kind (CPU time is
+    steadier on a shared machine: it leaves out waiting for a core) and the
+    last variant's last graph."""
 
     def plain():
         loss = loss_fn()
@@ -182,27 +197,30 @@ def _interleaved(model, loss_fn, captures: dict[str, dict[str, Any]], repeats: i
     for fn in kinds.values():  # warm-up
         fn()
     times: dict[str, list[float]] = {k: [] for k in kinds}
+    cpu: dict[str, list[float]] = {k: [] for k in kinds}
     graph = None
     for _ in range(repeats):
         for k, fn in kinds.items():
             gc.collect()
+            c0 = time.process_time()
             dt, out = timed(fn)
+            cpu[k].append(time.process_time() - c0)
             times[k].append(dt)
             if k == last:
                 graph = out
-    return times, graph
+    return times, cpu, graph
 
 
 def bench_steps(table: Table, name: str, model, loss_fn, repeats: int) -> Any:
     """Plain vs captured forward+backward, with and without gradient statistics."""
-    times, graph = _interleaved(model, loss_fn, {"shapes": {"grad_stats": False}, "stats": {"grad_stats": True}},
-                                repeats)
-    base = med(times["plain"])
+    times, cpu, graph = _interleaved(model, loss_fn, {"shapes": {"grad_stats": False}, "stats": {"grad_stats": True}},
+                                     repeats)
+    base, base_cpu = med(times["plain"]), med(cpu["plain"])
     table.add(name, "plain forward+backward", fmt_s(base), f"{repeats} repeats", seconds=base)
     for k, label in (("shapes", "captured, shapes only (grad_stats=False)"), ("stats", "captured, grad_stats=True")):
-        v = med(times[k])
-        table.add(name, label + " / plain", f"{v / base:.2f}x", f"{fmt_s(v)} per step",
-                  seconds=v, ratio=v / base)
+        v, c = med(times[k]), med(cpu[k])
+        table.add(name, label + " / plain", f"{v / base:.2f}x", f"{fmt_s(v)} per step; CPU time {c / base_cpu:.2f}x",
+                  seconds=v, ratio=v / base, cpu_ratio=c / base_cpu)
     return graph
 
 
@@ -211,7 +229,7 @@ def bench_steps(table: Table, name: str, model, loss_fn, repeats: int) -> Any:
 # --------------------------------------------------------------------------
 def bench_saved(table: Table, name: str, model, loss_fn, repeats: int) -> None:
     """Captured step with and without saved_memory, interleaved with a plain step."""
-    times, graph = _interleaved(model, loss_fn, {"captured": {}, "saved": {"saved_memory": True}}, repeats)
+    times, _, graph = _interleaved(model, loss_fn, {"captured": {}, "saved": {"saved_memory": True}}, repeats)
     base, cap, saved = med(times["plain"]), med(times["captured"]), med(times["saved"])
     section = name + ":saved"
     table.add(section, "captured, saved_memory=True / captured without", f"{saved / cap:.2f}x",
@@ -958,7 +976,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="few repeats, shorter fit runs (a few minutes)")
     ap.add_argument("--json", metavar="PATH", default=DEFAULT_JSON, help=f"results file (default {DEFAULT_JSON})")
     ap.add_argument("--skip", action="append", default=[],
-                    choices=["transformer", "resnet50", "huge", "fit5", "explorer", "torchviz", "callback", "nan", "saved",
+                    choices=["transformer", "resnet50", "cnn", "huge", "fit5", "explorer", "torchviz", "callback", "nan", "saved",
                              "dp"],
                     help="leave out a group of rows (repeatable)")
     ap.add_argument("--callback-child", metavar="PATH", help=argparse.SUPPRESS)
@@ -999,6 +1017,13 @@ def main(argv: list[str] | None = None) -> int:
         bench_render(table, "resnet50", g, reps["r50_render"])
         bench_drawing_rate(table, "resnet50", g, reps["rate"])
         del model, g
+    if "cnn" not in args.skip:  # many small gradients: the per-gradient cost of statistics
+        for name in ("mobilenet_v3_small", "shufflenet_v2_x1_0"):
+            model, loss_fn = paddle_vision(name)
+            g = bench_steps(table, name, model, loss_fn, reps["tr_steps"] + 2)
+            table.add(name, "graph captured (grad_stats=True)", f"{len(g.nodes)} nodes",
+                      f"{sum(1 for e in g.edges if e.grad is not None and e.grad.norm is not None)} gradients measured")
+            del model, g
     if "saved" not in args.skip:
         for name, make, n in (("encoder", paddle_transformer, reps["tr_steps"]),
                               ("resnet50", paddle_resnet50, reps["r50_steps"])):

@@ -15,9 +15,9 @@ depends on where it lives:
   Inf counts) are queued as 0-d tensors on the device, and
   :meth:`StatsQueue.resolve` brings every queued number to the host in one
   transfer when the backward is over: one device synchronisation per
-  backward, not one per gradient. A float32 gradient whose squares overflow
-  (elements beyond about 1.8e19) gets its norm from a second sum taken at
-  2**-64 scale, which is exact in binary floating point.
+  backward, not one per gradient. A gradient whose squares overflow
+  (float32 elements beyond about 1.8e19) gets its norm from a second sum
+  taken at a power-of-two scale, which is exact in binary floating point.
 
 Metadata is filled in place: a queued :class:`~paddleviz_hooks.graph.GradMeta`
 has its shape and dtype at once and its numbers after :meth:`StatsQueue.resolve`.
@@ -39,7 +39,7 @@ __all__ = ["StatsQueue", "grad_meta", "flat_tensors", "is_dist", "local_value"]
 _FLOAT_DTYPES = {"float16", "bfloat16", "float32", "float64"}
 _VIEW_MIN = 1 << 13  # elements from which a zero-copy view beats a float64 copy (docs/performance.md)
 _BLOCK = 2048  # elements per float32 dot product: worst relative error 5e-8 (docs/performance.md)
-_SCALE = 2.0 ** -64  # exact rescaling for sums of squares beyond float32's range
+_SCALE = {"float32": 2.0 ** -64, "float64": 2.0 ** -512}  # exact rescaling when squares overflow
 
 
 def _sum_squares(a: np.ndarray) -> float:
@@ -55,22 +55,26 @@ def _sum_squares(a: np.ndarray) -> float:
 
 def _host_stats(meta: GradMeta, f: Any, numel: int) -> None:
     """Fill ``meta`` from a host tensor, reading its memory in place."""
-    with np.errstate(all="ignore"):
-        if numel < _VIEW_MIN:  # a float64 copy: cheap at this size, exact, and it cannot overflow
-            a = f.numpy().astype(np.float64).ravel()
-            sq = float(np.dot(a, a))
-        else:  # a zero-copy view
-            a = np.from_dlpack(f if f.stop_gradient else f.detach())
+    if numel < _VIEW_MIN and meta.dtype != "float64":
+        # a float64 copy: cheap at this size, exact, and its squares cannot
+        # overflow (nor can numpy warn: NaN and Inf pass through quietly)
+        a = f.numpy().astype(np.float64).ravel()
+        sq = float(np.dot(a, a))
+        meta.min, meta.max = float(np.minimum.reduce(a, axis=None)), float(np.maximum.reduce(a, axis=None))
+    else:  # a zero-copy view
+        a = np.from_dlpack(f if f.stop_gradient else f.detach())
+        with np.errstate(all="ignore"):
             sq = _sum_squares(a)
         meta.min, meta.max = float(np.minimum.reduce(a, axis=None)), float(np.maximum.reduce(a, axis=None))
-        if math.isfinite(sq):
-            meta.norm = math.sqrt(sq)
-            return
-        meta.nan, meta.inf = int(np.isnan(a).sum()), int(np.isinf(a).sum())
-        if meta.nan or meta.inf:
-            meta.norm = math.nan if meta.nan else math.inf
-        else:  # finite elements whose squares overflow: rescale by the largest
-            top = max(-meta.min, meta.max)
+    if math.isfinite(sq):
+        meta.norm = math.sqrt(sq)
+        return
+    meta.nan, meta.inf = int(np.isnan(a).sum()), int(np.isinf(a).sum())
+    if meta.nan or meta.inf:
+        meta.norm = math.nan if meta.nan else math.inf
+    else:  # finite elements whose squares overflow: rescale by the largest
+        top = max(-meta.min, meta.max)
+        with np.errstate(all="ignore"):
             meta.norm = top * math.sqrt(float(np.square(a / top, dtype=np.float64).sum()))
 
 
@@ -94,7 +98,7 @@ class StatsQueue:
         # on_device: None decides by each tensor's place; True queues every
         # gradient (the accelerator's way, testable on the CPU wheel).
         self._on_device = on_device
-        self._metas: list[tuple[GradMeta, str, int, int, bool]] = []  # meta, float group, its index, count index
+        self._metas: list[tuple[GradMeta, str, int, int]] = []  # meta, float group, its index, count index
         self._groups: dict[str, list[Any]] = {"float32": [], "float64": [], "int64": []}  # 0-d tensors by dtype
 
     def add(self, meta: GradMeta, f: Any, numel: int) -> None:
@@ -107,10 +111,8 @@ class StatsQueue:
             return
         key = "float32" if f.dtype == paddle.float32 else "float64"
         floats, counts = self._groups[key], self._groups["int64"]
-        self._metas.append((meta, key, len(floats), len(counts), key == "float32"))
-        floats += (paddle.square(f).sum(), f.min(), f.max())
-        if key == "float32":
-            floats.append(paddle.square(f * _SCALE).sum())
+        self._metas.append((meta, key, len(floats), len(counts)))
+        floats += (paddle.square(f).sum(), f.min(), f.max(), paddle.square(f * _SCALE[key]).sum())
         counts += (paddle.isnan(f).sum(), paddle.isinf(f).sum())
 
     def resolve(self) -> None:
@@ -123,15 +125,15 @@ class StatsQueue:
         rows, at = {}, 0
         for k in keys:
             rows[k], at = flat[at: at + len(self._groups[k])], at + len(self._groups[k])
-        for meta, key, i, j, scaled in self._metas:
+        for meta, key, i, j in self._metas:
             sq, meta.min, meta.max = rows[key][i: i + 3]
             meta.nan, meta.inf = int(rows["int64"][j]), int(rows["int64"][j + 1])
             if meta.nan or meta.inf:
                 meta.norm = math.nan if meta.nan else math.inf
-            elif math.isfinite(sq) or not scaled:
+            elif math.isfinite(sq):
                 meta.norm = math.sqrt(sq)
-            else:  # finite elements whose float32 squares overflow
-                meta.norm = math.sqrt(rows[key][i + 3]) / _SCALE
+            else:  # finite elements whose squares overflow
+                meta.norm = math.sqrt(rows[key][i + 3]) / _SCALE[key]
         self.clear()
 
     def clear(self) -> None:
