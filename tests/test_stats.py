@@ -145,3 +145,14 @@ def test_host_and_queued_statistics_agree(monkeypatch):
     for (n1, lo1, hi1), (n2, lo2, hi2) in zip(a, b):
         assert (lo1, hi1) == (lo2, hi2)
         assert abs(n1 - n2) <= 1e-6 * max(n1, 1e-30)
+
+
+def test_a_large_gradient_that_requires_grad_is_read_without_changing_it():
+    """create_graph=True backwards pass gradients that require grad: DLPack refuses those."""
+    x = paddle.randn([300, 100])
+    x.stop_gradient = False
+    g = (x * 3.0).detach()
+    g.stop_gradient = False
+    m = stats.grad_meta(g, True, stats.StatsQueue())
+    assert m.norm == pytest.approx(float(np.linalg.norm(g.numpy().astype(np.float64))), rel=1e-7)
+    assert g.stop_gradient is False
