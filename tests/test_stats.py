@@ -156,3 +156,19 @@ def test_a_large_gradient_that_requires_grad_is_read_without_changing_it():
     m = stats.grad_meta(g, True, stats.StatsQueue())
     assert m.norm == pytest.approx(float(np.linalg.norm(g.numpy().astype(np.float64))), rel=1e-7)
     assert g.stop_gradient is False
+
+
+def test_the_spike_triggers_global_norm_equals_param_grad():
+    from paddleviz_hooks.triggers import global_grad_norm
+
+    paddle.seed(3)
+    net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))  # 16k-element weights: viewed
+    net(paddle.randn([4, 64])).square().mean().backward()
+    want = math.sqrt(sum(float(np.square(p.grad.numpy().astype(np.float64)).sum()) for p in net.parameters()))
+    assert global_grad_norm(net.parameters()) == pytest.approx(want, rel=1e-9)
+    net.clear_gradients(set_to_zero=False)
+    assert global_grad_norm(net.parameters()) is None
+    x = paddle.randn([4, 64])
+    x[0, 0] = float("nan")
+    net(x).square().mean().backward()
+    assert math.isnan(global_grad_norm(net.parameters()))

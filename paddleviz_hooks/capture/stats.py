@@ -34,7 +34,7 @@ import paddle
 from ..graph import GradMeta
 from .gradnode import dtype_name
 
-__all__ = ["StatsQueue", "grad_meta", "flat_tensors", "is_dist", "local_value"]
+__all__ = ["StatsQueue", "grad_meta", "sum_of_squares", "flat_tensors", "is_dist", "local_value"]
 
 _FLOAT_DTYPES = {"float16", "bfloat16", "float32", "float64"}
 _VIEW_MIN = 1 << 13  # elements from which a zero-copy view beats a float64 copy (docs/performance.md)
@@ -166,6 +166,32 @@ def grad_meta(t: Any, stats: bool, queue: StatsQueue | None = None) -> GradMeta:
     own.add(meta, f, numel)
     own.resolve()
     return meta
+
+
+def sum_of_squares(tensors: Iterable[Any]) -> float:
+    """Sum of the squares of every element of ``tensors`` (float64; NaN when any element is NaN).
+
+    Host tensors are read in place as :class:`StatsQueue` reads them; the
+    device tensors' sums are added on the device and read in one transfer.
+
+    Example:
+        >>> sum_of_squares([paddle.to_tensor([3.0]), paddle.to_tensor([[4.0, 0.0]])])
+        25.0
+    """
+    total, device = 0.0, []
+    for t in tensors:
+        f = t if t.dtype == paddle.float32 or t.dtype == paddle.float64 else t.astype("float32")
+        if not f.place.is_cpu_place():
+            device.append(paddle.square(f).sum().astype("float64"))
+            continue
+        numel = math.prod(f.shape)
+        if numel:
+            a = np.from_dlpack(f if f.stop_gradient else f.detach()) if numel >= _VIEW_MIN else f.numpy()
+            with np.errstate(all="ignore"):
+                total += _sum_squares(a)
+    if device:
+        total += float(paddle.add_n(device)) if len(device) > 1 else float(device[0])
+    return total
 
 
 def is_dist(t: Any) -> bool:
