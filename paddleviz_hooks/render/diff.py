@@ -20,7 +20,7 @@ import os
 from typing import Any
 
 from .._fileio import atomic_write
-from ..collapse import collapse_graph, layer_depths
+from ..collapse import collapse_alike, collapse_graph, layer_depths
 from ..diff import GraphDiff, diff_graphs, norm_ratio
 from ..escape import dot_attrs, dot_html_table, dot_label
 from ..graph import BackwardGraph, merge_grad_metas
@@ -164,21 +164,20 @@ def _collapsed(
     """Apply collapse options (popped from ``options``) to both graphs alike.
 
     The newer graph picks the depth (``max_nodes`` may make it shallower);
-    the older one is collapsed to that same depth, so layer boxes match and
-    a layer that appeared is one green box. The diff is recomputed on the
-    collapsed pair; steps and threshold are kept.
+    both are collapsed to that depth by ``collapse_alike`` (a box opened in
+    one to keep it honest is opened in the other too), so layer boxes match,
+    a layer that appeared is one green box and an unchanged layer is never
+    marked. The diff is recomputed on the collapsed pair; steps and
+    threshold are kept.
     """
     collapse = {k: options.pop(k) for k in _COLLAPSE_KEYS if k in options}
     if not any(_given(v) for v in collapse.values()):
         return diff, newer, older
-    new_c = collapse_graph(newer, **collapse)
-    used = new_c.meta.get("collapse", {})
-    old_c = collapse_graph(
-        older,
-        depth=used.get("depth", collapse.get("depth")),
-        by_type=collapse.get("by_type") or (),
-        fold_repeats=bool(collapse.get("fold_repeats")),
-    )
+    depth = collapse.get("depth")
+    if collapse.get("max_nodes") is not None:
+        depth = collapse_graph(newer, **collapse).meta["collapse"]["depth"]
+    new_c, old_c = collapse_alike([newer, older], depth=depth, by_type=collapse.get("by_type", ()),
+                                  fold_repeats=collapse.get("fold_repeats", False))
     d = diff_graphs(old_c, new_c, threshold=diff.threshold)
     d.older_step, d.newer_step = diff.older_step, diff.newer_step
     return d, new_c, old_c
