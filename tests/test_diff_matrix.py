@@ -266,7 +266,7 @@ def test_collapsed_adapter_diff_marks_the_adapter_box_and_the_join(adapter_graph
     src = diff_to_dot(diff_graphs(g1, g0), g0, g1, depth=1)
     ghosts = [l for l in src.splitlines() if re.match(r"\s*ghost\d+ \[label=", l)]
     labels = sorted(re.search(r'label="([^"]*)"', l).group(1) for l in ghosts)
-    assert labels == ["Add\\nin <top>\\n(removed)", "adapter\\nSequential\\n5 ops, 4 params\\n|g| params "
+    assert labels == ["Add\\nin the model's own forward\\n(removed)", "adapter\\nSequential\\n5 ops, 4 params\\n|g| params "
                       + labels[1].split("|g| params ")[1]]
     declared, used = _declared_and_used(src)
     assert used <= declared  # every edge ends at a drawn node: Graphviz invents none
