@@ -35,6 +35,7 @@ __all__ = [
     "shard_line",
     "call_name",
     "capture_title",
+    "graph_title",
     "origin_title",
     "collapse_note",
     "describe_node",
@@ -531,6 +532,25 @@ def capture_title(step: Any, trigger: str | None = None, role: Any = None, index
     if isinstance(origin, dict):
         title += f" - {origin_title(origin)}"
     return title
+
+
+def graph_title(graph: BackwardGraph) -> str | None:
+    """The title the recorder gave a recorded graph's picture, from the graph's meta (step,
+    trigger, which backward, NaN/Inf origin), for drawing a saved step again; None for a graph
+    without a step (captured by hand).
+
+    Example:
+        >>> graph_title(BackwardGraph(meta={"step": 3, "trigger": "nonfinite_loss"}))
+        'step 3 - trigger: nonfinite_loss'
+        >>> graph_title(BackwardGraph()) is None
+        True
+    """
+    meta = graph.meta
+    if meta.get("step") is None:
+        return None
+    role = meta.get("backward")
+    return capture_title(meta["step"], meta.get("trigger"), backward_role(role) if isinstance(role, dict) else None,
+                         origin=meta.get("nonfinite_origin"))
 
 
 def collapse_note(collapsed: BackwardGraph, full: BackwardGraph, full_detail: str = "the SVG has every op") -> str:
