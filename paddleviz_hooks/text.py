@@ -18,7 +18,7 @@ from typing import Any, Iterable
 
 from .diff import GraphDiff
 from .graph import BackwardGraph, GradMeta, Node, is_communication
-from .hazards import PROGRAM_OP_NOTE
+from .hazards import PROGRAM_OP_NOTE, RECOMPUTE_INPUT_NOTE
 
 __all__ = [
     "COMMUNICATION_LEGEND",
@@ -432,8 +432,8 @@ def node_lines(node: Node) -> list[str]:
             [f"all-reduced |g| {fmt_num(node.grad.norm)}"] if synced and node.grad.norm is not None else [])
     if node.kind == "root":
         return [node.name, fmt_shape(node.shape)]
-    if node.kind == "input":
-        return ["input"]
+    if node.kind == "input":  # a recomputed block's input, held by its PyLayer, is no input of the model
+        return ["recompute input", "(held by the PyLayer)"] if node.note == RECOMPUTE_INPUT_NOTE else ["input"]
     if node.kind == "layer":
         return box_lines(node)
     return [node.op] + ([COMMUNICATION_LEGEND] if is_communication(node.op) else []) + (
