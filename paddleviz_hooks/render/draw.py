@@ -300,7 +300,15 @@ def _plan_png(
         ratio = rank_len / max(cross, 1e-3)
         k1 = max(2, round(math.sqrt(ratio)))
         k2 = int(math.sqrt(ratio * VIEW_ASPECT))
-        for k in sorted({k1, k2} - {0, 1})[:2]:
+        # the two band counts that suit the strip, then their neighbours while those do not read
+        # in order (a 12-block encoder reads in 3 or 6 rows, not in 4 or 5)
+        tries = sorted({k1, k2} - {0, 1})[:2]
+        first = len(tries)
+        tries += [k for k in (min(tries) - 1, max(tries) + 1) if k > 1 and k not in tries]
+        kept = 0
+        for i, k in enumerate(tries):
+            if i >= first and kept:
+                break
             wrapped = _wrapped(source, plain, rd, k)
             if wrapped is None or any(wrapped[0] == p.source for p in plans):
                 continue
@@ -313,6 +321,7 @@ def _plan_png(
                 continue  # scattered blocks or snaking edges: better collapse further
             ww, wh = (float(v) for v in wplain.split("\n", 1)[0].split()[2:4])
             plans.append(_Plan(wsrc, ww, wh, _dpi_for(ww, wh, max_px), rd, k))
+            kept += 1
     best_dpi = max(p.dpi for p in plans)
     near = [p for p in plans if p.dpi >= best_dpi / 1.15]
     # an unwrapped drawing first: wrapping costs edges between bands, paid only for legibility
