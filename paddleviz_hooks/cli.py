@@ -204,6 +204,12 @@ def _cmd_render(args: argparse.Namespace) -> int:
         opts["fold_repeats"] = True
     if args.by_type:
         opts["by_type"] = tuple(args.by_type)
+    if "title" not in opts and fmt != "json":
+        from .text import graph_title
+
+        title = graph_title(graph)  # the recorder's title ("step 8 - trigger: ...")
+        if title is not None:
+            opts["title"] = title
     from .render import render_to_file
 
     render_to_file(graph, args.output, format=fmt, **opts)

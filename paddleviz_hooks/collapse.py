@@ -47,11 +47,11 @@ import math
 import re
 from collections import defaultdict
 from dataclasses import replace
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from .graph import BackwardGraph, Edge, Node, merge_grad_metas
 
-__all__ = ["collapse_graph", "collapse_with_map", "layer_depths", "call_paths", "CONTAINER_TYPES"]
+__all__ = ["collapse_graph", "collapse_with_map", "collapse_alike", "layer_depths", "call_paths", "CONTAINER_TYPES"]
 
 #: Layer classes that only hold other layers and never run themselves; they
 #: do not count as a depth level.
@@ -400,7 +400,7 @@ def _reach(graph: BackwardGraph, succs: list[list[int]]) -> list[int] | None:
     return reach
 
 
-def _keep_honest(assign: _Assign, boxes: list[_Box | None]) -> int:
+def _keep_honest(assign: _Assign, boxes: list[_Box | None]) -> list[_Box]:
     """Open boxes until the collapsed graph draws no false path.
 
     A box is kept when every node outside it that feeds it reaches each of
@@ -413,7 +413,7 @@ def _keep_honest(assign: _Assign, boxes: list[_Box | None]) -> int:
     level deeper and its parts are checked in turn.
 
     Returns:
-        How many boxes were opened.
+        The boxes opened.
     """
     members: dict[_Box, list[int]] = defaultdict(list)
     for i, b in enumerate(boxes):
@@ -421,11 +421,11 @@ def _keep_honest(assign: _Assign, boxes: list[_Box | None]) -> int:
             members[b].append(i)
     todo = {b for b, ms in members.items() if len(ms) > 1}
     if not todo:
-        return 0
+        return []
     reach = _reach(assign.graph, assign.succs)
     if reach is None:
-        return 0
-    opened = 0
+        return []
+    opened = []
     while todo:
         box = todo.pop()
         ms = members[box]
@@ -436,7 +436,7 @@ def _keep_honest(assign: _Assign, boxes: list[_Box | None]) -> int:
                 exits |= 1 << i
         if all(reach[j] & exits == exits for i in ms for j in assign.preds[i] if j not in inside):
             continue
-        opened += 1
+        opened.append(box)
         del members[box]
         assign.open(box, ms, boxes)
         for i in ms:
@@ -451,10 +451,25 @@ def _keep_honest(assign: _Assign, boxes: list[_Box | None]) -> int:
 # --------------------------------------------------------------------------
 # one collapse
 # --------------------------------------------------------------------------
+def _open_boxes(assign: _Assign, boxes: list[_Box | None], wanted: frozenset[_Box]) -> None:
+    """Open every box of ``wanted`` (and a part of it that is wanted too)."""
+    while True:
+        members: dict[_Box, list[int]] = defaultdict(list)
+        for i, b in enumerate(boxes):
+            if b in wanted:
+                members[b].append(i)
+        if not members:
+            return
+        for b, ms in members.items():
+            assign.open(b, ms, boxes)
+
+
 def _collapse_once(
-    graph: BackwardGraph, lay: _Layers, depth: int | None, by_type: frozenset[str], fold_repeats: bool
-) -> tuple[BackwardGraph, list[int], int]:
-    """The collapsed graph, the new id of every node, and how many boxes were opened."""
+    graph: BackwardGraph, lay: _Layers, depth: int | None, by_type: frozenset[str], fold_repeats: bool,
+    open_first: frozenset[_Box] = frozenset(),
+) -> tuple[BackwardGraph, list[int], list[_Box]]:
+    """The collapsed graph, the new id of every node, and the boxes opened to keep it honest
+    (``open_first``: boxes opened before that check)."""
     paths = [_node_path(n, graph) for n in graph.nodes]
     calls = _Calls(graph, paths)
     boxes: list[_Box | None] = [None] * len(graph.nodes)
@@ -474,6 +489,7 @@ def _collapse_once(
     for i, n in enumerate(graph.nodes):
         if n.kind == "param":
             boxes[i] = assign.param_box(i, boxes)
+    _open_boxes(assign, boxes, open_first)
     opened = _keep_honest(assign, boxes)
     fold_info = assign.fold_of
 
@@ -667,8 +683,14 @@ def collapse_with_map(
         if max_nodes is None or len(result.nodes) <= max_nodes:
             break
     assert result is not None
+    _note(result, graph, chosen, types, fold_repeats, max_nodes, len(opened))
+    return result, node_of
+
+
+def _note(result: BackwardGraph, graph: BackwardGraph, depth: int | None, types: frozenset[str],
+          fold_repeats: bool, max_nodes: int | None, opened: int) -> None:
     result.meta["collapse"] = {
-        "depth": chosen,
+        "depth": depth,
         "by_type": sorted(types),
         "fold_repeats": fold_repeats,
         "max_nodes": max_nodes,
@@ -677,4 +699,51 @@ def collapse_with_map(
         "nodes_after": len(result.nodes),
         "opened": opened,  # boxes opened so that no false path is drawn
     }
-    return result, node_of
+
+
+def collapse_alike(
+    graphs: Sequence[BackwardGraph],
+    *,
+    depth: int | None = None,
+    by_type: Iterable[str] | str = (),
+    fold_repeats: bool = False,
+) -> list[BackwardGraph]:
+    """Several graphs of one model (two steps of a diff) collapsed alike.
+
+    Alone, one graph may have to open a box to draw no false path (see the
+    module docstring) where another keeps it closed; the same layer would
+    then be one box in one drawing and its parts in the other, and a diff
+    would call the box removed and its parts added. Here a box opened in any
+    of the graphs is opened in all of them (again until none opens another).
+
+    Args:
+        graphs: the graphs.
+        depth, by_type, fold_repeats: as for :func:`collapse_graph`.
+
+    Returns:
+        The collapsed graphs, in the order given.
+
+    Example:
+        >>> from paddleviz_hooks.graph import BackwardGraph, Edge, Node
+        >>> layers = {"": "Net", "e": "Linear", "b": "Block", "b.p": "Linear", "b.q": "Linear", "h": "Linear"}
+        >>> op = lambda i, layer: Node(i, "op", "MatmulGradNode", "Matmul", layer=layer)
+        >>> one = BackwardGraph([Node(0, "root", "loss"), op(1, "h"), op(2, "b.p"), op(3, "e")],
+        ...                     [Edge(0, 1), Edge(1, 2), Edge(2, 3)], layers=layers)
+        >>> two = BackwardGraph(one.nodes + [op(4, "b.q")], one.edges + [Edge(0, 4), Edge(4, 3)], layers=layers)
+        >>> [n.layer for n in collapse_graph(one, depth=1).nodes[1:]]   # alone, b stays one box
+        ['h', 'b', 'e']
+        >>> [[n.layer for n in g.nodes[1:]] for g in collapse_alike([one, two], depth=1)]
+        [['h', 'b.p', 'e'], ['h', 'b.p', 'e', 'b.q']]
+    """
+    types = _check(depth, by_type, fold_repeats, None)
+    lays = [_Layers(g) for g in graphs]
+    wanted: frozenset[_Box] = frozenset()
+    while True:
+        results = [_collapse_once(g, lay, depth, types, fold_repeats, wanted) for g, lay in zip(graphs, lays)]
+        opened = frozenset(b for _, _, o in results for b in o)
+        if opened <= wanted:
+            break
+        wanted |= opened
+    for g, (result, _, o) in zip(graphs, results):
+        _note(result, g, depth, types, fold_repeats, None, len(o))
+    return [r for r, _, _ in results]

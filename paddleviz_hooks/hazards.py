@@ -22,7 +22,8 @@ safely), and so is a ``Tensor[]`` input that takes no gradient (the integer
 
 from __future__ import annotations
 
-__all__ = ["hook_hazard", "MULTI_TENSOR_INPUT", "UNMEASURED", "NEVER_FIRES_PREFIXES", "PROGRAM_OP_NOTE"]
+__all__ = ["hook_hazard", "MULTI_TENSOR_INPUT", "UNMEASURED", "NEVER_FIRES_PREFIXES", "PROGRAM_OP_NOTE",
+           "RECOMPUTE_INPUT_NOTE"]
 
 #: Measured: hooking these makes ``backward()`` raise (op cases in brackets).
 MULTI_TENSOR_INPUT = frozenset(
@@ -66,6 +67,11 @@ NEVER_FIRES = frozenset({"ReshardGradNode"})
 #: it is a real op of the program, but the program runs as a whole and no
 #: gradient inside it can be seen.
 PROGRAM_OP_NOTE = "inside a compiled program: not observed"
+
+#: The note of a leaf of a backward run inside a PyLayer's backward (reentrant
+#: recompute, ``capture/nested.py``): the detached copy of the block's input
+#: that the PyLayer held; its gradient leaves the block through the PyLayer.
+RECOMPUTE_INPUT_NOTE = "input of the recomputed block (a detached copy): the PyLayer passes its gradient on"
 
 
 def hook_hazard(node_name: str) -> str | None:

@@ -18,7 +18,7 @@ from typing import Any, Iterable
 
 from .diff import GraphDiff
 from .graph import BackwardGraph, GradMeta, Node, is_communication
-from .hazards import PROGRAM_OP_NOTE
+from .hazards import PROGRAM_OP_NOTE, RECOMPUTE_INPUT_NOTE
 
 __all__ = [
     "COMMUNICATION_LEGEND",
@@ -26,6 +26,8 @@ __all__ = [
     "MODEL_OUTPUT",
     "OUTSIDE_MODEL",
     "TOP_LAYER",
+    "TOP_PARAMS",
+    "WHOLE_MODEL",
     "backward_role",
     "box_lines",
     "grad_sync_line",
@@ -33,6 +35,7 @@ __all__ = [
     "shard_line",
     "call_name",
     "capture_title",
+    "graph_title",
     "origin_title",
     "collapse_note",
     "describe_node",
@@ -46,6 +49,8 @@ __all__ = [
     "ghost_lines",
     "graph_summary",
     "layer_name",
+    "box_name",
+    "group_name",
     "node_lines",
     "node_tooltip",
     "node_where",
@@ -56,8 +61,13 @@ __all__ = [
     "summarize",
 ]
 
-#: How the model's own (top) layer is named.
-TOP_LAYER = "<top>"
+#: Where an op of the model's own (top) layer ran: its forward, outside every sublayer
+#: (keys say ``<top>``; people read this).
+TOP_LAYER = "the model's own forward"
+#: The parameters of the top layer itself (the ``"(self)"`` group of ``layer_grad_norms``).
+TOP_PARAMS = "the model's own parameters"
+#: A box of the top layer (collapsed to depth 0): the whole model.
+WHOLE_MODEL = "the whole model"
 #: How an op that no layer ran is placed (the loss function, a user's own code).
 OUTSIDE_MODEL = "outside the model"
 #: The root of a replayed step's graph: the model's output (the loss ops are outside it).
@@ -114,7 +124,7 @@ def call_name(name: str) -> str:
 
     Example:
         >>> call_name("layers.0.self_attn#0"), call_name("block#1"), call_name("#0"), call_name("?")
-        ('layers.0.self_attn', 'block (call 2)', '<top>', 'outside the model')
+        ('layers.0.self_attn', 'block (call 2)', "the model's own forward", 'outside the model')
     """
     path, sep, index = name.rpartition("#")
     if not sep or not index.isdigit():
@@ -195,10 +205,42 @@ def backward_role(info: dict[str, Any] | None) -> str:
 
 
 def layer_name(path: str | None) -> str:
-    """A layer path as people read it: the top layer and "no layer" spelled out."""
+    """A layer path as people read it: the top layer and "no layer" spelled out.
+
+    Example:
+        >>> layer_name("encoder.layers.0"), layer_name(""), layer_name(None)
+        ('encoder.layers.0', "the model's own forward", 'outside the model')
+    """
     if path is None:
         return OUTSIDE_MODEL
     return path or TOP_LAYER
+
+
+def box_name(path: str | None) -> str:
+    """The layer a collapsed box stands for: the top layer's box is the whole model.
+
+    Example:
+        >>> box_name("layer1"), box_name("")
+        ('layer1', 'the whole model')
+    """
+    return WHOLE_MODEL if path == "" else layer_name(path)
+
+
+def group_name(group: str) -> str:
+    """A parameter group of ``BackwardGraph.layer_grad_norms`` as people read it.
+
+    Example:
+        >>> group_name("encoder"), group_name("(self)")
+        ('encoder', "the model's own parameters")
+    """
+    return {"(self)": TOP_PARAMS, "(outside)": OUTSIDE_MODEL}.get(group, group)
+
+
+def _in_layer(layer: str | None) -> str:
+    """`` in layer 'block'``, `` in the model's own forward``, `` outside the model``."""
+    if layer is None:
+        return f" {OUTSIDE_MODEL}"
+    return f" in layer '{layer}'" if layer else f" in {TOP_LAYER}"
 
 
 def node_where(layer: str | None, call: int = 0) -> str:
@@ -243,7 +285,7 @@ def describe_node(info: Node | dict[str, Any]) -> str:
     if kind == "input":
         return "input leaf"
     if kind == "layer":  # a collapsed layer box
-        return (f"layer {layer_name(get('layer'))} ({get('name') or '?'})"
+        return ((f"layer {get('layer')}" if get("layer") else WHOLE_MODEL) + f" ({get('name') or '?'})"
                 + _call_suffix(get("call") or 0, get("calls") or 1))
     return f"{get('op') or '?'} {node_where(get('layer'), get('call') or 0)}"
 
@@ -265,10 +307,10 @@ def describe_origin(origin: dict[str, Any]) -> str:
     op, layer = origin.get("op"), origin.get("layer")
     if kind == "weights":
         cls = f" ({origin['layer_class']})" if origin.get("layer_class") else ""
-        return (f"NaN/Inf already in the weights, first in layer '{layer_name(layer)}'{cls}: "
-                "an earlier update wrote it")
+        first = f"layer '{layer}'" if layer else TOP_PARAMS
+        return f"NaN/Inf already in the weights, first in {first}{cls}: an earlier update wrote it"
     if kind == "forward":
-        where = f" in layer '{layer_name(layer)}'" if layer is not None else f" {OUTSIDE_MODEL}"
+        where = _in_layer(layer)
         if origin.get("layer_class"):
             where += f" ({origin['layer_class']})"
         at = ""
@@ -307,7 +349,7 @@ def origin_title(origin: dict[str, Any]) -> str:
         return f"NaN/Inf starts at {origin.get('op')}{where}{at}"
     return {
         "input": "NaN/Inf already in the input data",
-        "weights": f"NaN/Inf already in the weights ({layer_name(origin.get('layer'))})",
+        "weights": f"NaN/Inf already in the weights ({origin.get('layer') or TOP_PARAMS})",
         "outside": f"NaN/Inf made {OUTSIDE_MODEL}",
         "backward": "NaN/Inf made in the backward",
         "not_reproduced": "a replay that did not reproduce the NaN/Inf",
@@ -390,8 +432,8 @@ def node_lines(node: Node) -> list[str]:
             [f"all-reduced |g| {fmt_num(node.grad.norm)}"] if synced and node.grad.norm is not None else [])
     if node.kind == "root":
         return [node.name, fmt_shape(node.shape)]
-    if node.kind == "input":
-        return ["input"]
+    if node.kind == "input":  # a recomputed block's input, held by its PyLayer, is no input of the model
+        return ["recompute input", "(held by the PyLayer)"] if node.note == RECOMPUTE_INPUT_NOTE else ["input"]
     if node.kind == "layer":
         return box_lines(node)
     return [node.op] + ([COMMUNICATION_LEGEND] if is_communication(node.op) else []) + (
@@ -416,7 +458,7 @@ def ghost_lines(node: Node) -> list[str]:
 
     Example:
         >>> ghost_lines(Node(7, "op", "AddGradNode", "Add", layer=""))
-        ['Add', 'in <top>', '(removed)']
+        ['Add', "in the model's own forward", '(removed)']
         >>> ghost_lines(Node(8, "op", "MeanGradNode", "Mean"))
         ['Mean', 'outside the model', '(removed)']
     """
@@ -428,7 +470,7 @@ def ghost_lines(node: Node) -> list[str]:
 def box_lines(node: Node) -> list[str]:
     """Label of a collapsed layer box: path (call k of n), class (x N), op and
     parameter count, norm."""
-    path = layer_name(node.layer) + call_of(node.call, node.calls) if node.layer is not None else ""
+    path = box_name(node.layer) + call_of(node.call, node.calls) if node.layer is not None else ""
     kind = node.name + (f" x{node.count}" if node.count > 1 else "")
     lines = [path, kind] if path else [kind]
     per = node.ops // node.count if node.count > 1 and node.ops % node.count == 0 else None
@@ -449,7 +491,8 @@ def box_lines(node: Node) -> list[str]:
 def node_tooltip(node: Node) -> str:
     """Hover text: Paddle's grad node name, the layer (call), the key, why unhooked,
     what it saved for backward."""
-    tip = [node.name, "layer: " + (layer_name(node.layer) + _call_suffix(node.call, node.calls)
+    where = box_name if node.kind == "layer" else layer_name
+    tip = [node.name, "layer: " + (where(node.layer) + _call_suffix(node.call, node.calls)
                                    if node.layer is not None else OUTSIDE_MODEL), f"key: {node.key}"]
     if node.note:
         tip.append(node.note)
@@ -489,6 +532,25 @@ def capture_title(step: Any, trigger: str | None = None, role: Any = None, index
     if isinstance(origin, dict):
         title += f" - {origin_title(origin)}"
     return title
+
+
+def graph_title(graph: BackwardGraph) -> str | None:
+    """The title the recorder gave a recorded graph's picture, from the graph's meta (step,
+    trigger, which backward, NaN/Inf origin), for drawing a saved step again; None for a graph
+    without a step (captured by hand).
+
+    Example:
+        >>> graph_title(BackwardGraph(meta={"step": 3, "trigger": "nonfinite_loss"}))
+        'step 3 - trigger: nonfinite_loss'
+        >>> graph_title(BackwardGraph()) is None
+        True
+    """
+    meta = graph.meta
+    if meta.get("step") is None:
+        return None
+    role = meta.get("backward")
+    return capture_title(meta["step"], meta.get("trigger"), backward_role(role) if isinstance(role, dict) else None,
+                         origin=meta.get("nonfinite_origin"))
 
 
 def collapse_note(collapsed: BackwardGraph, full: BackwardGraph, full_detail: str = "the SVG has every op") -> str:
@@ -637,7 +699,7 @@ def graph_summary(graph: BackwardGraph, top: int = 5, previous: BackwardGraph | 
     if norms:
         biggest = sorted(norms.items(), key=lambda kv: -_sort_val(kv[1]))[:top]
         lines.append("largest grad norms: " + ", ".join(
-            f"{TOP_LAYER if k == '(self)' else k} {v:.3g}" for k, v in biggest) + ";")
+            f"{group_name(k)} {v:.3g}" for k, v in biggest) + ";")
     sites = graph.nonfinite_sites()
     unhooked = _unobserved_ops(graph)
     compiled = sum(1 for n in graph.nodes if n.kind == "op" and n.note == PROGRAM_OP_NOTE)
@@ -752,7 +814,8 @@ def diff_summary(diff: GraphDiff) -> str:
     if diff.global_norm_ratio is not None:
         lines.append(f"global grad norm {fmt_ratio(diff.global_norm_ratio)};")
     for name, r in list(diff.large_layer_changes().items())[:3]:
-        lines.append(f"layer {layer_name(name)} grad norm {fmt_ratio(r)};")
+        group = group_name(name) if name in ("(self)", "(outside)") else f"layer {name}"
+        lines.append(f"{group} grad norm {fmt_ratio(r)};")
     big_nodes = diff.large_node_changes()
     if big_nodes:
         key, r = next(iter(big_nodes.items()))

@@ -185,6 +185,32 @@ def test_more_commands(files, capsys):
     assert whole.count("box3d") == 1 and "Matmul" not in whole  # the model is one box
 
 
+@needs_engine
+def test_render_keeps_the_recorders_title(tmp_path, capsys):
+    """A recorded step drawn again from its JSON has the title the recorder gave its picture
+    ("step 3 - micro-batch 2 of 2"): the DOT equals the recorder's own step file."""
+    from paddleviz_hooks import BackwardGraphRecorder
+
+    paddle.seed(12)
+    model = Net()
+    x = paddle.randn([2, 4])
+    with BackwardGraphRecorder(str(tmp_path), model, every=1, verbose=0, formats=("json", "dot"),
+                               visualdl=False, visualdl_graphs=False) as rec:
+        with rec.step(3, micro_batches=2):
+            for _ in range(2):
+                model(x, 0).mean().backward()
+    run = tmp_path / "backward_graph"
+    recorded = (run / "step_000003_b2.dot").read_text()
+    assert 'label="step 3 - micro-batch 2 of 2"' in recorded  # the case this test is about
+    status, _, err = run_main(["render", "step_000003_b2.json", "-o", "again.dot"], run, capsys)
+    assert status == 0, err
+    assert (run / "again.dot").read_text() == recorded
+    status, _, err = run_main(["render", "step_000003_b2.json", "-o", "again.svg"], run, capsys)
+    assert status == 0 and "step 3 - micro-batch 2 of 2" in (run / "again.svg").read_text().replace("&#45;", "-")
+    status, _, err = run_main(["render", "step_000003_b2.json", "-o", "mine.dot", "--title", "mine"], run, capsys)
+    assert status == 0 and 'label="mine"' in (run / "mine.dot").read_text()
+
+
 def test_error_paths(files, capsys):
     root = files["root"]
     cases = {

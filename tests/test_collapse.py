@@ -148,7 +148,7 @@ def test_depth_none_and_zero(tr_graph):
     assert len(full.nodes) == len(tr_graph.nodes) and not _boxes(full)
     whole = collapse_graph(tr_graph, depth=0)
     assert [b.layer for b in _boxes(whole)] == [""]
-    assert "<top>" in node_lines(_boxes(whole)[0])[0]
+    assert node_lines(_boxes(whole)[0])[0] == "the whole model"
 
 
 def test_by_type(tr_graph, res_graph):

@@ -372,6 +372,36 @@ def test_diff_dot_marks_added_and_ghosts_removed(odd):
         diff_to_dot(odd[0], odd[2], odd[1])
 
 
+def _legend_lines(src: str) -> dict[str, str]:
+    """Legend node name -> its DOT line, for the diff legends of ``src``."""
+    return {l.split()[0]: l for l in src.splitlines() if l.strip().startswith("diff_legend")}
+
+
+def test_diff_legend_lists_only_what_is_drawn(odd):
+    """The diff legend names only the marks the drawing has: a structure change without large
+    gradient-norm changes lists no norm colours, a norm change alone no added/removed; the norm
+    colours have a legend of their own (class pvh-norm-legend) that a viewer can hide with them."""
+    d = diff_graphs(odd[0], odd[1])
+    src = diff_to_dot(d, odd[1], odd[0])
+    assert "pvh-ratio" not in src  # no gradient norm coloured in this diff
+    legends = _legend_lines(src)
+    assert list(legends) == ["diff_legend"]
+    assert "added since step 0" in legends["diff_legend"] and "grad norm" not in src
+    assert "diff_legend" not in diff_to_dot(d, odd[1], odd[0], legend=False)
+
+    paddle.seed(0)
+    net = paddle.nn.Sequential(paddle.nn.Linear(4, 3), paddle.nn.Tanh(), paddle.nn.Linear(3, 2))
+    x = paddle.randn([2, 4])
+    with capture_backward(net) as cap:
+        for scale in (1.0, 1000.0):
+            (net(x).sum() * scale).backward()
+    up = diff_graphs(cap.graphs[0], cap.graphs[1])
+    legends = _legend_lines(diff_to_dot(up, cap.graphs[1], cap.graphs[0]))
+    assert list(legends) == ["diff_legend_norms"], legends
+    assert 'class="pvh-norm-legend"' in legends["diff_legend_norms"]
+    assert "grad norm up over 10x" in legends["diff_legend_norms"] and "down" not in legends["diff_legend_norms"]
+
+
 @pytest.mark.skipif(importlib.util.find_spec("paddleviz_hooks.collapse") is None,
                     reason="render/collapse.py not present")
 def test_collapsed_diff_marks_the_new_layer_box(odd):

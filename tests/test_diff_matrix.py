@@ -266,7 +266,7 @@ def test_collapsed_adapter_diff_marks_the_adapter_box_and_the_join(adapter_graph
     src = diff_to_dot(diff_graphs(g1, g0), g0, g1, depth=1)
     ghosts = [l for l in src.splitlines() if re.match(r"\s*ghost\d+ \[label=", l)]
     labels = sorted(re.search(r'label="([^"]*)"', l).group(1) for l in ghosts)
-    assert labels == ["Add\\nin <top>\\n(removed)", "adapter\\nSequential\\n5 ops, 4 params\\n|g| params "
+    assert labels == ["Add\\nin the model's own forward\\n(removed)", "adapter\\nSequential\\n5 ops, 4 params\\n|g| params "
                       + labels[1].split("|g| params ")[1]]
     declared, used = _declared_and_used(src)
     assert used <= declared  # every edge ends at a drawn node: Graphviz invents none
@@ -299,6 +299,85 @@ def test_viewing_png_of_a_diff_marks_what_it_draws(adapter_graphs, way):
         collapse_graph(new, **collapse), new)
     same = render_diff(d, new, old, format="png", max_px=900, auto_collapse=False, title=title, **collapse)
     assert png == same
+
+
+# ------------------------------------- collapsed alike: a box opened in one step only
+class TwoWay(nn.Layer):
+    """``p(x)``, and ``q(x)`` as a second output when ``both``."""
+
+    def __init__(self):
+        super().__init__()
+        self.p, self.q = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x, both):
+        return self.p(x), (self.q(x) if both else None)
+
+
+class SecondHead(nn.Layer):
+    """emb -> blk -> h1, and blk's second output -> h2 when switched on.
+
+    Alone, the graph with both outputs opens the ``blk`` box (h1's gradient reaches
+    ``blk.p`` but not ``blk.q``: one box would draw a path that does not exist); the
+    graph with one output keeps it closed.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.blk, self.h1, self.h2 = nn.Linear(4, 4), TwoWay(), nn.Linear(4, 2), nn.Linear(4, 2)
+        self.both = False
+
+    def forward(self, x):
+        a, b = self.blk(self.emb(x), self.both)
+        y = self.h1(a)
+        return y + self.h2(b) if self.both else y
+
+
+def _marked(src: str) -> tuple[list[str], list[str]]:
+    """The nodes a diff's DOT marks: keys (without signature) of the added, first label
+    lines of the ghosts."""
+    added = [base(re.search(r'key: ([^"]+)"', l).group(1)) for l in src.splitlines()
+             if re.match(r"\s*n\d+ \[", l) and "pvh-added" in l]
+    ghosts = re.findall(r'^\s*ghost\d+ \[label="([^"\\]+)', src, flags=re.M)
+    return sorted(added), sorted(ghosts)
+
+
+def test_collapsed_diff_opens_a_box_in_both_steps():
+    """A box the honesty check opens in one step is opened in the other too: the collapsed
+    diff marks only the real change (h2, blk.q, the join Add), never blk as removed and
+    blk.p as added."""
+    from paddleviz_hooks.collapse import collapse_graph
+
+    paddle.seed(16)
+    model = SecondHead()
+    g0, g1 = capture(model, paddle.randn([2, 4]), lambda on: setattr(model, "both", on))
+    alone = [[n.layer for n in collapse_graph(g, depth=1).nodes if n.kind == "layer"] for g in (g0, g1)]
+    assert "blk" in alone[0] and "blk" not in alone[1]  # the case this test is about
+    new = ["layer:blk.q", "layer:h2", "op:<top>[0]/Add"]
+    assert _marked(diff_to_dot(diff_graphs(g0, g1), g1, g0, depth=1)) == (new, [])
+    assert _marked(diff_to_dot(diff_graphs(g1, g0), g0, g1, depth=1)) == ([], ["Add", "blk.q", "h2"])
+
+
+@pytest.mark.parametrize("model", ["resnet18", "encoder"])
+def test_collapsed_diff_of_two_steps_of_one_structure_marks_nothing(model):
+    """Two steps with different inputs (same structure, other values): the collapsed diff has no
+    added or removed node or edge at any depth, folded or not."""
+    from paddleviz_hooks.collapse import layer_depths
+    from paddleviz_hooks.render.diff import _collapsed
+
+    paddle.seed(17)
+    if model == "resnet18":
+        net, shape = paddle.vision.models.resnet18(num_classes=4), [2, 3, 32, 32]
+    else:
+        net, shape = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0), 3), [2, 5, 16]
+    with capture_backward(net) as cap:
+        for _ in range(2):
+            net(paddle.randn(shape)).mean().backward()
+            net.clear_gradients()
+    g0, g1 = cap.graphs
+    for depth in range(max(layer_depths(g1).values()) + 1):
+        for fold in (False, True):
+            d, _, _ = _collapsed(diff_graphs(g0, g1), g1, g0, {"depth": depth, "fold_repeats": fold})
+            assert not (d.added_nodes or d.removed_nodes or d.added_edges or d.removed_edges), (depth, fold)
 
 
 # ------------------------------------------------------------------- keys

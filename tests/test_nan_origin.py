@@ -327,7 +327,7 @@ def test_nan_made_only_in_the_backward_falls_back_to_the_first_gradient(tmp_path
     o = _graph(tmp_path, K).meta["nonfinite_origin"]
     assert (o["kind"], o["op"], o["layer"], o["line"]) == ("backward", "Sqrt", "", None)
     assert describe_origin(o) == ("the forward is finite everywhere: NaN/Inf made in the backward; "
-                                  "first non-finite gradient at Sqrt in <top>")
+                                  "first non-finite gradient at Sqrt in the model's own forward")
 
 
 class SqrtLoss(nn.Layer):
@@ -466,7 +466,7 @@ def test_a_scheduled_step_that_goes_nan_is_filed_and_named_as_nan(tmp_path):
     assert meta["trigger"] == "nonfinite_loss"  # not just 'scheduled': the user is told
     assert meta["nonfinite_origin"]["op"] == "sqrt"
     # the picture says it too, also where the sqrt has no grad node to frame
-    assert "NaN/Inf starts at sqrt in <top>, test_nan_origin.py:" in (run / "step_000003.dot").read_text()
+    assert "NaN/Inf starts at sqrt in the model's own forward, test_nan_origin.py:" in (run / "step_000003.dot").read_text()
 
 
 def test_a_replayed_step_is_not_diffed_against_ordinary_captures(tmp_path):

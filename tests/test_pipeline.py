@@ -224,3 +224,30 @@ def test_visualdl_never_gets_a_one_box_picture_of_a_real_model(tmp_path):
     w, h = png_size(viewer)
     assert w <= 1280 and h <= 720
     assert image.image.encoded_image_string == encode_like_visualdl(png_to_array(viewer))
+
+
+@pytest.mark.parametrize("blocks", [6, 12])
+def test_viewer_shows_each_encoder_block_when_legible(blocks):
+    """A 6- or 12-layer TransformerEncoder drawn for VisualDL's viewer shows every block as its
+    own box (legible in rows at depth 1) instead of folding them into one ``layers.0-5 x6`` box
+    of a deeper depth; folding is only for blocks that are illegible unfolded. (12 blocks read
+    in order in 3 or 6 rows, not in the 4 or 5 the strip's shape suggests.)"""
+    from paddleviz_hooks import capture_backward
+    from paddleviz_hooks.collapse import collapse_graph
+    from paddleviz_hooks.options import RecorderOptions
+    from paddleviz_hooks.pipeline import viewer_png
+    from paddleviz_hooks.render import png_size
+
+    paddle.seed(0)
+    net = nn.TransformerEncoder(nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0), blocks)
+    with capture_backward(net) as cap:
+        net(paddle.randn([2, 5, 32])).mean().backward()
+    seen: dict = {}
+    viewer = viewer_png(cap.graph, RecorderOptions.check(), "step 1", info=seen)
+    assert seen["collapsed_depth"] == 1 and not seen["folded"], seen
+    w, h = png_size(viewer)
+    assert w <= 1280 and h <= 720
+    drawn = collapse_graph(cap.graph, depth=seen["collapsed_depth"], fold_repeats=seen["folded"])
+    boxes = [n for n in drawn.nodes if n.kind == "layer"]
+    assert sorted(n.layer for n in boxes) == sorted(f"layers.{i}" for i in range(blocks))
+    assert all(n.count == 1 for n in boxes)

@@ -139,6 +139,21 @@ def test_each_recompute_node_passes_on_its_block_input_gradient():
         assert got[layer] == pytest.approx(norm, rel=1e-5), layer
 
 
+def test_recompute_inputs_say_what_they_are_in_the_drawing():
+    """The leaves of the inner backwards (each block's held input) are labelled as such, not
+    as "input" like the model's own inputs, in full detail and collapsed."""
+    from paddleviz_hooks.collapse import collapse_graph
+    from paddleviz_hooks.render import to_dot
+
+    g = _step(_net(True), capture=True).graph
+    leaves = [n for n in g.nodes if n.kind == "input"]
+    assert len(leaves) == BLOCKS
+    for graph in (g, collapse_graph(g, depth=1)):
+        src = to_dot(graph)
+        assert src.count('label="recompute input\\n(held by the PyLayer)"') == BLOCKS, src
+        assert 'label="input"' not in src
+
+
 @pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non_reentrant"])
 def test_gradients_bit_identical_with_and_without_capture(reentrant):
     a, b = _net(reentrant), _net(reentrant)

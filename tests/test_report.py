@@ -326,6 +326,60 @@ def test_report_colours_gradient_norm_changes_only_when_asked(tmp_path):
             browser.close()
 
 
+class _Grows(paddle.nn.Layer):
+    """fc1 -> tanh -> (extra, when asked) -> fc2."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.extra, self.fc2 = paddle.nn.Linear(4, 3), paddle.nn.Linear(3, 3), paddle.nn.Linear(3, 2)
+
+    def forward(self, x, extra):
+        h = F.tanh(self.fc1(x))
+        return self.fc2(self.extra(h) if extra else h)
+
+
+@pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="needs Debian's Chromium at /usr/bin/chromium")
+def test_report_hides_the_norm_legend_with_the_norm_colours(tmp_path):
+    """A structure change whose gradients also grew x1000: the diff shown by default (norm
+    colouring off) has no visible legend of norm colours; "colour gradient-norm changes" shows it."""
+    from playwright.sync_api import sync_playwright
+
+    run = tmp_path / "log" / "backward_graph"
+    run.mkdir(parents=True)
+    paddle.seed(0)
+    net = _Grows()
+    x = paddle.randn([2, 4])
+    with capture_backward(net) as cap:
+        for extra, scale in ((False, 1.0), (True, 1000.0)):
+            (net(x, extra).sum() * scale).backward()
+    for step, g in zip((1, 2), cap.graphs):
+        g.meta["step"] = step
+        (run / f"step_{step:06d}.json").write_text(g.to_json())
+    out = tmp_path / "report.html"
+    build_report(str(tmp_path / "log"), str(out))
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=[
+            "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+            "--disable-background-networking", "--disable-component-update", "--disable-sync"])
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 900})
+            page.goto(out.as_uri())
+            page.wait_for_selector("#stage svg")
+            page.keyboard.press("ArrowRight")
+            assert page.locator("#mode").inner_text() == "structure changed since step 1"
+            legend = page.locator("#stage g.node.pvh-norm-legend")
+            assert legend.count() == 1 and not legend.is_visible()
+            assert page.locator("#stage g.node.pvh-added").count() > 0
+            os.makedirs(os.path.join(REPO, "test-output"), exist_ok=True)
+            page.keyboard.press("f")  # the whole drawing, legends included
+            page.screenshot(path=os.path.join(REPO, "test-output", "report_norm_legend_off.png"))
+            page.locator("#norms").check()
+            assert legend.is_visible() and "grad norm up over 10x" in legend.text_content()
+            page.screenshot(path=os.path.join(REPO, "test-output", "report_norm_legend_on.png"))
+        finally:
+            browser.close()
+
+
 def steps_x(i: int) -> float:
     """Where step index ``i`` of ``STEPS`` sits on the 360 px chart: its plot area runs
     from x=44 to x=352 (left axis labels, right margin), steps evenly spread."""

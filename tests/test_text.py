@@ -20,3 +20,54 @@ def test_not_observed_nodes_are_named_once_and_again_only_when_they_change():
     assert "not observed" not in graph_summary(_graph("Rnn"), previous=_graph("Rnn")).replace(
         "no NaN/Inf in the observed gradients", "")
     assert "not observed at 1 node (Concat)" in graph_summary(_graph("Concat"), previous=_graph("Rnn"))
+
+
+def test_the_top_layer_is_named_in_words_never_by_its_internal_key():
+    """A new user read "Add / in <top> / (removed)" and "NaN/Inf starts at sqrt in <top>": what
+    people read names the model's own forward, parameters or the whole model; ``<top>`` stays in keys."""
+    import re
+
+    import paddle
+
+    from paddleviz_hooks import capture_backward, collapse_graph, summarize
+    from paddleviz_hooks.diff import diff_graphs
+    from paddleviz_hooks.render.diff import diff_to_dot
+    from paddleviz_hooks.text import box_lines, describe_origin, ghost_lines, origin_title
+
+    class Net(paddle.nn.Layer):
+        def __init__(self):
+            super().__init__()
+            self.fc = paddle.nn.Linear(4, 4)
+            self.gain = self.create_parameter([4], default_initializer=paddle.nn.initializer.Constant(50.0))
+            self.extra = False
+
+        def forward(self, x):
+            h = self.fc(x) * self.gain
+            return h + paddle.tanh(h) if self.extra else h
+
+    paddle.seed(18)
+    net, x = Net(), paddle.randn([2, 4])
+    with capture_backward(net) as cap:
+        for extra, scale in ((True, 1.0), (False, 1000.0)):
+            net.extra = extra
+            (net(x).mean() * scale).backward()
+            net.clear_gradients()
+    g0, g1 = cap.graphs
+    d = diff_graphs(g0, g1)
+    texts = [summarize(g0), summarize(d)]
+    assert re.search(r"largest grad norms: .*the model's own parameters \d", texts[0]), texts[0]
+    assert "the model's own parameters grad norm x" in texts[1], texts[1]
+    add = next(n for n in g0.nodes if n.op == "Add" and n.layer == "")
+    assert ghost_lines(add) == ["Add", "in the model's own forward", "(removed)"]
+    src = diff_to_dot(d, g1, g0)
+    labels = re.findall(r'label="((?:[^"\\]|\\.)*)"', src)
+    assert "Add\\nin the model's own forward\\n(removed)" in labels
+    whole = next(n for n in collapse_graph(g0, depth=0).nodes if n.kind == "layer")
+    assert box_lines(whole)[:2] == ["the whole model", "Net"]
+    origin = {"kind": "forward", "op": "sqrt", "layer": "", "layer_class": "Net", "file": "/m.py", "line": 3}
+    texts += ghost_lines(add) + box_lines(whole) + labels + [
+        describe_origin(origin), origin_title(origin),
+        describe_origin({**origin, "kind": "weights"}), origin_title({**origin, "kind": "weights"}),
+        describe_origin({**origin, "kind": "backward", "op": "Sqrt"})]
+    assert origin_title(origin) == "NaN/Inf starts at sqrt in the model's own forward, m.py:3"
+    assert all("<top>" not in t and "(self)" not in t for t in texts), [t for t in texts if "<top>" in t]

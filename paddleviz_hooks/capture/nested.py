@@ -15,12 +15,13 @@ import sys
 from typing import Any
 
 from ..graph import Edge, Node
+from ..hazards import RECOMPUTE_INPUT_NOTE
 from .gradnode import grad_node_ptr
 
 __all__ = ["DETACHED_INPUT", "pylayer_context", "place", "stitch"]
 
-#: The note on an inner graph's non-parameter leaf (shown on hover).
-DETACHED_INPUT = "input of the recomputed block (a detached copy): the PyLayer passes its gradient on"
+#: The note on an inner graph's non-parameter leaf (shown on hover; its label says it too).
+DETACHED_INPUT = RECOMPUTE_INPUT_NOTE
 
 _MAX_FRAMES = 64
 

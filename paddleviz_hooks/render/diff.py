@@ -20,7 +20,7 @@ import os
 from typing import Any
 
 from .._fileio import atomic_write
-from ..collapse import collapse_graph, layer_depths
+from ..collapse import collapse_alike, collapse_graph, layer_depths
 from ..diff import GraphDiff, diff_graphs, norm_ratio
 from ..escape import dot_attrs, dot_html_table, dot_label
 from ..graph import BackwardGraph, merge_grad_metas
@@ -65,7 +65,7 @@ def _edge_metas(graph: BackwardGraph, renamed: dict[str, str] | None = None) -> 
 
 
 def diff_styles(
-    diff: GraphDiff, newer: BackwardGraph, older: BackwardGraph, *, stats: bool = True
+    diff: GraphDiff, newer: BackwardGraph, older: BackwardGraph, *, stats: bool = True, legend: bool = True
 ) -> tuple[dict[str, dict[str, str]], dict[tuple[str, str], dict[str, str]], list[str]]:
     """The ``node_style``, ``edge_style`` and ``extra_body`` arguments of ``dot_parts``.
 
@@ -74,6 +74,7 @@ def diff_styles(
         newer: the graph that is drawn.
         older: where removed nodes and edges come from.
         stats: whether edge labels show gradient norms (as in ``dot_parts``).
+        legend: whether to add the legend of the marks that are drawn.
     """
     _check(diff, newer, older)
     node_style: dict[str, dict[str, str]] = {}
@@ -122,20 +123,35 @@ def diff_styles(
         if src in new_ids and dst in new_ids:
             attrs["constraint"] = "false"  # a rewired edge must not pull the layout about
         extra.append(f"{a} -> {b} [{dot_attrs(attrs)}]")
-    extra.append(_legend(diff))
+    if legend:
+        marks = {style.get("class") for style in (*node_style.values(), *edge_style.values())}
+        if extra:  # ghosts and removed edges
+            marks.add("pvh-removed")
+        extra.extend(_legend(diff, marks))
     return node_style, edge_style, extra
 
 
-def _legend(diff: GraphDiff) -> str:
+def _legend(diff: GraphDiff, marks: set[str | None]) -> list[str]:
+    """Legend nodes for the ``marks`` (SVG classes) that are drawn: structure changes in one,
+    gradient-norm colours in another (class ``pvh-norm-legend``, so a viewer that turns
+    norm colouring off can hide it with the colours)."""
     since = "" if diff.older_step is None else f" since step {diff.older_step}"
     rows = [
-        ({"BORDER": "3", "COLOR": "#1a7f37"}, f"added{since}"),
-        ({"BORDER": "1", "STYLE": "dashed", "COLOR": "#9a9a9a"}, f"removed{since} (ghost)"),
-        ({"BGCOLOR": "#d9480f"}, f"grad norm up over {diff.threshold:g}x"),
-        ({"BGCOLOR": "#1c7ed6"}, f"grad norm down below {1 / diff.threshold:g}x"),
+        ("pvh-added", {"BORDER": "3", "COLOR": "#1a7f37"}, f"added{since}"),
+        ("pvh-removed", {"BORDER": "1", "STYLE": "dashed", "COLOR": "#9a9a9a"}, f"removed{since} (ghost)"),
+        ("pvh-ratio-up", {"BGCOLOR": "#d9480f"}, f"grad norm up over {diff.threshold:g}x"),
+        ("pvh-ratio-down", {"BGCOLOR": "#1c7ed6"}, f"grad norm down below {1 / diff.threshold:g}x"),
     ]
-    table = dot_html_table("changes", rows, spacing=2)
-    return f'diff_legend [shape=box, style="rounded", color="#bbbbbb", fontsize="9", label={table}]'
+    out = []
+    for name, title, kinds, extra in (
+        ("diff_legend", "changes", ("pvh-added", "pvh-removed"), ""),
+        ("diff_legend_norms", "gradient norm", ("pvh-ratio-up", "pvh-ratio-down"), ', class="pvh-norm-legend"'),
+    ):
+        shown = [(swatch, text) for mark, swatch, text in rows if mark in kinds and mark in marks]
+        if shown:
+            table = dot_html_table(title, shown, spacing=2)
+            out.append(f'{name} [shape=box, style="rounded", color="#bbbbbb", fontsize="9"{extra}, label={table}]')
+    return out
 
 
 def _given(v: Any) -> bool:
@@ -148,21 +164,20 @@ def _collapsed(
     """Apply collapse options (popped from ``options``) to both graphs alike.
 
     The newer graph picks the depth (``max_nodes`` may make it shallower);
-    the older one is collapsed to that same depth, so layer boxes match and
-    a layer that appeared is one green box. The diff is recomputed on the
-    collapsed pair; steps and threshold are kept.
+    both are collapsed to that depth by ``collapse_alike`` (a box opened in
+    one to keep it honest is opened in the other too), so layer boxes match,
+    a layer that appeared is one green box and an unchanged layer is never
+    marked. The diff is recomputed on the collapsed pair; steps and
+    threshold are kept.
     """
     collapse = {k: options.pop(k) for k in _COLLAPSE_KEYS if k in options}
     if not any(_given(v) for v in collapse.values()):
         return diff, newer, older
-    new_c = collapse_graph(newer, **collapse)
-    used = new_c.meta.get("collapse", {})
-    old_c = collapse_graph(
-        older,
-        depth=used.get("depth", collapse.get("depth")),
-        by_type=collapse.get("by_type") or (),
-        fold_repeats=bool(collapse.get("fold_repeats")),
-    )
+    depth = collapse.get("depth")
+    if collapse.get("max_nodes") is not None:
+        depth = collapse_graph(newer, **collapse).meta["collapse"]["depth"]
+    new_c, old_c = collapse_alike([newer, older], depth=depth, by_type=collapse.get("by_type", ()),
+                                  fold_repeats=collapse.get("fold_repeats", False))
     d = diff_graphs(old_c, new_c, threshold=diff.threshold)
     d.older_step, d.newer_step = diff.older_step, diff.newer_step
     return d, new_c, old_c
@@ -172,7 +187,8 @@ def _diff_options(diff: GraphDiff, newer: BackwardGraph, older: BackwardGraph, o
     for k in ("node_style", "edge_style", "extra_body"):
         if k in options:
             raise TypeError(f"{k} is set by the diff drawing and cannot be passed")
-    node_style, edge_style, extra = diff_styles(diff, newer, older, stats=options.get("stats", True))
+    node_style, edge_style, extra = diff_styles(diff, newer, older, stats=options.get("stats", True),
+                                                legend=options.get("legend", True))
     if "title" not in options:
         if diff.older_step is None or diff.newer_step is None:
             options["title"] = "changes since the older capture"

@@ -9,7 +9,7 @@ from typing import Any, Mapping
 from ..escape import dot_attrs, dot_html_table, dot_label, dot_quote
 from ..graph import BackwardGraph, Edge, Node, is_communication
 from ..hazards import PROGRAM_OP_NOTE
-from ..text import COMMUNICATION_LEGEND, NOT_OBSERVED, call_of, edge_lines, layer_name, node_lines, node_tooltip, origin_mark
+from ..text import COMMUNICATION_LEGEND, NOT_OBSERVED, box_name, call_of, edge_lines, node_lines, node_tooltip, origin_mark
 
 __all__ = ["to_dot", "dot_parts", "STYLE"]
 
@@ -185,7 +185,7 @@ def _cluster_lines(graph: BackwardGraph, by_layer: dict[tuple[str, int], list[No
         name = (path.rsplit(".", 1)[-1] or path) if path else (kind or "model")
         label = (f"{name} ({kind})" if kind and path else name) + call_of(call, calls[path])
         lines.append(f"{indent}subgraph cluster_{counter[0]} {{")
-        lines.append(f"{indent}  label={dot_quote(label)}; tooltip={dot_quote(layer_name(path))};")
+        lines.append(f"{indent}  label={dot_quote(label)}; tooltip={dot_quote(box_name(path))};")
         lines.append(f"{indent}  style=\"rounded\"; color=\"#9aa7b8\"; fontsize=\"10\"; fontcolor=\"#44546a\";")
         for n in by_layer.get(key, []):
             lines.append(indent + "  " + node_stmt(n))

@@ -300,7 +300,15 @@ def _plan_png(
         ratio = rank_len / max(cross, 1e-3)
         k1 = max(2, round(math.sqrt(ratio)))
         k2 = int(math.sqrt(ratio * VIEW_ASPECT))
-        for k in sorted({k1, k2} - {0, 1})[:2]:
+        # the two band counts that suit the strip, then their neighbours while those do not read
+        # in order (a 12-block encoder reads in 3 or 6 rows, not in 4 or 5)
+        tries = sorted({k1, k2} - {0, 1})[:2]
+        first = len(tries)
+        tries += [k for k in (min(tries) - 1, max(tries) + 1) if k > 1 and k not in tries]
+        kept = 0
+        for i, k in enumerate(tries):
+            if i >= first and kept:
+                break
             wrapped = _wrapped(source, plain, rd, k)
             if wrapped is None or any(wrapped[0] == p.source for p in plans):
                 continue
@@ -313,6 +321,7 @@ def _plan_png(
                 continue  # scattered blocks or snaking edges: better collapse further
             ww, wh = (float(v) for v in wplain.split("\n", 1)[0].split()[2:4])
             plans.append(_Plan(wsrc, ww, wh, _dpi_for(ww, wh, max_px), rd, k))
+            kept += 1
     best_dpi = max(p.dpi for p in plans)
     near = [p for p in plans if p.dpi >= best_dpi / 1.15]
     # an unwrapped drawing first: wrapping costs edges between bands, paid only for legibility
@@ -624,7 +633,14 @@ def _auto_collapse(
     keep: dict[str, Any], rankdir: str | None, timeout: float | None, full_detail: str | None = None,
     min_dpi: float = LEGIBLE_DPI,
 ) -> tuple[_Plan, BackwardGraph]:
-    """Collapse by depth, deepest first, until the drawing is legible."""
+    """Collapse by depth, deepest first, until the drawing is legible.
+
+    Every layer stays its own box as long as some depth is legible that way:
+    the depths are tried unfolded first (deepest to 1), then with repeated
+    blocks folded into "x N" boxes (deepest to 1), then the whole model as
+    one box (depth 0). So six encoder blocks are six boxes whenever six
+    boxes are legible, and folded only when they are not.
+    """
     deepest = max(layer_depths(graph).values(), default=0)
     best, best_graph = plan, g
     # A drawing's area grows about linearly with its node count and the best
@@ -632,18 +648,19 @@ def _auto_collapse(
     # depth with more nodes than this cannot reach the floor: skip its layout.
     square_dpi = (max_px - 1) / math.sqrt(max(plan.area, 1e-6))
     hopeless = len(g.nodes) * (square_dpi / min_dpi) ** 2 * 1.5
-    last = None
-    for d in range(deepest, -1, -1):
-        c = collapse_graph(graph, depth=d, **keep)
-        if len(c.nodes) > hopeless and d > 0 and "fold_repeats" not in keep:
-            # many identical blocks (a deep stack of layers): folded into "x N" boxes
-            # they may still be legible at this depth
-            c = collapse_graph(graph, depth=d, **keep, fold_repeats=True)
+    tries = [(d, False) for d in range(deepest, 0, -1)]
+    if "fold_repeats" not in keep:
+        tries += [(d, True) for d in range(deepest, 0, -1)]
+    tries.append((0, False))
+    seen = set()
+    for d, fold in tries:
+        c = collapse_graph(graph, depth=d, **keep, **({"fold_repeats": True} if fold else {}))
         if len(c.nodes) >= len(g.nodes) or (len(c.nodes) > hopeless and d > 0):
             continue
-        if last is not None and len(c.nodes) == last:
+        drawn = tuple((n.key, n.layer, n.count) for n in c.nodes)
+        if drawn in seen:  # the same boxes as a depth already tried
             continue
-        last = len(c.nodes)
+        seen.add(drawn)
         opts = _with_note(options, c, graph, full_detail)
         p = _plan_png(lambda rd: to_dot(c, rankdir=rd, **opts), max_px, rankdir, timeout)
         if p.dpi > best.dpi:

@@ -36,7 +36,7 @@ from ..collapse import call_paths
 from ..diff import GraphDiff, diff_graphs, node_norms
 from ..escape import safe_filename
 from ..graph import BackwardGraph, GradMeta, Node, merge_grad_metas
-from ..text import NOT_OBSERVED, backward_role, call_of, capture_title, describe_node, fmt_shape, graph_summary, layer_name
+from ..text import NOT_OBSERVED, backward_role, box_name, call_of, capture_title, describe_node, fmt_shape, graph_summary, layer_name
 
 __all__ = ["ExplorerExport", "explorer_graph", "explorer_overlays", "export_explorer", "GRAPHS_FILE"]
 
@@ -104,7 +104,7 @@ def _label(node: Node, path: tuple[tuple[str, int], ...], out_edges: list) -> st
     if node.kind == "input":
         return "input"
     if node.kind == "layer":
-        return layer_name(node.layer) + f" x{node.count}" * (node.count > 1)
+        return box_name(node.layer) + f" x{node.count}" * (node.count > 1)
     if out_edges and all(e.grad is None for e in out_edges):
         return f"{node.op} ({NOT_OBSERVED})"
     return node.op or node.name
