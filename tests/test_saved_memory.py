@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import json
+from pathlib import Path
 
 import numpy as np
 import paddle
@@ -313,6 +314,85 @@ def test_drawings_show_what_ops_and_layer_boxes_saved():
     assert layer0.saved_bytes == sum(n.saved_bytes for n in ops0) > 0
     assert f"saved for backward {fmt_bytes(layer0.saved_bytes)}" in to_dot(boxes)
     assert "saved 2.05 kB" in to_dot(g)  # each ReLU: 2 x 4 x 64 float32
+
+
+def _dot_node(source: str, nid: int) -> str:
+    return next(line for line in source.split("\n") if line.strip().startswith(f"n{nid} [label="))
+
+
+@pytest.mark.parametrize("arch", ["encoder", "resnet18"])
+def test_color_by_saved_memory_shades_nodes_and_boxes_by_bytes(arch):
+    from paddleviz_hooks import collapse_graph
+    from paddleviz_hooks.render import render_png, to_dot
+    from paddleviz_hooks.render.dot import SAVED_SHADES
+    from paddleviz_hooks.text import SAVED_SHADE_TITLE, fmt_bytes
+
+    if arch == "encoder":
+        model, make = encoder(layers=2), (lambda: paddle.randn([2, 4, 32]))
+    else:
+        paddle.seed(1)
+        model, make = paddle.vision.models.resnet18(num_classes=10), (lambda: paddle.randn([2, 3, 32, 32]))
+    g, _, _ = measured_step(model, make)
+    for graph in (g, collapse_graph(g, depth=1)):
+        src = to_dot(graph, color_by="saved_memory")
+        held = [n for n in graph.nodes if n.saved_bytes]
+        top = max(held, key=lambda n: n.saved_bytes)
+        assert f'fillcolor="{SAVED_SHADES[0]}"' in _dot_node(src, top.id)
+        assert 'fontcolor="white"' in _dot_node(src, top.id)
+        # the darkest shade stands for (top/4, top]; the legend gives its nodes' range
+        darkest = [n.saved_bytes for n in held if 4 * n.saved_bytes > top.saved_bytes]
+        low = min(darkest)
+        size = fmt_bytes(top.saved_bytes) if low == top.saved_bytes else f"{fmt_bytes(low)} to {fmt_bytes(top.saved_bytes)}"
+        assert f'BGCOLOR="{SAVED_SHADES[0]}" WIDTH="14"></TD><TD ALIGN="LEFT">{size} ({len(darkest)} node' in src
+        assert SAVED_SHADE_TITLE in src
+        for n in graph.nodes:  # every node with bytes is shaded, every op or box without is white
+            line = _dot_node(src, n.id)
+            if n.saved_bytes:
+                assert any(f'fillcolor="{c}"' in line for c in SAVED_SHADES), line
+            elif n.kind in ("op", "layer"):
+                assert 'fillcolor="white"' in line, line
+            if n.saved_bytes and 16 * n.saved_bytes <= top.saved_bytes:
+                assert f'fillcolor="{SAVED_SHADES[0]}"' not in line and f'fillcolor="{SAVED_SHADES[1]}"' not in line
+        if graph is not g:  # a box sums its ops' bytes, each storage once: the boxes add up to the total
+            assert sum(n.saved_bytes for n in graph.nodes) == g.meta["saved_memory"]["total_bytes"]
+    assert "fillcolor" in to_dot(g) and SAVED_SHADES[0] not in to_dot(g)  # not asked: not shaded
+    png = render_png(collapse_graph(g, depth=2), color_by="saved_memory", title=f"{arch} by saved memory")
+    out = Path(__file__).resolve().parents[1] / "test-output"  # to look at
+    out.mkdir(exist_ok=True)
+    (out / f"saved_memory_shaded_{arch}.png").write_bytes(png)
+
+
+def test_color_by_needs_saved_memory_and_a_known_value():
+    from paddleviz_hooks.render import render_png, to_dot
+
+    model = encoder(layers=1)
+    g, _, _ = measured_step(model, lambda: paddle.randn([2, 4, 32]), saved_memory=False)
+    with pytest.raises(ValueError, match=r"color_by='saved_memory' needs a graph captured with saved_memory=True"):
+        to_dot(g, color_by="saved_memory")
+    with pytest.raises(ValueError, match=r"needs a graph captured with saved_memory=True"):
+        render_png(g, color_by="saved_memory")
+    with pytest.raises(ValueError, match=r"color_by must be None or one of \('saved_memory',\), got 'bytes'"):
+        to_dot(g, color_by="bytes")
+    with pytest.raises(TypeError, match=r"color_by must be None or one of .*, got True"):
+        to_dot(g, color_by=True)
+    with pytest.raises(ValueError, match=r"color_by='saved_memory' needs saved_memory=True .*got saved_memory=False"):
+        BackwardGraphRecorder("unused", color_by="saved_memory")
+    with pytest.raises(ValueError, match=r"got 'memory'"):
+        BackwardGraphRecorder("unused", saved_memory=True, color_by="memory")
+
+
+def test_recorder_color_by_shades_its_drawings(tmp_path):
+    from paddleviz_hooks.render.dot import SAVED_SHADES
+
+    model = encoder(layers=1)
+    with BackwardGraphRecorder(str(tmp_path), model, steps=[1], formats=("dot", "json"), visualdl=False,
+                               verbose=0, saved_memory=True, color_by="saved_memory") as rec:
+        with rec.step(1):
+            (model(paddle.randn([2, 4, 32])) ** 2).mean().backward()
+    run = tmp_path / "backward_graph"
+    g = BackwardGraph.from_json((run / "step_000001.json").read_text())
+    top = max(g.nodes, key=lambda n: n.saved_bytes)
+    assert f'fillcolor="{SAVED_SHADES[0]}"' in _dot_node((run / "step_000001.dot").read_text(), top.id)
 
 
 def test_off_by_default_and_bad_value():
