@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -395,6 +396,60 @@ def test_recorder_color_by_shades_its_drawings(tmp_path):
     assert f'fillcolor="{SAVED_SHADES[0]}"' in _dot_node((run / "step_000001.dot").read_text(), top.id)
 
 
+CHROMIUM = "/usr/bin/chromium"
+
+
+@pytest.mark.browser
+@pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="needs Debian's Chromium at /usr/bin/chromium")
+def test_report_memory_table_sorts_by_a_clicked_column(tmp_path):
+    from playwright.sync_api import sync_playwright
+
+    model = encoder(layers=3)  # 46 layer calls: more than the 30 rows shown
+    g, _, _ = measured_step(model, lambda: paddle.randn([2, 4, 32]))
+    table = g.meta["saved_memory"]["recompute"]
+    assert len(table) > 30
+    log = tmp_path / "log"
+    log.mkdir()
+    (log / "step_000001.json").write_text(g.to_json())
+    out = tmp_path / "report.html"
+    build_report(str(log), str(out))
+    by = {col: sorted(table.values(), key=lambda v: -v[col]) for col in ("held", "frees")}
+    visible = "t => Array.from(t.tBodies[0].rows).filter(r => !r.hidden).map(r => r.cells[%d].dataset.v ?? r.cells[0].textContent)"
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=[
+            "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+            "--disable-background-networking", "--disable-component-update", "--disable-sync"])
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 900})
+            errors = []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(out.as_uri())
+            t = page.locator("table.saved")
+            t.scroll_into_view_if_needed()
+            assert [int(v) for v in t.evaluate(visible % 1)] == [v["held"] for v in by["held"][:30]]
+            # behind each row's bytes held, a bar as long as they are relative to the most
+            bars = t.evaluate("t => Array.from(t.querySelectorAll('tr:not([hidden]) .bar'))"
+                              ".map(b => b.getBoundingClientRect().width / b.parentNode.clientWidth)")
+            top = by["held"][0]["held"]
+            assert bars == pytest.approx([v["held"] / top for v in by["held"][:30]], abs=0.01) and bars[-1] > 0
+            t.locator("button.sort", has_text="recompute frees").click()
+            frees = [int(v) for v in t.evaluate(visible % 3)]
+            assert frees == [v["frees"] for v in by["frees"][:30]]  # the 30 that free most, of all 46
+            assert frees != [v["frees"] for v in by["held"][:30]]  # the order changed
+            assert t.locator("th[aria-sort=descending]").inner_text().startswith("recompute frees")
+            shot = Path(__file__).resolve().parents[1] / "test-output"
+            shot.mkdir(exist_ok=True)
+            page.locator("aside").screenshot(path=str(shot / "report_saved_sorted.png"))
+            t.locator("button.sort", has_text="layer call").click()
+            names = t.evaluate(visible % 0)
+            assert names == sorted(names, key=str.lower)[:30] or names == sorted(names)[:30]
+            t.locator("button.sort", has_text="held").click()
+            assert [int(v) for v in t.evaluate(visible % 1)] == [v["held"] for v in by["held"][:30]]
+        finally:
+            browser.close()
+    assert errors == []
+
+
 def test_off_by_default_and_bad_value():
     model = encoder(layers=1)
     g, _, _ = measured_step(model, lambda: paddle.randn([2, 4, 32]), saved_memory=False)
@@ -454,8 +509,8 @@ def test_recorder_writes_saved_memory_to_json_text_and_visualdl(tmp_path):
     assert sorted(texts) == [1, 2] and all("held for backward: " in t for t in texts.values())
     build_report(str(tmp_path), str(tmp_path / "report.html"))
     html = (tmp_path / "report.html").read_text()
-    assert html.count('<table class="saved">') == 2  # one per step
-    assert "<td>layers.0.self_attn</td>" in html and "recomputing it frees" in html
+    assert html.count("<table class=\"saved\" ") == 2  # one per step
+    assert "<td>layers.0.self_attn</td>" in html and "recompute frees" in html
 
 
 def _rss() -> int:

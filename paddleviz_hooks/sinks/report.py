@@ -344,24 +344,44 @@ def _site_list(graph: BackwardGraph) -> str:
             f'<ol class="sites">{"".join(items)}</ol>')
 
 
-def _saved_table(graph: BackwardGraph, limit: int = 30) -> str:
+def _saved_table(graph: BackwardGraph, shown: int = 30) -> str:
     """Layer calls by bytes held for backward (sublayers included), with a bar,
-    and what recomputing each would free; empty when not recorded."""
+    the inputs a recomputed call keeps and what recomputing it would free;
+    empty when not recorded.
+
+    A click on a column header sorts the rows (``report.js``: numbers
+    descending by the ``data-v`` of their cells, names ascending); the first
+    ``shown`` rows of the current order are visible.
+    """
     m = graph.meta.get("saved_memory")
     table = m.get("recompute") if isinstance(m, dict) else None
     if not table:
         return ""
-    rows = sorted(table.items(), key=lambda kv: (-kv[1].get("held", 0), kv[0]))[:limit]
+    rows = sorted(table.items(), key=lambda kv: (-kv[1].get("held", 0), kv[0]))
     top = max(v.get("held", 0) for _, v in rows) or 1
+
+    def num(v: Any, bar: str = "") -> str:
+        return f'<td class="num" data-v="{_e(v if isinstance(v, int) else -1)}">{bar}<span>{_e(fmt_bytes(v))}</span></td>'
+
+    def bar(v: dict) -> str:  # behind the bytes held: as long as they are, relative to the most
+        return f'<span class="bar" style="width:{100 * v.get("held", 0) / top:.1f}%"></span>'
+
     body = "".join(
-        f'<tr><td>{_e(call_name(k))}</td><td class="num">{_e(fmt_bytes(v.get("held")))}</td>'
-        f'<td class="barcell"><span class="bar" style="width:{100 * v.get("held", 0) / top:.1f}%"></span></td>'
-        f'<td class="num">{_e(fmt_bytes(v.get("frees")))}</td></tr>'
-        for k, v in rows)
-    more = f'<p class="muted">and {len(table) - limit} more layer calls</p>' if len(table) > limit else ""
-    return ('<h3>Held for backward, by layer call</h3><table class="saved"><thead><tr><th>layer call</th>'
-            '<th>held (with sublayers)</th><th></th><th>recomputing it frees</th></tr></thead>'
-            f'<tbody>{body}</tbody></table>{more}')
+        f'<tr{" hidden" if i >= shown else ""}><td>{_e(call_name(k))}</td>'
+        f'{num(v.get("held"), bar(v))}{num(v.get("inputs"))}{num(v.get("frees"))}</tr>'
+        for i, (k, v) in enumerate(rows))
+    more = (f'<p class="muted">{shown} of {len(table)} layer calls shown; a click on a column sorts them all</p>'
+            if len(table) > shown else "")
+    columns = (("layer call", "text", "the layer and which of its calls"),
+               ("held", "num", "bytes saved for backward inside this call, its sublayers included"),
+               ("inputs", "num", "bytes of the call's inputs, which a recomputed call keeps"),
+               ("recompute frees", "num", "bytes that recomputing this call in backward would free"))
+    sorted_by = ' aria-sort="descending"'  # the rows come sorted by bytes held
+    head = "".join(f'<th{sorted_by if col == 1 else ""}><button class="sort" data-col="{col}" data-kind="{kind}" '
+                   f'title="{_e(tip)}; click to sort">{_e(name)}</button></th>'
+                   for col, (name, kind, tip) in enumerate(columns))
+    return (f'<h3>Held for backward, by layer call</h3><table class="saved" data-shown="{shown}"><thead><tr>{head}'
+            f'</tr></thead><tbody>{body}</tbody></table>{more}')
 
 
 def _lines(text: str, skip_heading: bool = True) -> str:

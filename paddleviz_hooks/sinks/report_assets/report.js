@@ -139,5 +139,20 @@ function endDrag(){ drag = null; vp.classList.remove("dragging"); }
 vp.addEventListener("pointerup", endDrag);
 vp.addEventListener("pointercancel", endDrag);
 window.addEventListener("resize", function(){ if (!userView) autoView(); });
+// memory tables: a click on a column header sorts the rows (bytes: most first; names: A to Z)
+document.querySelectorAll("table.saved").forEach(function(t){
+  var shown = parseInt(t.dataset.shown, 10) || Infinity;
+  t.querySelectorAll("button.sort").forEach(function(b){
+    b.addEventListener("click", function(){
+      var col = parseInt(b.dataset.col, 10), num = b.dataset.kind === "num";
+      var body = t.tBodies[0], rows = Array.prototype.slice.call(body.rows);
+      function key(r){ var c = r.cells[col]; return num ? parseFloat(c.dataset.v) : c.textContent; }
+      rows.sort(function(a, z){ return num ? key(z) - key(a) : key(a).localeCompare(key(z)); });
+      rows.forEach(function(r, i){ r.hidden = i >= shown; body.appendChild(r); });
+      t.querySelectorAll("th").forEach(function(th){ th.removeAttribute("aria-sort"); });
+      b.parentNode.setAttribute("aria-sort", num ? "descending" : "ascending");
+    });
+  });
+});
 show(0, 0);
 })();
