@@ -56,7 +56,7 @@ function show(r, i){
   var st = steps[i];
   slider.max = String(steps.length - 1);
   slider.value = String(i);
-  label.textContent = "step " + st.step + "  (" + (i + 1) + " of " + steps.length + ")";
+  label.textContent = "step " + st.step + (st.role ? " - " + st.role : "") + "  (" + (i + 1) + " of " + steps.length + ")";
   // structure changes by default; gradient-norm colouring only when asked for
   var useDiff = st.diff !== null && ((hl.checked && st.changed) || norms.checked);
   var svg = useDiff ? DATA.svgs[st.diff] : (st.svg !== null ? DATA.svgs[st.svg] : null);
@@ -65,7 +65,7 @@ function show(r, i){
   var s = stage.querySelector("svg");
   if (s) { var sz = svgSize(); s.style.width = sz[0] + "px"; s.style.height = sz[1] + "px"; }
   mode.textContent = !useDiff ? (st.svg === null ? "no drawing" : "graph")
-    : (norms.checked ? "changes since step " : "structure changed since step ") + steps[i - 1].step;
+    : (norms.checked ? "changes since " : "structure changed since ") + st.since;
   mode.className = useDiff ? "diff" : "";
   note.textContent = svg === null ? "No drawing for this step (see the panel)." : "wheel: zoom, drag: pan, F: fit all, 1: 100%, A: automatic view";
   document.getElementById("panel-" + r + "-" + i).hidden = false;
@@ -83,7 +83,7 @@ function buildStrip(){
     steps.forEach(function(st, i){
       var c = document.createElement("span");
       c.className = (st.changed ? "changed " : "") + (st.nonfinite ? "nonfinite" : "");
-      c.title = "step " + st.step + (st.changed ? ", structure changed" : "") + (st.nonfinite ? ", NaN/Inf" : "");
+      c.title = "step " + st.step + (st.role ? " - " + st.role : "") + (st.changed ? ", structure changed" : "") + (st.nonfinite ? ", NaN/Inf" : "");
       c.addEventListener("click", function(){ show(run, i); });
       strip.appendChild(c);
     });
