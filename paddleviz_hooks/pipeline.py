@@ -324,7 +324,8 @@ class CapturePipeline:
         if not replayed:
             self._prev[suffix] = (graph, path)
         if "dot" in opts.formats:
-            files.write(step, "dot", to_dot(graph, title=_title(step, trigger, graph), **_shading(opts, graph)), suffix=suffix)
+            files.write(step, "dot", to_dot(graph, title=_title(step, trigger, graph), **_shading(opts, graph)),
+                        suffix=suffix)
         if diff is not None and diff.structure_changed and "json" in opts.formats:
             files.write(step, "json", diff.to_json(), suffix=_join(suffix, "diff"))
         self._log_data(graph, diff, step, trigger, suffix)

@@ -182,7 +182,8 @@ class BackwardGraphRecorder:
             raise TypeError(f"model must be a paddle.nn.Layer or None, got {type(model).__name__}")
         self.options = RecorderOptions.check(
             log_dir, every, steps, capture_first=capture_first, max_captures=max_captures,
-            grad_stats=grad_stats, saved_memory=saved_memory, color_by=color_by, view_max_nodes=view_max_nodes, view_max_px=view_max_px,
+            grad_stats=grad_stats, saved_memory=saved_memory, color_by=color_by, view_max_nodes=view_max_nodes,
+            view_max_px=view_max_px,
             viewer_px=viewer_px,
             formats=formats, visualdl=visualdl, visualdl_graphs=visualdl_graphs,
             visualdl_diagnostics=visualdl_diagnostics, run_name=run_name, ranks=ranks,

@@ -392,7 +392,8 @@ def _saved_table(graph: BackwardGraph, shown: int = 30) -> str:
     top = max(v.get("held", 0) for _, v in rows) or 1
 
     def num(v: Any, bar: str = "") -> str:
-        return f'<td class="num" data-v="{_e(v if isinstance(v, int) else -1)}">{bar}<span>{_e(fmt_bytes(v))}</span></td>'
+        value = v if isinstance(v, int) else -1
+        return f'<td class="num" data-v="{_e(value)}">{bar}<span>{_e(fmt_bytes(v))}</span></td>'
 
     def bar(v: dict) -> str:  # behind the bytes held: as long as they are, relative to the most
         return f'<span class="bar" style="width:{100 * v.get("held", 0) / top:.1f}%"></span>'
@@ -435,7 +436,8 @@ def _step_panel(run: _Run, ri: int, si: int) -> str:
     d = st.diff
     if d is not None:
         cls = "changed" if d.structure_changed else "same"
-        out.append(f'<h3 class="{cls}">Changes since {_e(st.older.title)}</h3><ul class="facts">{_lines(diff_summary(d))}</ul>')
+        out.append(f'<h3 class="{cls}">Changes since {_e(st.older.title)}</h3>'
+                   f'<ul class="facts">{_lines(diff_summary(d))}</ul>')
         if d.structure_changed:
             rows = []
             for label, keys in (("added", d.added_nodes), ("removed", d.removed_nodes)):

@@ -56,7 +56,8 @@ function show(r, i){
   var st = steps[i];
   slider.max = String(steps.length - 1);
   slider.value = String(i);
-  label.textContent = "step " + st.step + (st.role ? " - " + st.role : "") + "  (" + (i + 1) + " of " + steps.length + ")";
+  var name = "step " + st.step + (st.role ? " - " + st.role : "");  // "step 3 - micro-batch 2 of 2"
+  label.textContent = name + "  (" + (i + 1) + " of " + steps.length + ")";
   // structure changes by default; gradient-norm colouring only when asked for
   var useDiff = st.diff !== null && ((hl.checked && st.changed) || norms.checked);
   var svg = useDiff ? DATA.svgs[st.diff] : (st.svg !== null ? DATA.svgs[st.svg] : null);
@@ -83,7 +84,8 @@ function buildStrip(){
     steps.forEach(function(st, i){
       var c = document.createElement("span");
       c.className = (st.changed ? "changed " : "") + (st.nonfinite ? "nonfinite" : "");
-      c.title = "step " + st.step + (st.role ? " - " + st.role : "") + (st.changed ? ", structure changed" : "") + (st.nonfinite ? ", NaN/Inf" : "");
+      c.title = "step " + st.step + (st.role ? " - " + st.role : "") + (st.changed ? ", structure changed" : "") +
+        (st.nonfinite ? ", NaN/Inf" : "");
       c.addEventListener("click", function(){ show(run, i); });
       strip.appendChild(c);
     });
