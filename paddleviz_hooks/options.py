@@ -23,6 +23,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Iterable
 
 from .escape import safe_filename
+from .render.dot import check_color_by
 
 __all__ = ["RecorderOptions", "FORMATS"]
 
@@ -79,6 +80,7 @@ class RecorderOptions:
     max_captures: int | None = None
     grad_stats: bool = True
     saved_memory: bool = False
+    color_by: str | None = None
     view_max_nodes: int | None = None
     view_max_px: int = 2000
     viewer_px: int | None = 1280
@@ -115,7 +117,7 @@ class RecorderOptions:
         o = {f.name: f.default for f in fields(cls) if f.name in known}
         o.update(options)
         capture_first, max_captures, grad_stats = o["capture_first"], o["max_captures"], o["grad_stats"]
-        saved_memory = o["saved_memory"]
+        saved_memory, color_by = o["saved_memory"], o["color_by"]
         view_max_nodes, view_max_px, formats, visualdl = o["view_max_nodes"], o["view_max_px"], o["formats"], o["visualdl"]
         visualdl_graphs, visualdl_diagnostics = o["visualdl_graphs"], o["visualdl_diagnostics"]
         viewer_px = o["viewer_px"]
@@ -150,6 +152,10 @@ class RecorderOptions:
                 f"run_name must be a plain folder name (letters, digits, . _ -), got {run_name!r}; "
                 f"for example {safe_filename(run_name)!r}"
             )
+        check_color_by(color_by)
+        if color_by == "saved_memory" and saved_memory is not True:
+            raise ValueError(f"color_by='saved_memory' needs saved_memory=True (nothing is recorded to shade by), "
+                             f"got saved_memory={saved_memory!r}")
         if isinstance(verbose, bool):
             verbose = int(verbose)
         _int("verbose", verbose, 0, allow_none=False, what="verbose must be 0 (silent) or 1 (print notices)")
@@ -163,6 +169,7 @@ class RecorderOptions:
             max_captures=_int("max_captures", max_captures, 1),
             grad_stats=_bool("grad_stats", grad_stats),
             saved_memory=_bool("saved_memory", saved_memory),
+            color_by=color_by,
             view_max_nodes=_int("view_max_nodes", view_max_nodes, 2),
             view_max_px=_int("view_max_px", view_max_px, 64, allow_none=False),
             viewer_px=_int("viewer_px", viewer_px, 64),

@@ -61,7 +61,8 @@ def viewer_png(graph: BackwardGraph, options: RecorderOptions, title: str, *, ti
     max_px = width
     for _ in range(4):  # a drawing taller than 16:9 is drawn again, narrower, until it fits
         png = render_png(graph, max_px=max_px, max_nodes=options.view_max_nodes, rankdir="LR",
-                         min_dpi=VIEWER_LABEL_PX * 72 / 11, timeout=timeout, title=title, info=info)
+                         min_dpi=VIEWER_LABEL_PX * 72 / 11, timeout=timeout, title=title, info=info,
+                         **_shading(options, graph))
         w, h = png_size(png)
         if h <= height or max_px <= 64:
             break
@@ -323,7 +324,8 @@ class CapturePipeline:
         if not replayed:
             self._prev[suffix] = (graph, path)
         if "dot" in opts.formats:
-            files.write(step, "dot", to_dot(graph, title=_title(step, trigger, graph)), suffix=suffix)
+            files.write(step, "dot", to_dot(graph, title=_title(step, trigger, graph), **_shading(opts, graph)),
+                        suffix=suffix)
         if diff is not None and diff.structure_changed and "json" in opts.formats:
             files.write(step, "json", diff.to_json(), suffix=_join(suffix, "diff"))
         self._log_data(graph, diff, step, trigger, suffix)
@@ -387,10 +389,12 @@ class CapturePipeline:
             info: dict = {}
             formats = ("png", "svg") if "svg" in opts.formats else ("png",)
             views = render_views(graph, formats, info=info, max_px=opts.view_max_px,
-                                 max_nodes=opts.view_max_nodes, timeout=left(), title=title)
+                                 max_nodes=opts.view_max_nodes, timeout=left(), title=title,
+                                 **_shading(opts, graph))
             png = views["png"]
             if "svg" in opts.formats:
-                svg = views["svg"] if info["full_detail"] else render_svg(graph, timeout=left(), title=title)
+                svg = views["svg"] if info["full_detail"] else render_svg(
+                    graph, timeout=left(), title=title, **_shading(opts, graph))
                 files.write(step, "svg", svg, suffix=suffix)
             if opts.visualdl and opts.viewer_px is not None:
                 seen: dict = {}
@@ -520,6 +524,14 @@ class CapturePipeline:
                 self._warn("vdl", f"VisualDL is not importable ({exc}); images are kept on disk only. "
                                   "pip install visualdl")
         return self._sink
+
+
+def _shading(options: RecorderOptions, graph: BackwardGraph) -> dict[str, Any]:
+    """The ``color_by`` drawing option, for a graph that has what it shades by (a triggered
+    capture records no saved memory: drawn unshaded, its legend then shows no shades)."""
+    if options.color_by == "saved_memory" and isinstance(graph.meta.get("saved_memory"), dict):
+        return {"color_by": options.color_by}
+    return {}
 
 
 def _title(step: int, trigger: str, graph: BackwardGraph) -> str:

@@ -57,6 +57,11 @@ class BackwardGraphRecorder:
             at :meth:`begin_step` of a selected step, so run the forward
             inside the step; steps captured by a trigger are not covered.
             Default False.
+        color_by: ``"saved_memory"`` shades ops and layer boxes of the
+            pictures by the bytes they saved for backward, with the range of
+            each shade in the legend (needs ``saved_memory=True``; a capture
+            without that record, such as a triggered one, is drawn unshaded).
+            Default None.
         view_max_nodes: node budget of the viewing PNG (larger graphs are
             collapsed by layer depth). Default None: collapse only as far as
             legibility within ``view_max_px`` needs. The SVG keeps every op.
@@ -154,6 +159,7 @@ class BackwardGraphRecorder:
         max_captures: int | None = None,
         grad_stats: bool = True,
         saved_memory: bool = False,
+        color_by: str | None = None,
         view_max_nodes: int | None = None,
         view_max_px: int = 2000,
         viewer_px: int | None = 1280,
@@ -176,7 +182,8 @@ class BackwardGraphRecorder:
             raise TypeError(f"model must be a paddle.nn.Layer or None, got {type(model).__name__}")
         self.options = RecorderOptions.check(
             log_dir, every, steps, capture_first=capture_first, max_captures=max_captures,
-            grad_stats=grad_stats, saved_memory=saved_memory, view_max_nodes=view_max_nodes, view_max_px=view_max_px,
+            grad_stats=grad_stats, saved_memory=saved_memory, color_by=color_by, view_max_nodes=view_max_nodes,
+            view_max_px=view_max_px,
             viewer_px=viewer_px,
             formats=formats, visualdl=visualdl, visualdl_graphs=visualdl_graphs,
             visualdl_diagnostics=visualdl_diagnostics, run_name=run_name, ranks=ranks,

@@ -58,7 +58,10 @@ __all__ = [
     "origin_mark",
     "plural",
     "saved_memory_lines",
+    "saved_shade_line",
     "summarize",
+    "SAVED_SHADE_NONE",
+    "SAVED_SHADE_TITLE",
 ]
 
 #: Where an op of the model's own (top) layer ran: its forward, outside every sublayer
@@ -74,6 +77,9 @@ OUTSIDE_MODEL = "outside the model"
 MODEL_OUTPUT = "model output"
 #: A gradient that flowed but could not be seen (its producer takes no hook).
 NOT_OBSERVED = "not observed"
+#: Legend rows of a drawing shaded by memory held for backward (``color_by="saved_memory"``).
+SAVED_SHADE_TITLE = "shade: bytes saved for backward"
+SAVED_SHADE_NONE = "no saved tensor recorded"
 #: Legend row and label line of a grad node that communicates between ranks.
 COMMUNICATION_LEGEND = "communication between ranks"
 
@@ -438,6 +444,17 @@ def node_lines(node: Node) -> list[str]:
         return box_lines(node)
     return [node.op] + ([COMMUNICATION_LEGEND] if is_communication(node.op) else []) + (
         [f"saved {fmt_bytes(node.saved_bytes)}"] if node.saved_bytes else [])
+
+
+def saved_shade_line(lo: int, hi: int, nodes: int) -> str:
+    """Legend row of one shade of ``color_by="saved_memory"``: the bytes its nodes saved for backward.
+
+    Example:
+        >>> saved_shade_line(1_200_000, 4_190_000, 3), saved_shade_line(512, 512, 1)
+        ('1.2 MB to 4.19 MB (3 nodes)', '512 B (1 node)')
+    """
+    size = fmt_bytes(lo) if lo == hi else f"{fmt_bytes(lo)} to {fmt_bytes(hi)}"
+    return f"{size} ({plural(nodes, 'node')})"
 
 
 def call_of(call: int, calls: int) -> str:

@@ -412,3 +412,34 @@ def test_page_inlines_the_asset_files_and_its_csp_allows_exactly_that_script(tmp
     assert f"script-src 'sha256-{digest}'" in page
     assert "$" + "script" not in page and "$" + "data" not in page  # every placeholder filled
 
+
+
+def test_a_steps_micro_batches_are_backwards_of_one_step_not_runs(tmp_path):
+    """step_N_b2.json (the second micro-batch) is the same step's second backward, compared with
+    the second backward of the step before; the page has one run."""
+    from paddleviz_hooks import BackwardGraphRecorder
+
+    paddle.seed(0)
+    net = paddle.nn.Sequential(paddle.nn.Linear(4, 3), paddle.nn.Tanh(), paddle.nn.Linear(3, 2))
+    with BackwardGraphRecorder(str(tmp_path / "log"), net, every=1, verbose=0, formats=("json",),
+                               visualdl=False) as rec:
+        for step in (1, 2):
+            with rec.step(step, micro_batches=2):
+                for _ in range(2):
+                    net(paddle.randn([2, 4])).sum().backward()
+    run = tmp_path / "log" / "backward_graph"
+    assert sorted(p.name for p in run.glob("*.json")) == [
+        "step_000001.json", "step_000001_b2.json", "step_000002.json", "step_000002_b2.json"]
+    out = tmp_path / "report.html"
+    build_report(str(tmp_path / "log"), str(out))
+    html = out.read_text()
+    data = json.loads(re.search(r'<script type="application/json" id="pvh-data">(.*?)</script>', html, re.S).group(1))
+    assert len(data["runs"]) == 1 and 'id="run-select"' not in html and "[b2]" not in html
+    steps = [(s["step"], s["role"], s["since"]) for s in data["runs"][0]["steps"]]
+    assert steps == [
+        (1, "micro-batch 1 of 2", None), (1, "micro-batch 2 of 2", None),
+        (2, "micro-batch 1 of 2", "step 1 - micro-batch 1 of 2"),
+        (2, "micro-batch 2 of 2", "step 1 - micro-batch 2 of 2")]
+    assert "<h2>step 1 - micro-batch 2 of 2</h2>" in html
+    assert "Changes since step 1 - micro-batch 2 of 2</h3>" in html
+    assert "2 captured steps (4 backwards) in 1 run" in html

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import gc
 import json
+import os
+from pathlib import Path
 
 import numpy as np
 import paddle
@@ -315,6 +317,139 @@ def test_drawings_show_what_ops_and_layer_boxes_saved():
     assert "saved 2.05 kB" in to_dot(g)  # each ReLU: 2 x 4 x 64 float32
 
 
+def _dot_node(source: str, nid: int) -> str:
+    return next(line for line in source.split("\n") if line.strip().startswith(f"n{nid} [label="))
+
+
+@pytest.mark.parametrize("arch", ["encoder", "resnet18"])
+def test_color_by_saved_memory_shades_nodes_and_boxes_by_bytes(arch):
+    from paddleviz_hooks import collapse_graph
+    from paddleviz_hooks.render import render_png, to_dot
+    from paddleviz_hooks.render.dot import SAVED_SHADES
+    from paddleviz_hooks.text import SAVED_SHADE_TITLE, fmt_bytes
+
+    if arch == "encoder":
+        model, make = encoder(layers=2), (lambda: paddle.randn([2, 4, 32]))
+    else:
+        paddle.seed(1)
+        model, make = paddle.vision.models.resnet18(num_classes=10), (lambda: paddle.randn([2, 3, 32, 32]))
+    g, _, _ = measured_step(model, make)
+    for graph in (g, collapse_graph(g, depth=1)):
+        src = to_dot(graph, color_by="saved_memory")
+        held = [n for n in graph.nodes if n.saved_bytes]
+        top = max(held, key=lambda n: n.saved_bytes)
+        assert f'fillcolor="{SAVED_SHADES[0]}"' in _dot_node(src, top.id)
+        assert 'fontcolor="white"' in _dot_node(src, top.id)
+        # the darkest shade stands for (top/4, top]; the legend gives its nodes' range
+        darkest = [n.saved_bytes for n in held if 4 * n.saved_bytes > top.saved_bytes]
+        low = min(darkest)
+        size = fmt_bytes(top.saved_bytes) if low == top.saved_bytes else f"{fmt_bytes(low)} to {fmt_bytes(top.saved_bytes)}"
+        assert f'BGCOLOR="{SAVED_SHADES[0]}" WIDTH="14"></TD><TD ALIGN="LEFT">{size} ({len(darkest)} node' in src
+        assert SAVED_SHADE_TITLE in src
+        for n in graph.nodes:  # every node with bytes is shaded, every op or box without is white
+            line = _dot_node(src, n.id)
+            if n.saved_bytes:
+                assert any(f'fillcolor="{c}"' in line for c in SAVED_SHADES), line
+            elif n.kind in ("op", "layer"):
+                assert 'fillcolor="white"' in line, line
+            if n.saved_bytes and 16 * n.saved_bytes <= top.saved_bytes:
+                assert f'fillcolor="{SAVED_SHADES[0]}"' not in line and f'fillcolor="{SAVED_SHADES[1]}"' not in line
+        if graph is not g:  # a box sums its ops' bytes, each storage once: the boxes add up to the total
+            assert sum(n.saved_bytes for n in graph.nodes) == g.meta["saved_memory"]["total_bytes"]
+    assert "fillcolor" in to_dot(g) and SAVED_SHADES[0] not in to_dot(g)  # not asked: not shaded
+    png = render_png(collapse_graph(g, depth=2), color_by="saved_memory", title=f"{arch} by saved memory")
+    out = Path(__file__).resolve().parents[1] / "test-output"  # to look at
+    out.mkdir(exist_ok=True)
+    (out / f"saved_memory_shaded_{arch}.png").write_bytes(png)
+
+
+def test_color_by_needs_saved_memory_and_a_known_value():
+    from paddleviz_hooks.render import render_png, to_dot
+
+    model = encoder(layers=1)
+    g, _, _ = measured_step(model, lambda: paddle.randn([2, 4, 32]), saved_memory=False)
+    with pytest.raises(ValueError, match=r"color_by='saved_memory' needs a graph captured with saved_memory=True"):
+        to_dot(g, color_by="saved_memory")
+    with pytest.raises(ValueError, match=r"needs a graph captured with saved_memory=True"):
+        render_png(g, color_by="saved_memory")
+    with pytest.raises(ValueError, match=r"color_by must be None or one of \('saved_memory',\), got 'bytes'"):
+        to_dot(g, color_by="bytes")
+    with pytest.raises(TypeError, match=r"color_by must be None or one of .*, got True"):
+        to_dot(g, color_by=True)
+    with pytest.raises(ValueError, match=r"color_by='saved_memory' needs saved_memory=True .*got saved_memory=False"):
+        BackwardGraphRecorder("unused", color_by="saved_memory")
+    with pytest.raises(ValueError, match=r"got 'memory'"):
+        BackwardGraphRecorder("unused", saved_memory=True, color_by="memory")
+
+
+def test_recorder_color_by_shades_its_drawings(tmp_path):
+    from paddleviz_hooks.render.dot import SAVED_SHADES
+
+    model = encoder(layers=1)
+    with BackwardGraphRecorder(str(tmp_path), model, steps=[1], formats=("dot", "json"), visualdl=False,
+                               verbose=0, saved_memory=True, color_by="saved_memory") as rec:
+        with rec.step(1):
+            (model(paddle.randn([2, 4, 32])) ** 2).mean().backward()
+    run = tmp_path / "backward_graph"
+    g = BackwardGraph.from_json((run / "step_000001.json").read_text())
+    top = max(g.nodes, key=lambda n: n.saved_bytes)
+    assert f'fillcolor="{SAVED_SHADES[0]}"' in _dot_node((run / "step_000001.dot").read_text(), top.id)
+
+
+CHROMIUM = "/usr/bin/chromium"
+
+
+@pytest.mark.browser
+@pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="needs Debian's Chromium at /usr/bin/chromium")
+def test_report_memory_table_sorts_by_a_clicked_column(tmp_path):
+    from playwright.sync_api import sync_playwright
+
+    model = encoder(layers=3)  # 46 layer calls: more than the 30 rows shown
+    g, _, _ = measured_step(model, lambda: paddle.randn([2, 4, 32]))
+    table = g.meta["saved_memory"]["recompute"]
+    assert len(table) > 30
+    log = tmp_path / "log"
+    log.mkdir()
+    (log / "step_000001.json").write_text(g.to_json())
+    out = tmp_path / "report.html"
+    build_report(str(log), str(out))
+    by = {col: sorted(table.values(), key=lambda v: -v[col]) for col in ("held", "frees")}
+    visible = "t => Array.from(t.tBodies[0].rows).filter(r => !r.hidden).map(r => r.cells[%d].dataset.v ?? r.cells[0].textContent)"
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=[
+            "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+            "--disable-background-networking", "--disable-component-update", "--disable-sync"])
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 900})
+            errors = []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(out.as_uri())
+            t = page.locator("table.saved")
+            t.scroll_into_view_if_needed()
+            assert [int(v) for v in t.evaluate(visible % 1)] == [v["held"] for v in by["held"][:30]]
+            # behind each row's bytes held, a bar as long as they are relative to the most
+            bars = t.evaluate("t => Array.from(t.querySelectorAll('tr:not([hidden]) .bar'))"
+                              ".map(b => b.getBoundingClientRect().width / b.parentNode.clientWidth)")
+            top = by["held"][0]["held"]
+            assert bars == pytest.approx([v["held"] / top for v in by["held"][:30]], abs=0.01) and bars[-1] > 0
+            t.locator("button.sort", has_text="recompute frees").click()
+            frees = [int(v) for v in t.evaluate(visible % 3)]
+            assert frees == [v["frees"] for v in by["frees"][:30]]  # the 30 that free most, of all 46
+            assert frees != [v["frees"] for v in by["held"][:30]]  # the order changed
+            assert t.locator("th[aria-sort=descending]").inner_text().startswith("recompute frees")
+            shot = Path(__file__).resolve().parents[1] / "test-output"
+            shot.mkdir(exist_ok=True)
+            page.locator("aside").screenshot(path=str(shot / "report_saved_sorted.png"))
+            t.locator("button.sort", has_text="layer call").click()
+            names = t.evaluate(visible % 0)
+            assert names == sorted(names, key=str.lower)[:30] or names == sorted(names)[:30]
+            t.locator("button.sort", has_text="held").click()
+            assert [int(v) for v in t.evaluate(visible % 1)] == [v["held"] for v in by["held"][:30]]
+        finally:
+            browser.close()
+    assert errors == []
+
+
 def test_off_by_default_and_bad_value():
     model = encoder(layers=1)
     g, _, _ = measured_step(model, lambda: paddle.randn([2, 4, 32]), saved_memory=False)
@@ -374,8 +509,8 @@ def test_recorder_writes_saved_memory_to_json_text_and_visualdl(tmp_path):
     assert sorted(texts) == [1, 2] and all("held for backward: " in t for t in texts.values())
     build_report(str(tmp_path), str(tmp_path / "report.html"))
     html = (tmp_path / "report.html").read_text()
-    assert html.count('<table class="saved">') == 2  # one per step
-    assert "<td>layers.0.self_attn</td>" in html and "recomputing it frees" in html
+    assert html.count("<table class=\"saved\" ") == 2  # one per step
+    assert "<td>layers.0.self_attn</td>" in html and "recompute frees" in html
 
 
 def _rss() -> int:

@@ -77,7 +77,7 @@ def note_saved(copy: Any, original: Any) -> None:
     """Remember which grad node the detached ``copy`` of a saved tensor came from."""
     gf = grad_fn(original)
     if gf is not None:
-        _SAVED_FROM[(copy.data_ptr(), tuple(copy.shape), str(copy.dtype))] = gf.node_ptr()
+        _SAVED_FROM[(copy.data_ptr(), tuple(copy.shape), dtype_str(copy.dtype))] = gf.node_ptr()
 
 
 def forget_saved() -> None:
@@ -88,23 +88,28 @@ def grad_node_ptr(t: Any) -> int | None:
     """Address of ``t``'s grad node; for a saved tensor our pack hook stored
     detached (a leaf of its own), that of the original; None without one."""
     if _SAVED_FROM:
-        ptr = _SAVED_FROM.get((t.data_ptr(), tuple(t.shape), str(t.dtype)))
+        ptr = _SAVED_FROM.get((t.data_ptr(), tuple(t.shape), dtype_str(t.dtype)))
         if ptr is not None:
             return ptr
     gf = grad_fn(t)
     return gf.node_ptr() if gf is not None else None
 
 
-_DTYPE_NAMES: dict[tuple[type, Any], str] = {}
+_DTYPE_STR: dict[tuple[type, Any], str] = {}  # str() of a paddle dtype runs Python code: once per dtype
+
+
+def dtype_str(dtype: Any) -> str:
+    """``str(dtype)`` (``"paddle.float32"``), remembered: hooks ask for it per gradient and per save."""
+    key = (type(dtype), dtype)  # old and new dtype enums may compare equal but print differently
+    s = _DTYPE_STR.get(key)
+    if s is None:
+        s = _DTYPE_STR[key] = str(dtype)
+    return s
 
 
 def dtype_name(dtype: Any) -> str:
-    """``paddle.float32`` -> ``"float32"`` (remembered: it is asked for every gradient)."""
-    key = (type(dtype), dtype)  # old and new dtype enums may compare equal but print differently
-    name = _DTYPE_NAMES.get(key)
-    if name is None:
-        name = _DTYPE_NAMES[key] = str(dtype).split(".")[-1]
-    return name
+    """``paddle.float32`` -> ``"float32"``."""
+    return dtype_str(dtype).rpartition(".")[2]
 
 
 def has_graph(t: Any) -> bool:

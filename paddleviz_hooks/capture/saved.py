@@ -204,7 +204,7 @@ class SavedMemory:
         try:
             key, nbytes = storage_key(t)
             frame = self._current_call() if self._current_call is not None else None
-            self.saves.append(_Save(key, nbytes, dtype_name(t.dtype), tuple(int(s) for s in t.shape),
+            self.saves.append(_Save(key, nbytes, dtype_name(t.dtype), tuple(t.shape),
                                     frame, bool(t.persistable)))
         except Exception:
             self.failed += 1
@@ -280,10 +280,16 @@ class SavedMemory:
 
     # ------------------------------------------------------ op attribution
     def _wrap_ops(self) -> None:
-        for owner, name in _op_sites():
-            f = getattr(owner, name, None)
-            if type(f).__name__ == "builtin_function_or_method":  # else changed since the scan
-                self._patch(owner, name, _wrapper(f))
+        patched = self._patched
+        for owner, name, op, wrapper in _op_plan():  # thousands of sites: kept lean
+            d = owner.__dict__
+            f = d.get(name)
+            if f is not op:  # changed since the scan: wrap what is there now if it is still an op
+                if type(f).__name__ != "builtin_function_or_method":
+                    continue
+                wrapper = _wrapper(f)
+            d[name] = wrapper
+            patched.append((owner, name, f))
         for name in _TENSOR_METHODS:
             f = paddle.Tensor.__dict__.get(name)
             if f is not None and type(f).__name__ == "method_descriptor":
@@ -464,6 +470,7 @@ class SavedMemory:
 
 
 _SITES: list[tuple[Any, str]] | None = None
+_PLAN: list[tuple[Any, str, Any, Any]] | None = None
 _WRAPPERS: dict[int, Any] = {}  # id(op) -> its wrapper, made once: arming only sets attributes
 
 
@@ -490,6 +497,15 @@ def _wrapper(f: Any) -> Any:
         op._paddleviz_op = f  # keeps f alive, so its id is never reused
         _WRAPPERS[id(f)] = op
     return op
+
+
+def _op_plan() -> list[tuple[Any, str, Any, Any]]:
+    """(module, name, op, its wrapper) for every site of :func:`_op_sites`, made once."""
+    global _PLAN
+    if _PLAN is None:
+        _PLAN = [(owner, name, f, _wrapper(f)) for owner, name in _op_sites()
+                 for f in [vars(owner).get(name)] if type(f).__name__ == "builtin_function_or_method"]
+    return _PLAN
 
 
 def _op_sites() -> list[tuple[Any, str]]:

@@ -9,9 +9,10 @@ from typing import Any, Mapping
 from ..escape import dot_attrs, dot_html_table, dot_label, dot_quote
 from ..graph import BackwardGraph, Edge, Node, is_communication
 from ..hazards import PROGRAM_OP_NOTE
-from ..text import COMMUNICATION_LEGEND, NOT_OBSERVED, box_name, call_of, edge_lines, node_lines, node_tooltip, origin_mark
+from ..text import (COMMUNICATION_LEGEND, NOT_OBSERVED, SAVED_SHADE_NONE, SAVED_SHADE_TITLE, box_name, call_of,
+                    edge_lines, node_lines, node_tooltip, origin_mark, saved_shade_line)
 
-__all__ = ["to_dot", "dot_parts", "STYLE"]
+__all__ = ["to_dot", "dot_parts", "STYLE", "COLOR_BY", "SAVED_SHADES", "check_color_by", "saved_shades"]
 
 # Colours chosen to stay distinguishable in greyscale thumbnails too.
 STYLE = {
@@ -27,6 +28,54 @@ STYLE = {
     "origin": {"color": "#7b1fa2", "penwidth": "4", "peripheries": "2", "fontcolor": "#4a0072"},
 }
 
+#: What ``color_by`` may shade nodes by.
+COLOR_BY = ("saved_memory",)
+#: Fills of ``color_by="saved_memory"``, most bytes first (blues, a hue no other node kind uses).
+#: Each shade holds down to a quarter of the bytes of the one before (a log scale: sizes
+#: span orders of magnitude); the last holds everything smaller. The first two take white text.
+SAVED_SHADES = ("#08306b", "#2171b5", "#6baed6", "#9ecae1", "#d2e3f3")
+_SHADE_STEP = 4
+
+
+def check_color_by(color_by: Any) -> None:
+    """Raise ``TypeError``/``ValueError`` unless ``color_by`` is None or one of :data:`COLOR_BY`.
+
+    Example:
+        >>> check_color_by("memory")
+        Traceback (most recent call last):
+        ...
+        ValueError: color_by must be None or one of ('saved_memory',), got 'memory'
+    """
+    if color_by is not None and not isinstance(color_by, str):
+        raise TypeError(f"color_by must be None or one of {COLOR_BY}, got {color_by!r}")
+    if color_by is not None and color_by not in COLOR_BY:
+        raise ValueError(f"color_by must be None or one of {COLOR_BY}, got {color_by!r}")
+
+
+def saved_shades(graph: BackwardGraph) -> dict[int, int]:
+    """Node id -> index into :data:`SAVED_SHADES` for every node with saved bytes.
+
+    The node holding the most gets shade 0; a node holding more than a
+    quarter of that, too; then shade 1 down to a sixteenth, and so on.
+    A collapsed box carries the sum of its ops' bytes (each storage counted once).
+
+    Example:
+        >>> from paddleviz_hooks.graph import Node
+        >>> g = BackwardGraph([Node(0, "op", "A", "A", saved_bytes=4096), Node(1, "op", "B", "B", saved_bytes=1000),
+        ...                    Node(2, "op", "C", "C")])
+        >>> saved_shades(g)
+        {0: 0, 1: 1}
+    """
+    sizes = {n.id: n.saved_bytes for n in graph.nodes if n.saved_bytes > 0}
+    top = max(sizes.values(), default=0)
+    shades = {}
+    for nid, b in sizes.items():
+        i = 0
+        while i < len(SAVED_SHADES) - 1 and b * _SHADE_STEP ** (i + 1) <= top:
+            i += 1
+        shades[nid] = i
+    return shades
+
 def dot_parts(
     graph: BackwardGraph,
     *,
@@ -38,6 +87,7 @@ def dot_parts(
     node_style: Mapping[str, Mapping[str, str]] | None = None,
     edge_style: Mapping[tuple[str, str], Mapping[str, str]] | None = None,
     extra_body: list[str] | None = None,
+    color_by: str | None = None,
 ) -> tuple[dict[str, str], list[str]]:
     """Graph attributes and body lines of the DOT drawing.
 
@@ -51,6 +101,11 @@ def dot_parts(
         node_style: extra attributes per node key (used by diff drawings).
         edge_style: extra attributes per (src key, dst key).
         extra_body: more DOT lines (e.g. ghost nodes of a diff).
+        color_by: ``"saved_memory"`` fills ops and layer boxes by the bytes they
+            saved for backward (:data:`SAVED_SHADES`, darker = more, on a log
+            scale; the legend gives each shade's range in bytes); ops and boxes
+            with nothing recorded are white. Needs a graph captured with
+            ``saved_memory=True``. None (default): the usual fills.
 
     Returns:
         (graph attributes, body lines), the pieces of a ``graphviz.Digraph``.
@@ -59,6 +114,12 @@ def dot_parts(
         raise TypeError(f"graph must be a BackwardGraph (e.g. cap.graph), got {type(graph).__name__}")
     if rankdir not in ("TB", "LR", "BT", "RL"):
         raise ValueError(f"rankdir must be one of TB, LR, BT, RL; got {rankdir!r}")
+    check_color_by(color_by)
+    if color_by == "saved_memory" and not isinstance(graph.meta.get("saved_memory"), dict):
+        raise ValueError("color_by='saved_memory' needs a graph captured with saved_memory=True "
+                         "(capture_backward(model, saved_memory=True) or the recorder's saved_memory=True); "
+                         "this graph has no meta['saved_memory']")
+    shades = saved_shades(graph) if color_by == "saved_memory" else None
     node_style = node_style or {}
     edge_style = edge_style or {}
     graph_attr = {
@@ -89,7 +150,12 @@ def dot_parts(
             attrs.update(STYLE["unhooked"])
         if n.kind == "op" and is_communication(n.op):
             attrs.update(STYLE["communication"])
+        if shades is not None and n.id in shades:
+            attrs.update(fillcolor=SAVED_SHADES[shades[n.id]], **({"fontcolor": "white"} if shades[n.id] < 2 else {}))
+        elif shades is not None and n.kind in ("op", "layer"):
+            attrs["fillcolor"] = "white"
         if n.id in bad_src or (n.kind == "layer" and n.nonfinite):
+            attrs.pop("fontcolor", None)
             attrs.update(STYLE["nonfinite"])
             if n.id == origin and found_id is None:
                 lines = lines + ["NaN/Inf origin" if found is None else origin_mark({})]
@@ -139,7 +205,8 @@ def dot_parts(
         body.extend(extra_body)
     if legend:
         body.append(_legend(stats, any(n.note == PROGRAM_OP_NOTE for n in graph.nodes), found_id is not None,
-                            any(n.kind == "op" and is_communication(n.op) for n in graph.nodes)))
+                            any(n.kind == "op" and is_communication(n.op) for n in graph.nodes),
+                            None if shades is None else _shade_rows(graph, shades)))
     return graph_attr, body
 
 
@@ -217,14 +284,28 @@ def _origin_node(graph: BackwardGraph, origin: dict) -> int | None:
     return best.id if best is not None else None
 
 
-def _legend(stats: bool, compiled: bool = False, origin: bool = False, communication: bool = False) -> str:
+def _shade_rows(graph: BackwardGraph, shades: dict[int, int]) -> list[tuple[dict[str, str], str]]:
+    """Legend rows of ``color_by="saved_memory"``: each shade used, with the bytes of its nodes."""
+    members: dict[int, list[int]] = defaultdict(list)
+    for n in graph.nodes:
+        if n.id in shades:
+            members[shades[n.id]].append(n.saved_bytes)
+    rows: list[tuple[dict[str, str], str]] = [({}, SAVED_SHADE_TITLE)]
+    for i in sorted(members):
+        rows.append(({"BGCOLOR": SAVED_SHADES[i]}, saved_shade_line(min(members[i]), max(members[i]), len(members[i]))))
+    rows.append(({"BGCOLOR": "white", "BORDER": "1"}, SAVED_SHADE_NONE))
+    return rows
+
+
+def _legend(stats: bool, compiled: bool = False, origin: bool = False, communication: bool = False,
+            shade_rows: list[tuple[dict[str, str], str]] | None = None) -> str:
     rows = [({"BGCOLOR": c}, t) for c, t in (
         ("#ffd966", "loss / root"),
         ("#dae8fc", "op (grad node)"),
         ("#c9ecc4", "parameter"),
         ("#e6e6e6", "input leaf"),
         ("#ff6b6b", "NaN/Inf gradient"),
-    )]
+    ) if not (shade_rows and c == STYLE["op"]["fillcolor"])]  # shaded: ops are blue by bytes or white
     if origin:
         rows.append(({"BGCOLOR": "#7b1fa2"}, "where the NaN/Inf starts"))
     if communication:
@@ -233,6 +314,7 @@ def _legend(stats: bool, compiled: bool = False, origin: bool = False, communica
     if compiled:
         rows.append(({}, f"dashed *_grad op: {PROGRAM_OP_NOTE} (to_static)"))
     rows.append(({}, "edge: grad shape dtype" + (", |g| = L2 norm" if stats else "")))
+    rows.extend(shade_rows or ())
     return f'legend [shape=box, style="rounded", color="#bbbbbb", fontsize="9", label={dot_html_table("legend", rows)}]'
 
 

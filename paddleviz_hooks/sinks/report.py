@@ -40,12 +40,15 @@ from ..diff import DIFF_FORMAT, GraphDiff, diff_graphs
 from ..escape import clean_svg, html_escape, json_for_script
 from ..graph import BackwardGraph, parse_json
 from ..render import render_diff, render_svg
-from ..text import (call_name, describe_node, describe_origin, diff_summary, fmt_bytes, fmt_num, graph_summary,
-                    rank_comparison_lines)
+from ..text import (backward_role, call_name, capture_title, describe_node, describe_origin, diff_summary, fmt_bytes,
+                    fmt_num, graph_summary, plural, rank_comparison_lines)
 
 __all__ = ["build_report", "find_step_files", "ReportError"]
 
 _STEP_FILE = re.compile(r"^step_(\d+)(?:_(.+))?\.json$")
+#: The suffix of a step's second (third...) backward, or of a backward run inside another:
+#: one more capture of the same step, in the same run.
+_BACKWARD_SUFFIX = re.compile(r"^(?:b(\d+)|nested(\d+))$")
 _PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf"]
 MAX_CHART_LINES = 8
 
@@ -66,6 +69,22 @@ class _Step:
     rank: int | None = None  # in a rank_K folder: K
     rank_base: BackwardGraph | None = None  # rank 0's capture of the same step
     rank_diff: GraphDiff | None = None
+    suffix: str = ""  # which backward of the step: "" (the first), "b2", ...
+    role: str = ""  # the same, in words (text.backward_role): "micro-batch 2 of 2"
+    older: "_Step | None" = None  # the capture diffed against: the same backward of an earlier step
+
+    @property
+    def order(self) -> int:
+        """Where this backward comes in its step: 1 for the first, 2 for ``b2``..."""
+        m = _BACKWARD_SUFFIX.match(self.suffix)
+        if m is None:
+            return 1
+        return int(m.group(1)) if m.group(1) else 1_000_000 + int(m.group(2))
+
+    @property
+    def title(self) -> str:
+        """``step 3``, ``step 3 - micro-batch 2 of 2``."""
+        return capture_title(self.number, role=self.role)
 
 
 @dataclass
@@ -143,12 +162,16 @@ def _load_runs(log_dir: str, timeout: float) -> tuple[list[_Run], list[tuple[str
     groups = find_step_files(log_dir)
     if not groups:
         raise ReportError(f"no step_*.json files under {log_dir}")
-    runs: list[_Run] = []
+    by_key: dict[tuple[str, str], _Run] = {}
     skipped: list[tuple[str, str]] = []
     for (directory, suffix), files in groups.items():
+        # a step's further backwards (step_N_b2.json...) belong to the run of its first
+        run_suffix = "" if _BACKWARD_SUFFIX.match(suffix) else suffix
         rel = os.path.relpath(directory, log_dir)
         name = os.path.basename(os.path.abspath(log_dir)) if rel == "." else rel
-        run = _Run(name + (f" [{suffix}]" if suffix else ""), directory, suffix=suffix)
+        run = by_key.get((directory, run_suffix)) or by_key.setdefault(
+            (directory, run_suffix), _Run(name + (f" [{run_suffix}]" if run_suffix else ""), directory,
+                                          suffix=run_suffix))
         for number, path in files:
             try:
                 g = _read_graph(path)
@@ -157,10 +180,16 @@ def _load_runs(log_dir: str, timeout: float) -> tuple[list[_Run], list[tuple[str
             except (OSError, ValueError) as exc:
                 skipped.append((os.path.relpath(path, log_dir), str(exc)))
                 continue
-            run.steps.append(_Step(_step_number(g, number), path, g))
-        if run.steps:
-            run.steps.sort(key=lambda s: s.number)
-            runs.append(run)
+            role = backward_role(g.meta.get("backward")) if suffix != run_suffix else ""
+            run.steps.append(_Step(_step_number(g, number), path, g, suffix=suffix if suffix != run_suffix else "",
+                                   role=role))
+    runs = [run for run in by_key.values() if run.steps]
+    for run in runs:
+        run.steps.sort(key=lambda s: (s.number, s.order))
+        if any(st.suffix for st in run.steps):  # the first backward of a step with several is named too
+            for st in run.steps:
+                if not st.suffix:
+                    st.role = backward_role(st.graph.meta.get("backward"))
     if not runs:
         first = skipped[0] if skipped else ("?", "?")
         raise ReportError(f"no readable step_*.json under {log_dir} (e.g. {first[0]}: {first[1]})")
@@ -168,19 +197,21 @@ def _load_runs(log_dir: str, timeout: float) -> tuple[list[_Run], list[tuple[str
     _pair_ranks(runs)
     jobs = []
     for run in runs:
-        prev = None
+        prevs: dict[str, _Step] = {}  # each backward is compared with the same backward earlier
         for st in run.steps:
+            prev = prevs.get(st.suffix)
             st.svg = _existing_svg(st.json_path)
             if st.svg is None:
                 jobs.append((st, "svg", render_svg, (st.graph,), {"title": f"step {st.number}"}))
             # a replayed step (rooted at the model output) is not compared with ordinary ones
             replayed = bool(st.graph.meta.get("replayed"))
             if prev is not None and not replayed:
+                st.older = prev
                 st.diff = diff_graphs(prev.graph, st.graph)
                 if st.diff.changed:
                     jobs.append((st, "diff_svg", render_diff, (st.diff, st.graph, prev.graph), {"format": "svg"}))
             if not replayed:
-                prev = st
+                prevs[st.suffix] = st
     workers = max(1, min(4, os.cpu_count() or 1))
     with ThreadPoolExecutor(max_workers=workers) as pool:
         futures = [
@@ -207,9 +238,9 @@ def _pair_ranks(runs: list[_Run]) -> None:
         base = by_dir.get((os.path.dirname(os.path.abspath(run.directory)), run.suffix))
         if m is None or base is None:
             continue
-        base_steps = {st.number: st for st in base.steps}
+        base_steps = {(st.number, st.suffix): st for st in base.steps}
         for st in run.steps:
-            other = base_steps.get(st.number)
+            other = base_steps.get((st.number, st.suffix))
             if other is not None:
                 st.rank, st.rank_base = int(m.group(1)), other.graph
                 st.rank_diff = diff_graphs(other.graph, st.graph)
@@ -344,24 +375,45 @@ def _site_list(graph: BackwardGraph) -> str:
             f'<ol class="sites">{"".join(items)}</ol>')
 
 
-def _saved_table(graph: BackwardGraph, limit: int = 30) -> str:
+def _saved_table(graph: BackwardGraph, shown: int = 30) -> str:
     """Layer calls by bytes held for backward (sublayers included), with a bar,
-    and what recomputing each would free; empty when not recorded."""
+    the inputs a recomputed call keeps and what recomputing it would free;
+    empty when not recorded.
+
+    A click on a column header sorts the rows (``report.js``: numbers
+    descending by the ``data-v`` of their cells, names ascending); the first
+    ``shown`` rows of the current order are visible.
+    """
     m = graph.meta.get("saved_memory")
     table = m.get("recompute") if isinstance(m, dict) else None
     if not table:
         return ""
-    rows = sorted(table.items(), key=lambda kv: (-kv[1].get("held", 0), kv[0]))[:limit]
+    rows = sorted(table.items(), key=lambda kv: (-kv[1].get("held", 0), kv[0]))
     top = max(v.get("held", 0) for _, v in rows) or 1
+
+    def num(v: Any, bar: str = "") -> str:
+        value = v if isinstance(v, int) else -1
+        return f'<td class="num" data-v="{_e(value)}">{bar}<span>{_e(fmt_bytes(v))}</span></td>'
+
+    def bar(v: dict) -> str:  # behind the bytes held: as long as they are, relative to the most
+        return f'<span class="bar" style="width:{100 * v.get("held", 0) / top:.1f}%"></span>'
+
     body = "".join(
-        f'<tr><td>{_e(call_name(k))}</td><td class="num">{_e(fmt_bytes(v.get("held")))}</td>'
-        f'<td class="barcell"><span class="bar" style="width:{100 * v.get("held", 0) / top:.1f}%"></span></td>'
-        f'<td class="num">{_e(fmt_bytes(v.get("frees")))}</td></tr>'
-        for k, v in rows)
-    more = f'<p class="muted">and {len(table) - limit} more layer calls</p>' if len(table) > limit else ""
-    return ('<h3>Held for backward, by layer call</h3><table class="saved"><thead><tr><th>layer call</th>'
-            '<th>held (with sublayers)</th><th></th><th>recomputing it frees</th></tr></thead>'
-            f'<tbody>{body}</tbody></table>{more}')
+        f'<tr{" hidden" if i >= shown else ""}><td>{_e(call_name(k))}</td>'
+        f'{num(v.get("held"), bar(v))}{num(v.get("inputs"))}{num(v.get("frees"))}</tr>'
+        for i, (k, v) in enumerate(rows))
+    more = (f'<p class="muted">{shown} of {len(table)} layer calls shown; a click on a column sorts them all</p>'
+            if len(table) > shown else "")
+    columns = (("layer call", "text", "the layer and which of its calls"),
+               ("held", "num", "bytes saved for backward inside this call, its sublayers included"),
+               ("inputs", "num", "bytes of the call's inputs, which a recomputed call keeps"),
+               ("recompute frees", "num", "bytes that recomputing this call in backward would free"))
+    sorted_by = ' aria-sort="descending"'  # the rows come sorted by bytes held
+    head = "".join(f'<th{sorted_by if col == 1 else ""}><button class="sort" data-col="{col}" data-kind="{kind}" '
+                   f'title="{_e(tip)}; click to sort">{_e(name)}</button></th>'
+                   for col, (name, kind, tip) in enumerate(columns))
+    return (f'<h3>Held for backward, by layer call</h3><table class="saved" data-shown="{shown}"><thead><tr>{head}'
+            f'</tr></thead><tbody>{body}</tbody></table>{more}')
 
 
 def _lines(text: str, skip_heading: bool = True) -> str:
@@ -379,13 +431,13 @@ def _step_panel(run: _Run, ri: int, si: int) -> str:
     if "loss" in g.meta and isinstance(g.meta["loss"], (int, float)):
         facts.append(f"loss {_fmt(float(g.meta['loss']))}")
     out = [f'<section class="step-panel" id="panel-{ri}-{si}" hidden>']
-    out.append(f"<h2>step {_e(st.number)}</h2><p>{_e('; '.join(facts))}</p>")
+    out.append(f"<h2>{_e(st.title)}</h2><p>{_e('; '.join(facts))}</p>")
     out.append(_site_list(g))
     d = st.diff
     if d is not None:
-        prev = d.older_step if d.older_step is not None else run.steps[si - 1].number
         cls = "changed" if d.structure_changed else "same"
-        out.append(f'<h3 class="{cls}">Changes since step {_e(prev)}</h3><ul class="facts">{_lines(diff_summary(d))}</ul>')
+        out.append(f'<h3 class="{cls}">Changes since {_e(st.older.title)}</h3>'
+                   f'<ul class="facts">{_lines(diff_summary(d))}</ul>')
         if d.structure_changed:
             rows = []
             for label, keys in (("added", d.added_nodes), ("removed", d.removed_nodes)):
@@ -395,7 +447,8 @@ def _step_panel(run: _Run, ri: int, si: int) -> str:
                     rows.append(f'<li class="muted">and {len(keys) - 40} more {label}</li>')
             out.append(f'<ul class="nodes">{"".join(rows)}</ul>')
     else:
-        out.append('<p class="muted">First capture of this run: nothing to compare with.</p>')
+        what = f"{st.role} in this run" if st.role else "this run"
+        out.append(f'<p class="muted">First capture of {_e(what)}: nothing to compare with.</p>')
     if st.rank_diff is not None:
         cls = "bad" if st.rank_diff.structure_changed else "same"
         lines = rank_comparison_lines(g, st.rank_base, st.rank_diff, st.rank)
@@ -422,7 +475,7 @@ def _overview(run: _Run, ri: int) -> str:
                 where = "origin " + describe_node({"kind": n.kind, "op": n.op, "layer": n.layer, "call": n.call,
                                                    "param": n.param})
             rows.append(
-                f'<li><button class="jump" data-run="{ri}" data-step="{si}">step {_e(st.number)}</button> '
+                f'<li><button class="jump" data-run="{ri}" data-step="{si}">{_e(st.title)}</button> '
                 f"{len(sites)} nodes, {_e(where)}</li>"
             )
     changed = [
@@ -458,6 +511,8 @@ def _html(title: str, runs: list[_Run], skipped: list[tuple[str, str]]) -> str:
         for si, st in enumerate(run.steps):
             entry = {
                 "step": st.number,
+                "role": st.role,
+                "since": None if st.older is None else st.older.title,
                 "svg": None,
                 "diff": None,
                 "changed": bool(st.diff is not None and st.diff.structure_changed),
@@ -478,7 +533,9 @@ def _html(title: str, runs: list[_Run], skipped: list[tuple[str, str]]) -> str:
     if len(runs) > 1:
         opts = "".join(f'<option value="{ri}">{_e(r.name)} ({len(r.steps)} steps)</option>' for ri, r in enumerate(runs))
         run_select = f'<label>run <select id="run-select">{opts}</select></label>'
-    total = sum(len(r.steps) for r in runs)
+    captures = sum(len(r.steps) for r in runs)
+    steps = sum(len({st.number for st in r.steps}) for r in runs)
+    total = plural(steps, "captured step") + (f" ({captures} backwards)" if captures > steps else "")
     panels = "".join(_step_panel(run, ri, si) for ri, run in enumerate(runs) for si in range(len(run.steps)))
     charts = "".join(
         f'<div id="chart-{ri}" hidden><h3>Gradient norm per layer{"" if len(runs) == 1 else " (" + _e(run.name) + ")"}</h3>{_chart(run, ri)}</div>'

@@ -56,7 +56,8 @@ function show(r, i){
   var st = steps[i];
   slider.max = String(steps.length - 1);
   slider.value = String(i);
-  label.textContent = "step " + st.step + "  (" + (i + 1) + " of " + steps.length + ")";
+  var name = "step " + st.step + (st.role ? " - " + st.role : "");  // "step 3 - micro-batch 2 of 2"
+  label.textContent = name + "  (" + (i + 1) + " of " + steps.length + ")";
   // structure changes by default; gradient-norm colouring only when asked for
   var useDiff = st.diff !== null && ((hl.checked && st.changed) || norms.checked);
   var svg = useDiff ? DATA.svgs[st.diff] : (st.svg !== null ? DATA.svgs[st.svg] : null);
@@ -65,7 +66,7 @@ function show(r, i){
   var s = stage.querySelector("svg");
   if (s) { var sz = svgSize(); s.style.width = sz[0] + "px"; s.style.height = sz[1] + "px"; }
   mode.textContent = !useDiff ? (st.svg === null ? "no drawing" : "graph")
-    : (norms.checked ? "changes since step " : "structure changed since step ") + steps[i - 1].step;
+    : (norms.checked ? "changes since " : "structure changed since ") + st.since;
   mode.className = useDiff ? "diff" : "";
   note.textContent = svg === null ? "No drawing for this step (see the panel)." : "wheel: zoom, drag: pan, F: fit all, 1: 100%, A: automatic view";
   document.getElementById("panel-" + r + "-" + i).hidden = false;
@@ -83,7 +84,8 @@ function buildStrip(){
     steps.forEach(function(st, i){
       var c = document.createElement("span");
       c.className = (st.changed ? "changed " : "") + (st.nonfinite ? "nonfinite" : "");
-      c.title = "step " + st.step + (st.changed ? ", structure changed" : "") + (st.nonfinite ? ", NaN/Inf" : "");
+      c.title = "step " + st.step + (st.role ? " - " + st.role : "") + (st.changed ? ", structure changed" : "") +
+        (st.nonfinite ? ", NaN/Inf" : "");
       c.addEventListener("click", function(){ show(run, i); });
       strip.appendChild(c);
     });
@@ -139,5 +141,20 @@ function endDrag(){ drag = null; vp.classList.remove("dragging"); }
 vp.addEventListener("pointerup", endDrag);
 vp.addEventListener("pointercancel", endDrag);
 window.addEventListener("resize", function(){ if (!userView) autoView(); });
+// memory tables: a click on a column header sorts the rows (bytes: most first; names: A to Z)
+document.querySelectorAll("table.saved").forEach(function(t){
+  var shown = parseInt(t.dataset.shown, 10) || Infinity;
+  t.querySelectorAll("button.sort").forEach(function(b){
+    b.addEventListener("click", function(){
+      var col = parseInt(b.dataset.col, 10), num = b.dataset.kind === "num";
+      var body = t.tBodies[0], rows = Array.prototype.slice.call(body.rows);
+      function key(r){ var c = r.cells[col]; return num ? parseFloat(c.dataset.v) : c.textContent; }
+      rows.sort(function(a, z){ return num ? key(z) - key(a) : key(a).localeCompare(key(z)); });
+      rows.forEach(function(r, i){ r.hidden = i >= shown; body.appendChild(r); });
+      t.querySelectorAll("th").forEach(function(th){ th.removeAttribute("aria-sort"); });
+      b.parentNode.setAttribute("aria-sort", num ? "descending" : "ascending");
+    });
+  });
+});
 show(0, 0);
 })();
