@@ -39,9 +39,10 @@ from .._fileio import atomic_write
 from ..diff import DIFF_FORMAT, GraphDiff, diff_graphs
 from ..escape import clean_svg, html_escape, json_for_script
 from ..graph import BackwardGraph, parse_json
-from ..render import render_diff, render_svg
+from ..render import render_diff, render_ranks, render_svg
 from ..text import (call_name, describe_node, describe_origin, diff_summary, fmt_bytes, fmt_num, graph_summary,
                     rank_comparison_lines)
+from .report_ranks import MergedRun, merged_chart, merged_overview, merged_panel, merged_run
 
 __all__ = ["build_report", "find_step_files", "ReportError"]
 
@@ -139,7 +140,7 @@ def _step_number(graph: BackwardGraph, file_number: int) -> int:
     return s if isinstance(s, int) and not isinstance(s, bool) else file_number
 
 
-def _load_runs(log_dir: str, timeout: float) -> tuple[list[_Run], list[tuple[str, str]]]:
+def _load_runs(log_dir: str, timeout: float) -> tuple[list[_Run], list[tuple[str, str]], list[MergedRun]]:
     groups = find_step_files(log_dir)
     if not groups:
         raise ReportError(f"no step_*.json files under {log_dir}")
@@ -165,8 +166,8 @@ def _load_runs(log_dir: str, timeout: float) -> tuple[list[_Run], list[tuple[str
         first = skipped[0] if skipped else ("?", "?")
         raise ReportError(f"no readable step_*.json under {log_dir} (e.g. {first[0]}: {first[1]})")
 
-    _pair_ranks(runs)
-    jobs = []
+    merged = _pair_ranks(runs)
+    jobs = [(st, "svg", render_ranks, (st.graphs,), {}) for m in merged for st in m.steps]
     for run in runs:
         prev = None
         for st in run.steps:
@@ -192,27 +193,36 @@ def _load_runs(log_dir: str, timeout: float) -> tuple[list[_Run], list[tuple[str
             setattr(st, attr, svg)
             if problem and st.problem is None:
                 st.problem = problem
-    return runs, skipped
+    return runs, skipped, merged
 
 
 _RANK_DIR = re.compile(r"rank_(\d+)")
 
 
-def _pair_ranks(runs: list[_Run]) -> None:
+def _pair_ranks(runs: list[_Run]) -> list[MergedRun]:
     """A run in ``X/rank_K`` (the recorder's folder for rank K) is compared, step by step,
-    with the run in ``X`` (rank 0): structure by :func:`diff_graphs`, norms side by side."""
+    with the run in ``X`` (rank 0): structure by :func:`diff_graphs`, norms side by side.
+
+    Returns:
+        The merged view of each run that has ranks (see ``report_ranks``).
+    """
     by_dir = {(os.path.abspath(r.directory), r.suffix): r for r in runs}
+    groups: dict[int, tuple[_Run, dict[int, dict[int, BackwardGraph]]]] = {}
     for run in runs:
         m = _RANK_DIR.fullmatch(os.path.basename(run.directory))
         base = by_dir.get((os.path.dirname(os.path.abspath(run.directory)), run.suffix))
         if m is None or base is None:
             continue
         base_steps = {st.number: st for st in base.steps}
+        by_rank = groups.setdefault(id(base), (base, {0: {n: st.graph for n, st in base_steps.items()}}))[1]
+        by_rank[int(m.group(1))] = {st.number: st.graph for st in run.steps}
         for st in run.steps:
             other = base_steps.get(st.number)
             if other is not None:
                 st.rank, st.rank_base = int(m.group(1)), other.graph
                 st.rank_diff = diff_graphs(other.graph, st.graph)
+    found = (merged_run(base.name, by_rank) for base, by_rank in groups.values())
+    return [m for m in found if m is not None]
 
 
 # ---------------------------------------------------------------- HTML parts
@@ -449,7 +459,7 @@ def _asset(name: str) -> str:
 
 
 
-def _html(title: str, runs: list[_Run], skipped: list[tuple[str, str]]) -> str:
+def _html(title: str, runs: list[_Run], skipped: list[tuple[str, str]], merged: list[MergedRun] = ()) -> str:
     svgs: list[str] = []
     data_runs = []
     for ri, run in enumerate(runs):
@@ -472,19 +482,32 @@ def _html(title: str, runs: list[_Run], skipped: list[tuple[str, str]]) -> str:
                 svgs.append(st.diff_svg)
             steps.append(entry)
         data_runs.append({"steps": steps})
+    for m in merged:  # after the runs: run indices len(runs)...
+        steps = []
+        for st in m.steps:
+            steps.append({"step": st.number, "svg": len(svgs) if st.svg else None, "diff": None,
+                          "changed": st.view.structure_differs,
+                          "nonfinite": any(g.nonfinite_count() for g in st.graphs.values())})
+            if st.svg:
+                svgs.append(st.svg)
+        data_runs.append({"steps": steps, "merged": True})
     data = {"runs": data_runs, "svgs": svgs}
+    first = len(runs)
 
     run_select = ""
     if len(runs) > 1:
-        opts = "".join(f'<option value="{ri}">{_e(r.name)} ({len(r.steps)} steps)</option>' for ri, r in enumerate(runs))
+        opts = "".join(f'<option value="{ri}">{_e(r.name)} ({len(r.steps)} steps)</option>'
+                       for ri, r in enumerate([*runs, *merged]))
         run_select = f'<label>run <select id="run-select">{opts}</select></label>'
     total = sum(len(r.steps) for r in runs)
     panels = "".join(_step_panel(run, ri, si) for ri, run in enumerate(runs) for si in range(len(run.steps)))
+    panels += "".join(merged_panel(m, first + k, si) for k, m in enumerate(merged) for si in range(len(m.steps)))
     charts = "".join(
         f'<div id="chart-{ri}" hidden><h3>Gradient norm per layer{"" if len(runs) == 1 else " (" + _e(run.name) + ")"}</h3>{_chart(run, ri)}</div>'
         for ri, run in enumerate(runs)
-    )
+    ) + "".join(merged_chart(m, first + k) for k, m in enumerate(merged))
     overviews = "".join(_overview(run, ri) for ri, run in enumerate(runs))
+    overviews += "".join(merged_overview(m, first + k) for k, m in enumerate(merged))
     skipped_html = ""
     if skipped:
         items = "".join(f"<li><code>{_e(p)}</code>: {_e(why)}</li>" for p, why in skipped)
@@ -545,9 +568,9 @@ def build_report(log_dir: str | os.PathLike, out_path: str | os.PathLike, *, tit
     out_path = os.fspath(out_path)
     if not os.path.isdir(log_dir):
         raise NotADirectoryError(f"{log_dir} is not a directory")
-    runs, skipped = _load_runs(log_dir, timeout)
+    runs, skipped, merged = _load_runs(log_dir, timeout)
     if title is None:
         title = f"paddleviz-hooks report: {os.path.basename(os.path.abspath(log_dir))}"
-    page = _html(title, runs, skipped)
+    page = _html(title, runs, skipped, merged)
     atomic_write(out_path, page.encode("utf-8"))
     return out_path

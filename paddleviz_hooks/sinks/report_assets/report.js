@@ -64,9 +64,10 @@ function show(r, i){
   stage.classList.toggle("no-norms", !norms.checked);
   var s = stage.querySelector("svg");
   if (s) { var sz = svgSize(); s.style.width = sz[0] + "px"; s.style.height = sz[1] + "px"; }
-  mode.textContent = !useDiff ? (st.svg === null ? "no drawing" : "graph")
+  var merged = !!DATA.runs[r].merged;  // one step of several ranks in one drawing
+  mode.textContent = !useDiff ? (st.svg === null ? "no drawing" : merged ? "ranks merged" : "graph")
     : (norms.checked ? "changes since step " : "structure changed since step ") + steps[i - 1].step;
-  mode.className = useDiff ? "diff" : "";
+  mode.className = useDiff ? "diff" : (merged && st.changed ? "ranks-differ" : "");
   note.textContent = svg === null ? "No drawing for this step (see the panel)." : "wheel: zoom, drag: pan, F: fit all, 1: 100%, A: automatic view";
   document.getElementById("panel-" + r + "-" + i).hidden = false;
   document.getElementById("overview-" + r).hidden = false;
@@ -82,8 +83,10 @@ function buildStrip(){
     strip.innerHTML = "";
     steps.forEach(function(st, i){
       var c = document.createElement("span");
-      c.className = (st.changed ? "changed " : "") + (st.nonfinite ? "nonfinite" : "");
-      c.title = "step " + st.step + (st.changed ? ", structure changed" : "") + (st.nonfinite ? ", NaN/Inf" : "");
+      var merged = !!DATA.runs[run].merged;
+      c.className = (st.changed ? (merged ? "ranks-differ " : "changed ") : "") + (st.nonfinite ? "nonfinite" : "");
+      c.title = "step " + st.step + (st.changed ? (merged ? ", ranks differ in structure" : ", structure changed") : "") +
+                (st.nonfinite ? ", NaN/Inf" : "");
       c.addEventListener("click", function(){ show(run, i); });
       strip.appendChild(c);
     });
