@@ -35,6 +35,8 @@ class RankView:
         edge_norms: (src, dst) base keys -> rank -> norm of the gradient along
             that edge (under data parallel: the rank's own, local gradient).
         param_norms: parameter -> rank -> norm of the applied gradient.
+        box_norms: base key of a layer box (collapsed graphs) -> rank -> norm
+            of its parameters' gradients.
         local_param_norms: parameter -> rank -> norm of the rank's own
             gradient before synchronisation; empty when no rank recorded one.
         global_norms / local_global_norms: rank -> global gradient norm
@@ -51,6 +53,7 @@ class RankView:
     node_norms: dict[str, dict[int, float]] = field(default_factory=dict)
     edge_norms: dict[tuple[str, str], dict[int, float]] = field(default_factory=dict)
     param_norms: dict[str, dict[int, float]] = field(default_factory=dict)
+    box_norms: dict[str, dict[int, float]] = field(default_factory=dict)
     local_param_norms: dict[str, dict[int, float]] = field(default_factory=dict)
     global_norms: dict[int, float] = field(default_factory=dict)
     local_global_norms: dict[int, float] = field(default_factory=dict)
@@ -127,6 +130,10 @@ def compare_ranks(graphs: Mapping[int, BackwardGraph]) -> RankView:
             key = to_base.get(key, key)
             if key in base_keys:
                 view.node_norms.setdefault(key, {})[r] = norm
+        for n in g.nodes:
+            key = to_base.get(n.key, n.key)
+            if n.kind == "layer" and n.norm is not None and key in base_keys:
+                view.box_norms.setdefault(key, {})[r] = n.norm
         for pair, meta in edge_metas(g, to_base).items():
             if meta is not None and meta.norm is not None:
                 view.edge_norms.setdefault(pair, {})[r] = meta.norm

@@ -6,7 +6,8 @@ The picture is the base rank's graph (the lowest rank) drawn by
 
 * every gradient edge is labelled with its norm on each rank
   (``|g| r0 0.41 / r1 0.52``); a parameter whose gradient was all-reduced
-  shows the applied norm on each rank;
+  shows the applied norm on each rank, a layer box (collapsed) its
+  parameters' norm on each rank;
 * a node or edge that is not on every rank is drawn with a thick amber frame
   and says where it is missing; nodes only on another rank are added from that
   rank's graph, amber and dashed (``only on rank 1``);
@@ -27,8 +28,8 @@ from ..collapse import collapse_graph
 from ..escape import dot_attrs, dot_html_table, dot_label
 from ..graph import BackwardGraph
 from ..ranks import RankView, compare_ranks
-from ..text import (RANKS_DIFFER_LEGEND, RANKS_NORM_LEGEND, RANKS_SYNC_LEGEND, describe_node, edge_lines, ghost_lines,
-                    node_lines, rank_presence, rank_values, ranks_title)
+from ..text import (RANKS_DIFFER_LEGEND, RANKS_NORM_LEGEND, RANKS_SYNC_LEGEND, box_lines, describe_node, edge_lines,
+                    ghost_lines, node_lines, rank_presence, rank_values, ranks_title)
 from .draw import prepare, render_png, render_svg
 from .dot import to_dot
 
@@ -77,6 +78,9 @@ def rank_styles(view: RankView, graphs: Mapping[int, BackwardGraph], *, stats: b
             applied, local = view.param_norms.get(n.param, {}), view.local_param_norms.get(n.param, {})
             if stats and local and any(applied.get(r) != local.get(r) for r in ranks):
                 lines += rank_values(applied, ranks, "all-reduced |g|")
+        elif n.kind == "layer" and stats and n.key in view.box_norms:
+            lines = box_lines(dataclasses.replace(n, norm=None)) + rank_values(view.box_norms[n.key], ranks,
+                                                                                "|g| params")
         missing = view.missing.get(n.key)
         if missing:
             lines = (lines or node_lines(n)) + [rank_presence(missing)]
