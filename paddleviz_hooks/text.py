@@ -363,12 +363,27 @@ def edge_lines(meta: GradMeta | None, stats: bool, observed: bool = True) -> lis
     if meta.local_shape is not None:  # auto-parallel: this rank's shard
         lines.append(shard_line(meta))
     if stats and meta.norm is not None:
-        part = meta.local_shape is not None and meta.local_shape != meta.shape  # of this rank's part only
-        extra = f"|g| {fmt_num(meta.norm)}" + (" (shard)" if part else "")
+        extra = f"|g| {fmt_num(meta.norm)}" + _part_note(meta)
         if meta.nonfinite:
             extra += f" NaN:{meta.nan} Inf:{meta.inf}"
         lines.append(extra)
     return lines
+
+
+def _part_note(meta: GradMeta) -> str:
+    """What part of a distributed gradient its statistics describe (they are of this rank's local value).
+
+    Example:
+        >>> _part_note(GradMeta((4, 8), local_shape=(4, 8), placements=("Partial(reduce_type=SUM)",)))
+        " (this rank's summand)"
+        >>> _part_note(GradMeta((8, 16), local_shape=(8, 8), placements=("Shard(dim=1)",))), _part_note(GradMeta((2,)))
+        (' (shard)', '')
+    """
+    if meta.local_shape is None:
+        return ""
+    if any(p.startswith("Partial") for p in meta.placements or ()):  # the gradient is the sum over ranks
+        return " (this rank's summand)"
+    return " (shard)" if meta.local_shape != meta.shape else ""
 
 
 def shard_line(meta: GradMeta) -> str:
