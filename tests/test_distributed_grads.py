@@ -395,6 +395,18 @@ def test_merged_report_in_chromium(merged_report, tmp_path):
             out = Path(__file__).resolve().parents[1] / "test-output"
             out.mkdir(exist_ok=True)
             shutil.copy(shot, out / "report_ranks_merged.png")
+            # each rank's own drawing of the step, side by side
+            assert page.locator("#side-label").is_visible()
+            page.check("#side")
+            figures = page.locator("#stage .side-by-side figure")
+            assert figures.locator("figcaption").all_inner_texts() == ["rank 0", "rank 1"]
+            assert figures.nth(0).locator("svg").count() == 1 and figures.nth(1).locator("svg").count() == 1
+            assert "Exp" not in figures.nth(0).text_content() and "Exp" in figures.nth(1).text_content()
+            page.screenshot(path=str(tmp_path / "side.png"))
+            shutil.copy(tmp_path / "side.png", out / "report_ranks_side.png")
+            page.select_option("#run-select", "0")  # an ordinary run has no side-by-side view
+            assert not page.locator("#side-label").is_visible()
+            assert page.locator("#stage > svg").count() == 1
         finally:
             browser.close()
     assert errors == []

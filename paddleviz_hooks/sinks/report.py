@@ -461,6 +461,7 @@ def _asset(name: str) -> str:
 
 def _html(title: str, runs: list[_Run], skipped: list[tuple[str, str]], merged: list[MergedRun] = ()) -> str:
     svgs: list[str] = []
+    svg_of: dict[int, int] = {}  # id(graph) -> its drawing's index (each rank's own, for the side-by-side view)
     data_runs = []
     for ri, run in enumerate(runs):
         n = len(run.steps)
@@ -475,7 +476,7 @@ def _html(title: str, runs: list[_Run], skipped: list[tuple[str, str]], merged: 
                 "x": _chart_x(si, n),
             }
             if st.svg:
-                entry["svg"] = len(svgs)
+                entry["svg"] = svg_of[id(st.graph)] = len(svgs)
                 svgs.append(st.svg)
             if st.diff_svg:
                 entry["diff"] = len(svgs)
@@ -487,7 +488,8 @@ def _html(title: str, runs: list[_Run], skipped: list[tuple[str, str]], merged: 
         for st in m.steps:
             steps.append({"step": st.number, "svg": len(svgs) if st.svg else None, "diff": None,
                           "changed": st.view.structure_differs,
-                          "nonfinite": any(g.nonfinite_count() for g in st.graphs.values())})
+                          "nonfinite": any(g.nonfinite_count() for g in st.graphs.values()),
+                          "ranks": [[r, svg_of.get(id(g))] for r, g in st.graphs.items()]})
             if st.svg:
                 svgs.append(st.svg)
         data_runs.append({"steps": steps, "merged": True})
