@@ -15,7 +15,7 @@ command work without importing paddle):
 * :class:`BackwardGraph`, :class:`GraphDiff` - the plain data model and
   comparisons (:func:`diff_graphs`); :func:`collapse_graph` - layers folded
   into boxes; :func:`summarize` - the text a person reads.
-* :func:`render_to_file`, :func:`render_png`, :func:`render_svg`, :func:`render_diff` -
+* :func:`render_to_file`, :func:`render_png`, :func:`render_svg`, :func:`render_diff`, :func:`render_ranks` -
   drawing; :func:`build_report` - the offline HTML report of a log directory.
 * :func:`show` - a graph or diff drawn for a notebook cell; in Jupyter, a graph or
   diff evaluated in a cell is drawn inline (``paddleviz_hooks.notebook``).
@@ -24,7 +24,7 @@ command work without importing paddle):
 
 How the modules fit together (data flows one way)::
 
-    capture/ -> graph.py -> collapse.py, diff.py -> text.py, render/ -> sinks/
+    capture/ -> graph.py -> collapse.py, diff.py -> ranks.py -> text.py, render/ -> sinks/
                                                    -> pipeline.py -> recorder.py -> callbacks/
 """
 
@@ -48,12 +48,15 @@ _WHERE = {
     "Node": ".graph",
     "GraphDiff": ".diff",
     "diff_graphs": ".diff",
+    "RankView": ".ranks",
+    "compare_ranks": ".ranks",
     "collapse_graph": ".collapse",
     "summarize": ".text",
     "render_to_file": ".render",
     "render_png": ".render",
     "render_svg": ".render",
     "render_diff": ".render",
+    "render_ranks": ".render",
     "EngineNotFound": ".render",
     "RenderTimeout": ".render",
     "build_report": ".sinks.report",

@@ -23,7 +23,7 @@ from typing import Any
 
 from .graph import BackwardGraph, Node, float_from_json, float_to_json, merge_grad_metas, parse_json
 
-__all__ = ["GraphDiff", "diff_graphs", "node_norms", "norm_ratio", "align_calls", "pair_leftovers",
+__all__ = ["GraphDiff", "diff_graphs", "node_norms", "edge_metas", "norm_ratio", "align_calls", "pair_leftovers",
            "DEFAULT_THRESHOLD"]
 
 DIFF_FORMAT = "paddleviz-hooks/graph-diff"
@@ -52,6 +52,21 @@ def node_norms(graph: BackwardGraph) -> dict[str, float]:
         if m is not None and m.norm is not None:
             out[node.key] = m.norm
     return out
+
+
+def edge_metas(graph: BackwardGraph, renamed: dict[str, str] | None = None) -> dict[tuple[str, str], Any]:
+    """(src key, dst key) -> metadata of the gradient along that edge; keys through ``renamed`` when given.
+
+    Several edges between the same two keys (a folded repeat) are merged by
+    :func:`~paddleviz_hooks.graph.merge_grad_metas`.
+    """
+    renamed = renamed or {}
+    keys = [renamed.get(n.key, n.key) for n in graph.nodes]
+    groups: dict[tuple[str, str], list] = {}
+    for e in graph.edges:
+        if e.grad is not None:
+            groups.setdefault((keys[e.src], keys[e.dst]), []).append(e.grad)
+    return {k: merge_grad_metas(v) for k, v in groups.items()}
 
 
 def norm_ratio(old: float | None, new: float | None) -> float | None:

@@ -19,6 +19,7 @@ import os
 import re
 import queue
 import shutil
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -41,6 +42,32 @@ __all__ = ["BackgroundWorker", "CaptureJob", "CapturePipeline", "VIEWER_LABEL_PX
 
 #: Node labels (11 pt) of the VisualDL picture are at least this many pixels high
 VIEWER_LABEL_PX = 8.0
+
+#: Nice value of the drawing thread, and of the layout engines it starts (they inherit it).
+#: On a core training also wants it gets about a tenth (Linux CFS weights 110 vs 1024): measured
+#: under 2-process data parallel on 2 cores, uncaptured steps went from 1.50x to 1.16x (median).
+DRAWING_NICE = 10
+
+
+def lower_thread_priority(nice: int = DRAWING_NICE) -> None:
+    """Give the calling thread (and the processes it starts) a lower CPU priority.
+
+    Linux keeps a nice value per thread; elsewhere a thread id is no process
+    id, so nothing is changed. Never raises: drawing at normal priority is
+    still drawing.
+
+    Example:
+        >>> import threading
+        >>> t = threading.Thread(target=lower_thread_priority)
+        >>> t.start(); t.join()  # the thread ended at nice 10 (on Linux); this one is untouched
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), nice))
+    except (AttributeError, OSError):  # no permission, no such call: keep the normal priority
+        pass
 
 
 def viewer_png(graph: BackwardGraph, options: RecorderOptions, title: str, *, timeout: float | None = 60.0,
@@ -356,6 +383,7 @@ class CapturePipeline:
 
     def _draw_loop(self) -> None:
         """The drawing thread: triggered captures first, until close() says stop."""
+        lower_thread_priority()  # pictures may lag; the training steps must not
         while True:
             with self._lock:
                 while not self._backlog and self._closing_at is None:

@@ -17,6 +17,7 @@ import os
 from typing import Any, Iterable
 
 from .diff import GraphDiff
+from .ranks import RankView
 from .graph import BackwardGraph, GradMeta, Node, is_communication
 from .hazards import PROGRAM_OP_NOTE, RECOMPUTE_INPUT_NOTE
 
@@ -32,6 +33,13 @@ __all__ = [
     "box_lines",
     "grad_sync_line",
     "rank_comparison_lines",
+    "RANKS_DIFFER_LEGEND",
+    "RANKS_NORM_LEGEND",
+    "RANKS_SYNC_LEGEND",
+    "rank_values",
+    "rank_presence",
+    "rank_view_lines",
+    "ranks_title",
     "shard_line",
     "call_name",
     "capture_title",
@@ -403,12 +411,27 @@ def edge_lines(meta: GradMeta | None, stats: bool, observed: bool = True) -> lis
     if meta.local_shape is not None:  # auto-parallel: this rank's shard
         lines.append(shard_line(meta))
     if stats and meta.norm is not None:
-        part = meta.local_shape is not None and meta.local_shape != meta.shape  # of this rank's part only
-        extra = f"|g| {fmt_num(meta.norm)}" + (" (shard)" if part else "")
+        extra = f"|g| {fmt_num(meta.norm)}" + _part_note(meta)
         if meta.nonfinite:
             extra += f" NaN:{meta.nan} Inf:{meta.inf}"
         lines.append(extra)
     return lines
+
+
+def _part_note(meta: GradMeta) -> str:
+    """What part of a distributed gradient its statistics describe (they are of this rank's local value).
+
+    Example:
+        >>> _part_note(GradMeta((4, 8), local_shape=(4, 8), placements=("Partial(reduce_type=SUM)",)))
+        " (this rank's summand)"
+        >>> _part_note(GradMeta((8, 16), local_shape=(8, 8), placements=("Shard(dim=1)",))), _part_note(GradMeta((2,)))
+        (' (shard)', '')
+    """
+    if meta.local_shape is None:
+        return ""
+    if any(p.startswith("Partial") for p in meta.placements or ()):  # the gradient is the sum over ranks
+        return " (this rank's summand)"
+    return " (shard)" if meta.local_shape != meta.shape else ""
 
 
 def shard_line(meta: GradMeta) -> str:
@@ -663,6 +686,83 @@ def rank_comparison_lines(graph: BackwardGraph, base: BackwardGraph, diff: Graph
     if isinstance(graph.meta.get("grad_sync"), dict) and isinstance(base.meta.get("grad_sync"), dict):
         lines.append(f"before all-reduce (each rank's own data): {fmt_num(graph.global_grad_norm(local=True), 4)} "
                      f"here, {fmt_num(base.global_grad_norm(local=True), 4)} on rank {base_rank}")
+    return lines
+
+
+RANKS_DIFFER_LEGEND = "not on every rank (data parallel: every rank should run the same graph)"
+RANKS_NORM_LEGEND = "|g| r0 a / r1 b: the gradient norm on each rank"
+RANKS_SYNC_LEGEND = "edges: each rank's own gradient; parameters: all-reduced"
+
+
+def rank_values(values: dict[int, float], ranks: Iterable[int], label: str = "|g|", digits: int = 3,
+                per_line: int = 4) -> list[str]:
+    """One number per rank, ``per_line`` ranks a line: ``|g| r0 0.41 / r1 0.52``.
+
+    A rank without a value (the node is not in its graph, or nothing was
+    recorded there) shows ``-``.
+
+    Example:
+        >>> rank_values({0: 0.4123, 1: 0.52}, [0, 1])
+        ['|g| r0 0.412 / r1 0.52']
+        >>> rank_values({0: 1.0}, [0, 1, 2], per_line=2)
+        ['|g| r0 1 / r1 -', 'r2 -']
+    """
+    parts = [f"r{r} {fmt_num(values.get(r), digits)}" for r in ranks]
+    lines = [" / ".join(parts[i:i + per_line]) for i in range(0, len(parts), per_line)]
+    if lines and label:
+        lines[0] = f"{label} {lines[0]}"
+    return lines
+
+
+def rank_presence(missing: Iterable[int] = (), only: int | None = None) -> str:
+    """Where a node of the merged view is: ``not on ranks 1, 3`` or ``only on rank 2``.
+
+    Example:
+        >>> rank_presence([1, 3]), rank_presence(only=2)
+        ('not on ranks 1, 3', 'only on rank 2')
+    """
+    if only is not None:
+        return f"only on rank {only}"
+    missing = list(missing)
+    return f"not on rank{'s' if len(missing) > 1 else ''} {', '.join(str(r) for r in missing)}"
+
+
+def ranks_title(step: Any, ranks: Iterable[int]) -> str:
+    """The title of the merged drawing of one step.
+
+    Example:
+        >>> ranks_title(3, [0, 1])
+        'step 3 - ranks 0, 1 merged'
+    """
+    return f"step {step} - ranks {', '.join(str(r) for r in ranks)} merged"
+
+
+def rank_view_lines(view: RankView) -> list[str]:
+    """What the merged view of one step says in words: structure first, then the global norms per rank.
+
+    Example:
+        >>> from paddleviz_hooks.ranks import compare_ranks
+        >>> g = BackwardGraph([Node(0, "root", "loss", "loss")])
+        >>> g.assign_keys()
+        >>> rank_view_lines(compare_ranks({0: g, 1: g}))
+        ['same graph structure on ranks 0, 1']
+    """
+    names = ", ".join(str(r) for r in view.ranks)
+    if view.structure_differs:
+        lines = []
+        for r, d in view.diffs.items():
+            if d.structure_changed:
+                lines.append(f"graph structure of rank {r} differs from rank {view.base}: "
+                             f"{plural(len(d.added_nodes), 'node')} only on rank {r}, "
+                             f"{len(d.removed_nodes)} only on rank {view.base} "
+                             "(under data parallel every rank should run the same graph)")
+    else:
+        lines = [f"same graph structure on ranks {names}"]
+    if view.global_norms:
+        lines.append(" ".join(rank_values(view.global_norms, view.ranks, "global grad norm", 4, per_line=8)))
+    if view.local_global_norms:
+        lines.append(" ".join(rank_values(view.local_global_norms, view.ranks,
+                                          "before all-reduce (each rank's own data):", 4, per_line=8)))
     return lines
 
 

@@ -24,6 +24,7 @@ import paddle
 
 from .capture import structure_fingerprint
 from .capture.stats import local_value, sum_of_squares
+from .capture.sync import local_scalar
 from .options import RecorderOptions
 
 __all__ = ["Triggers", "global_grad_norm", "grads_nonfinite"]
@@ -129,7 +130,7 @@ class Triggers:
             return armed
         opts = self.options
         trigger = None
-        self.loss = float(roots[0]) if opts.on_nonfinite and len(roots) == 1 and roots[0].size == 1 else None
+        self.loss = local_scalar(roots[0]) if opts.on_nonfinite and len(roots) == 1 and roots[0].size == 1 else None
         loss_bad = self.loss is not None and not math.isfinite(self.loss)
         self._loss_nonfinite = loss_bad
         if armed:

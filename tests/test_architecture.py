@@ -1,6 +1,6 @@
 """The package's imports flow one way.
 
-capture/ -> graph model -> transforms (collapse, diff) -> presentation (text,
+capture/ -> graph model -> transforms (collapse, diff) -> ranks -> presentation (text,
 render/) -> sinks/ -> pipeline -> recorder -> callbacks/ (and compat, cli).
 Every ``import`` statement counts, at module level and inside functions.
 """
@@ -22,6 +22,7 @@ LAYERS = [
     ("foundations", {"_version", "_fileio", "escape", "warn", "hazards", "graph"}),
     ("capture", {"capture"}),
     ("transforms", {"collapse", "diff"}),
+    ("across ranks", {"ranks"}),  # built on diff: one step of several ranks matched
     ("wording", {"text"}),
     ("drawing", {"render"}),
     ("sinks", {"sinks"}),

@@ -8,6 +8,11 @@ Only rank 0 captures (``capture_backward``), so a collective call of ours
 would hang the job; rank 1 trains plainly. Both ranks run the same forward and
 backward twice (from the same weights), rank 0 capturing the first; rank 0
 writes the graph and its local gradients of both runs.
+
+A second model puts a replicated ``fc0`` before a column-parallel ``fc1``: the
+gradient fc1 sends back to ``fc0``'s output is ``Partial`` (each rank holds a
+summand of it until Paddle reduces it). A tensor hook on that activation, in
+a run without capture, gives the reference summand.
 """
 
 from __future__ import annotations
@@ -68,10 +73,53 @@ def run(capture):
     return (cap if capture else None), grads, {n: p.name for n, p in model.named_parameters()}
 
 
+class Partial(paddle.nn.Layer):
+    def __init__(self):
+        super().__init__()
+        self.fc0 = paddle.nn.Linear(8, 8)
+        self.fc1 = paddle.nn.Linear(8, 16)
+
+    def forward(self, x, seen=None):
+        h = paddle.tanh(self.fc0(x))
+        if seen is not None:
+            h.register_hook(lambda g: seen.append((g.placements, g._local_value().numpy())))
+        return self.fc1(h)
+
+
+def shard_fc1(name, layer, pm):
+    if name == "fc1":
+        layer.weight = dist.shard_tensor(layer.weight, pm, [dist.Shard(1)])
+        layer.bias = dist.shard_tensor(layer.bias, pm, [dist.Shard(0)])
+
+
+def run_partial(capture, reference=False):
+    paddle.seed(1)
+    model = dist.shard_layer(Partial(), mesh, shard_fc1)
+    for p in model.parameters():
+        p.stop_gradient = False
+    x = dist.shard_tensor(paddle.randn([4, 8]), mesh, [dist.Replicate()])
+    seen = []
+    if capture:
+        with capture_backward(model) as cap:
+            model(x).mean().backward()
+    else:  # the same on every rank: a hook may change what the ranks exchange
+        model(x, seen if reference else None).mean().backward()
+    grads = {n: p.grad._local_value().numpy().tobytes() for n, p in model.named_parameters()}
+    return (cap if capture else None), grads, seen
+
+
 if __name__ == "__main__":
     out = sys.argv[1]
     dist.init_parallel_env()
     rank = dist.get_rank()
+    pcap, pgrads, _ = run_partial(capture=rank == 0)
+    _, pplain, seen = run_partial(capture=False, reference=True)
+    if rank == 0:
+        with open(os.path.join(out, "graph_partial.json"), "w") as f:
+            f.write(pcap.graph.to_json())
+        with open(os.path.join(out, "result_partial.json"), "w") as f:
+            json.dump({"errors": pcap.errors, "same": pgrads == pplain, "placements": [str(p) for p in seen[0][0]],
+                       "norm": float(np.linalg.norm(seen[0][1].astype("float64")))}, f)
     cap, captured, names = run(capture=rank == 0)
     _, plain, _ = run(capture=False)
     if rank == 0:
@@ -93,14 +141,25 @@ EXPECTED = {  # name -> global shape, this rank's shard, placements
 
 
 @pytest.fixture(scope="module")
-def rank0(tmp_path_factory):
+def out_dir(tmp_path_factory):
     work = tmp_path_factory.mktemp("auto_parallel")
     out = work / "out"
     out.mkdir()
     rc, seconds, report = launch(work, WORKER, str(out), timeout=180)
     assert rc == 0, report
     print(f"2-process launch: {seconds:.1f} s")
-    return BackwardGraph.from_json((out / "graph.json").read_text()), json.loads((out / "result.json").read_text())
+    return out
+
+
+@pytest.fixture(scope="module")
+def rank0(out_dir):
+    return BackwardGraph.from_json((out_dir / "graph.json").read_text()), json.loads((out_dir / "result.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def partial(out_dir):
+    return (BackwardGraph.from_json((out_dir / "graph_partial.json").read_text()),
+            json.loads((out_dir / "result_partial.json").read_text()))
 
 
 def test_capture_on_one_rank_changes_nothing(rank0):
@@ -142,3 +201,26 @@ def test_reshard_is_drawn_as_communication(rank0):
     plain = to_dot(BackwardGraph.from_json(graph.to_json()))
     assert plain == dot  # the JSON round trip keeps shards and placements
     assert np.isfinite(graph.global_grad_norm())
+
+
+def test_partial_gradient_is_recorded_and_drawn_as_a_summand(partial):
+    graph, res = partial
+    assert res["errors"] == [] and res["same"]  # capture changed no gradient bit
+    # the loss (mean of a column-sharded output) is Partial too: reading it would be an all-reduce
+    # that rank 1 never joins (the job used to abort in gloo): not observed instead
+    assert "loss" not in graph.meta
+    assert res["placements"] == ["Partial(reduce_type=SUM)"]  # what the user's own hook sees
+    fc1_matmul = next(n for n in graph.nodes if n.op == "Matmul" and n.layer == "fc1")
+    tanh = next(n for n in graph.nodes if n.op == "Tanh")
+    (edge,) = [e for e in graph.edges if (e.src, e.dst) == (fc1_matmul.id, tanh.id)]
+    m = edge.grad
+    assert (m.shape, m.local_shape, m.placements) == ((4, 8), (4, 8), ("Partial(reduce_type=SUM)",))
+    assert m.norm == pytest.approx(res["norm"], rel=1e-5)  # this rank's summand, as the hook saw it
+    # every other gradient of the model is Shard or Replicate
+    others = {p for e in graph.edges if e is not edge and e.grad is not None for p in e.grad.placements or ()}
+    assert others and not any(p.startswith("Partial") for p in others), others
+    dot = to_dot(graph)
+    label = next(line for line in dot.splitlines() if line.strip().startswith(f"n{fc1_matmul.id} -> n{tanh.id} "))
+    assert "shard [4, 8] Partial(reduce_type=SUM)" in label, label
+    assert f"|g| {m.norm:.3g} (this rank's summand)" in label, label
+    assert BackwardGraph.from_json(graph.to_json()) == graph

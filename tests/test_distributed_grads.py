@@ -274,7 +274,7 @@ def test_rank_report_in_chromium(rank_report, tmp_path):
             page.goto(html.as_uri())
             page.wait_for_selector("#stage svg")
             options = page.locator("#run-select option").all_inner_texts()
-            assert options == ["backward_graph (3 steps)", "rank_1 (3 steps)"], options
+            assert options[:2] == ["backward_graph (3 steps)", "rank_1 (3 steps)"], options
             page.select_option("#run-select", "1")
             slider = page.locator("#step-slider")
             slider.focus()
@@ -288,6 +288,125 @@ def test_rank_report_in_chromium(rank_report, tmp_path):
             out = Path(__file__).resolve().parents[1] / "test-output"
             out.mkdir(exist_ok=True)
             shutil.copy(shot, out / "report_ranks.png")
+        finally:
+            browser.close()
+    assert errors == []
+
+
+def _insert_op_after_root(path: Path, op: str) -> None:
+    """Rank 1 ran one more op right after the loss: the root's gradient flows through it first."""
+    d = json.loads(path.read_text())
+    new = len(d["nodes"])
+    d["nodes"].append({"id": new, "kind": "op", "name": f"{op}GradNode", "op": op, "layer": None, "call": 0,
+                       "param": None, "shape": None, "dtype": None, "hooked": True, "note": None, "key": ""})
+    first = next(e for e in d["edges"] if e["src"] == 0)
+    d["edges"].append({**first, "src": new})
+    first["dst"] = new
+    path.write_text(json.dumps(d))
+
+
+@pytest.fixture(scope="module")
+def merged_report(results, tmp_path_factory):
+    import shutil
+
+    from paddleviz_hooks.sinks.report import build_report
+
+    log = tmp_path_factory.mktemp("merged_report") / "backward_graph"
+    shutil.copytree(results[0]["synced"]["run_dir"], log)
+    _insert_op_after_root(log / "rank_1" / "step_000002.json", "Exp")
+    html = Path(build_report(log, log.parent / "report.html"))
+    return html, [graphs(results[r], "synced") for r in (0, 1)]
+
+
+def test_merged_view_matches_ranks_and_flags_the_extra_op(merged_report):
+    from paddleviz_hooks.ranks import compare_ranks
+    from paddleviz_hooks.sinks.report import _read_graph
+
+    html, (g0, g1) = merged_report
+    log = html.parent / "backward_graph"
+    for step in (1, 2, 3):
+        view = compare_ranks({0: _read_graph(str(log / f"step_{step:06d}.json")),
+                              1: _read_graph(str(log / "rank_1" / f"step_{step:06d}.json"))})
+        for name in PARAMS:  # the records' norms, rank by rank: applied (equal) and local (differ)
+            assert view.param_norms[name] == {r: g[step - 1].params()[name].norm for r, g in enumerate((g0, g1))}
+            assert view.local_param_norms[name] == {
+                r: g[step - 1].params(local=True)[name].norm for r, g in enumerate((g0, g1))}
+        if step == 2:
+            assert view.differing_ranks() == [1] and view.missing == {}
+            (extra,) = view.only_on[1]
+            assert extra.startswith("op:?[0]/Exp#")
+            (pair,) = view.missing_edges  # the loss fed its first op directly on rank 0 only
+            assert pair[0] == "root#0" and view.missing_edges[pair] == [1]
+        else:
+            assert not view.structure_differs and view.only_on == {}
+
+
+@pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="needs Debian's Chromium at /usr/bin/chromium")
+def test_merged_report_in_chromium(merged_report, tmp_path):
+    import shutil
+
+    from playwright.sync_api import sync_playwright
+
+    from paddleviz_hooks.text import fmt_num
+
+    html, (g0, g1) = merged_report
+    errors = []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=[
+            "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+            "--disable-background-networking", "--disable-component-update", "--disable-sync"])
+        try:
+            page = browser.new_page(viewport={"width": 1500, "height": 950})
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(html.as_uri())
+            page.wait_for_selector("#stage svg")
+            options = page.locator("#run-select option").all_inner_texts()
+            assert options == ["backward_graph (3 steps)", "rank_1 (3 steps)",
+                               "backward_graph: ranks 0, 1 merged (3 steps)"], options
+            page.select_option("#run-select", "2")
+            assert page.locator("#mode").inner_text() == "ranks merged"
+            cells = page.locator("#strip span")
+            assert [cells.nth(i).get_attribute("class").strip() for i in range(3)] == [
+                "current", "ranks-differ", ""]
+            # step 1, same structure: every value shown is the record's, rank by rank
+            panel = page.locator("#panel-2-0")
+            assert panel.locator("h3.ranks").get_attribute("class") == "same ranks"
+            for css, local in (("applied", False), ("local", True)):
+                for name in PARAMS:
+                    row = panel.locator(f"table.{css} tr", has=page.locator(f"td:text-is('{name}')"))
+                    shown = row.locator("td.num").all_inner_texts()
+                    assert shown == [fmt_num(g[0].params(local=local)[name].norm, 4) for g in (g0, g1)], (css, name)
+            labels = page.eval_on_selector_all("#stage svg g.edge text", "els => els.map(e => e.textContent)")
+            for name in PARAMS:  # the edge into each parameter: each rank's own gradient
+                want = f"|g| r0 {fmt_num(g0[0].params(local=True)[name].norm)} / r1 {fmt_num(g1[0].params(local=True)[name].norm)}"
+                assert want in labels, (name, labels)
+            assert page.locator("#stage svg .pvh-rank-only, #stage svg .pvh-rank-differs").count() == 0
+            # step 2: rank 1 ran one more op; it is drawn only-on-rank-1 and named in the panel
+            page.keyboard.press("ArrowRight")
+            panel = page.locator("#panel-2-1")
+            assert panel.is_visible() and panel.locator("h3.ranks").get_attribute("class") == "bad ranks"
+            assert "graph structure of rank 1 differs from rank 0: 1 node only on rank 1" in panel.inner_text()
+            assert panel.locator("ul.nodes.ranks li").all_inner_texts()[0].startswith("only on rank 1 Exp")
+            only = page.locator("#stage svg g.node.pvh-rank-only")
+            assert only.count() == 1 and "only on rank 1" in only.text_content()
+            assert page.locator("#mode").inner_text() == "ranks merged"
+            shot = tmp_path / "report_ranks_merged.png"
+            page.screenshot(path=str(shot))
+            out = Path(__file__).resolve().parents[1] / "test-output"
+            out.mkdir(exist_ok=True)
+            shutil.copy(shot, out / "report_ranks_merged.png")
+            # each rank's own drawing of the step, side by side
+            assert page.locator("#side-label").is_visible()
+            page.check("#side")
+            figures = page.locator("#stage .side-by-side figure")
+            assert figures.locator("figcaption").all_inner_texts() == ["rank 0", "rank 1"]
+            assert figures.nth(0).locator("svg").count() == 1 and figures.nth(1).locator("svg").count() == 1
+            assert "Exp" not in figures.nth(0).text_content() and "Exp" in figures.nth(1).text_content()
+            page.screenshot(path=str(tmp_path / "side.png"))
+            shutil.copy(tmp_path / "side.png", out / "report_ranks_side.png")
+            page.select_option("#run-select", "0")  # an ordinary run has no side-by-side view
+            assert not page.locator("#side-label").is_visible()
+            assert page.locator("#stage > svg").count() == 1
         finally:
             browser.close()
     assert errors == []

@@ -39,7 +39,7 @@ from .gradnode import Walk, forget_saved, grad_fn, parameter_names, walk_graph
 from .static import ProgramRuns
 from .nested import place, pylayer_context, stitch
 from .saved import SavedMemory
-from .sync import AppliedGrads, data_parallel_world
+from .sync import AppliedGrads, data_parallel_world, local_scalar
 from . import stats
 
 __all__ = ["BackwardCapture", "capture_backward"]
@@ -299,7 +299,7 @@ class BackwardCapture:
                 except Exception as exc:  # the graph is still captured, without it
                     self._warn("saved", f"saved-tensor memory is not observed: {exc!r}")
             if len(roots) == 1 and roots[0].size == 1:
-                s.loss = float(roots[0])
+                s.loss = local_scalar(roots[0])  # float() of a Partial loss would be a collective
             self._hook_all(s)
             s.prepare_seconds = time.perf_counter() - t0
             return s

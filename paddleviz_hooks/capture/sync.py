@@ -22,7 +22,26 @@ import paddle
 from ..graph import GradMeta
 from . import stats
 
-__all__ = ["AppliedGrads", "data_parallel_world"]
+__all__ = ["AppliedGrads", "data_parallel_world", "local_scalar"]
+
+
+def local_scalar(t: Any) -> float | None:
+    """The value of a one-element tensor (a loss), read without communication.
+
+    An auto-parallel tensor's value is read from this rank's local value; a
+    ``Partial`` one (e.g. the mean of a sharded output) holds only this rank's
+    summand, and reading the whole would be an all-reduce that the other ranks
+    never join: None (not observed).
+
+    Example:
+        >>> local_scalar(paddle.to_tensor(2.5))
+        2.5
+    """
+    if stats.is_dist(t):
+        if any(str(p).startswith("Partial") for p in t.placements):
+            return None
+        t = t._local_value()
+    return float(t)
 
 
 def data_parallel_world() -> tuple[int, int] | None:

@@ -7,12 +7,14 @@
 * ``draw.py``: SVG at full detail; the PNG size and collapse plan (the viewing
   PNG and its SVG come from one engine run).
 * ``diff.py``: a :class:`~paddleviz_hooks.diff.GraphDiff` drawn over the newer graph.
+* ``ranks.py``: one step captured on several ranks, merged in one drawing.
 """
 
 from .diff import diff_to_dot, render_diff, render_diff_png, render_diff_views
 from .dot import to_dot
 from .draw import (LEGIBLE_DPI, VIEW_MAX_PX, fit_png, layout_size, png_size, render_png, render_svg, render_to_file,
                    render_views)
+from .ranks import ranks_to_dot, render_ranks
 from .engine import EngineNotFound, RenderTimeout, find_engine, run_engine, run_engine_formats
 
 __all__ = [
@@ -29,6 +31,8 @@ __all__ = [
     "render_diff_png",
     "render_diff_views",
     "render_png",
+    "render_ranks",
+    "ranks_to_dot",
     "render_svg",
     "render_to_file",
     "render_views",

@@ -21,9 +21,9 @@ from typing import Any
 
 from .._fileio import atomic_write
 from ..collapse import collapse_alike, collapse_graph, layer_depths
-from ..diff import GraphDiff, diff_graphs, norm_ratio
+from ..diff import GraphDiff, diff_graphs, edge_metas, norm_ratio
 from ..escape import dot_attrs, dot_html_table, dot_label
-from ..graph import BackwardGraph, merge_grad_metas
+from ..graph import BackwardGraph
 from ..text import collapse_note, describe_node, edge_lines, fmt_num, fmt_ratio, ghost_lines
 from .dot import to_dot
 from .draw import LEGIBLE_DPI, render_png, render_svg, render_views
@@ -53,17 +53,6 @@ def _check(diff: Any, newer: Any, older: Any) -> None:
             raise TypeError(f"{name} must be a BackwardGraph, got {type(g).__name__}")
 
 
-def _edge_metas(graph: BackwardGraph, renamed: dict[str, str] | None = None) -> dict[tuple[str, str], Any]:
-    """(src key, dst key) -> gradient metadata; keys through ``renamed`` when given."""
-    renamed = renamed or {}
-    keys = [renamed.get(n.key, n.key) for n in graph.nodes]
-    groups: dict[tuple[str, str], list] = {}
-    for e in graph.edges:
-        if e.grad is not None:
-            groups.setdefault((keys[e.src], keys[e.dst]), []).append(e.grad)
-    return {k: merge_grad_metas(v) for k, v in groups.items()}
-
-
 def diff_styles(
     diff: GraphDiff, newer: BackwardGraph, older: BackwardGraph, *, stats: bool = True, legend: bool = True
 ) -> tuple[dict[str, dict[str, str]], dict[tuple[str, str], dict[str, str]], list[str]]:
@@ -85,7 +74,7 @@ def diff_styles(
     for pair in diff.added_edges:
         edge_style[pair] = dict(DIFF_STYLE["added_edge"])
 
-    old_metas, new_metas = _edge_metas(older, diff.renamed), _edge_metas(newer)
+    old_metas, new_metas = edge_metas(older, diff.renamed), edge_metas(newer)
     added_edges = set(diff.added_edges)
     for pair, new in new_metas.items():
         old = old_metas.get(pair)

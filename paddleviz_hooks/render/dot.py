@@ -98,7 +98,8 @@ def dot_parts(
         legend: add a small legend.
         rankdir: ``"TB"`` (loss on top) or ``"LR"``.
         title: a caption drawn at the top.
-        node_style: extra attributes per node key (used by diff drawings).
+        node_style: extra attributes per node key (used by diff drawings); a
+            ``label`` there replaces the node's label (lines split at ``\\n``).
         edge_style: extra attributes per (src key, dst key).
         extra_body: more DOT lines (e.g. ghost nodes of a diff).
         color_by: ``"saved_memory"`` fills ops and layer boxes by the bytes they
@@ -164,6 +165,8 @@ def dot_parts(
             lines = lines + [origin_mark(found)]
         attrs["tooltip"] = node_tooltip(n)
         attrs.update(node_style.get(n.key, {}))
+        if "label" in attrs:  # a label from node_style is the whole label, as for edges
+            lines = attrs.pop("label").split("\n")
         return f"n{n.id} [label={dot_label(*lines)}, {dot_attrs(attrs)}]"
 
     # one frame per call of a layer: (layer path, call) -> its nodes

@@ -39,9 +39,10 @@ from .._fileio import atomic_write
 from ..diff import DIFF_FORMAT, GraphDiff, diff_graphs
 from ..escape import clean_svg, html_escape, json_for_script
 from ..graph import BackwardGraph, parse_json
-from ..render import render_diff, render_svg
+from ..render import render_diff, render_ranks, render_svg
 from ..text import (backward_role, call_name, capture_title, describe_node, describe_origin, diff_summary, fmt_bytes,
                     fmt_num, graph_summary, plural, rank_comparison_lines)
+from .report_ranks import MergedRun, merged_chart, merged_overview, merged_panel, merged_run
 
 __all__ = ["build_report", "find_step_files", "ReportError"]
 
@@ -158,7 +159,7 @@ def _step_number(graph: BackwardGraph, file_number: int) -> int:
     return s if isinstance(s, int) and not isinstance(s, bool) else file_number
 
 
-def _load_runs(log_dir: str, timeout: float) -> tuple[list[_Run], list[tuple[str, str]]]:
+def _load_runs(log_dir: str, timeout: float) -> tuple[list[_Run], list[tuple[str, str]], list[MergedRun]]:
     groups = find_step_files(log_dir)
     if not groups:
         raise ReportError(f"no step_*.json files under {log_dir}")
@@ -194,8 +195,8 @@ def _load_runs(log_dir: str, timeout: float) -> tuple[list[_Run], list[tuple[str
         first = skipped[0] if skipped else ("?", "?")
         raise ReportError(f"no readable step_*.json under {log_dir} (e.g. {first[0]}: {first[1]})")
 
-    _pair_ranks(runs)
-    jobs = []
+    merged = _pair_ranks(runs)
+    jobs = [(st, "svg", render_ranks, (st.graphs,), {}) for m in merged for st in m.steps]
     for run in runs:
         prevs: dict[str, _Step] = {}  # each backward is compared with the same backward earlier
         for st in run.steps:
@@ -223,27 +224,37 @@ def _load_runs(log_dir: str, timeout: float) -> tuple[list[_Run], list[tuple[str
             setattr(st, attr, svg)
             if problem and st.problem is None:
                 st.problem = problem
-    return runs, skipped
+    return runs, skipped, merged
 
 
 _RANK_DIR = re.compile(r"rank_(\d+)")
 
 
-def _pair_ranks(runs: list[_Run]) -> None:
+def _pair_ranks(runs: list[_Run]) -> list[MergedRun]:
     """A run in ``X/rank_K`` (the recorder's folder for rank K) is compared, step by step,
-    with the run in ``X`` (rank 0): structure by :func:`diff_graphs`, norms side by side."""
+    with the run in ``X`` (rank 0): structure by :func:`diff_graphs`, norms side by side.
+
+    Returns:
+        The merged view of each run that has ranks (see ``report_ranks``).
+    """
     by_dir = {(os.path.abspath(r.directory), r.suffix): r for r in runs}
+    groups: dict[int, tuple[_Run, dict[int, dict[int, BackwardGraph]]]] = {}
     for run in runs:
         m = _RANK_DIR.fullmatch(os.path.basename(run.directory))
         base = by_dir.get((os.path.dirname(os.path.abspath(run.directory)), run.suffix))
         if m is None or base is None:
             continue
         base_steps = {(st.number, st.suffix): st for st in base.steps}
+        # the merged drawing matches each step's first backward across the ranks
+        by_rank = groups.setdefault(id(base), (base, {0: {st.number: st.graph for st in base.steps if not st.suffix}}))[1]
+        by_rank[int(m.group(1))] = {st.number: st.graph for st in run.steps if not st.suffix}
         for st in run.steps:
             other = base_steps.get((st.number, st.suffix))
             if other is not None:
                 st.rank, st.rank_base = int(m.group(1)), other.graph
                 st.rank_diff = diff_graphs(other.graph, st.graph)
+    found = (merged_run(base.name, by_rank) for base, by_rank in groups.values())
+    return [m for m in found if m is not None]
 
 
 # ---------------------------------------------------------------- HTML parts
@@ -502,8 +513,9 @@ def _asset(name: str) -> str:
 
 
 
-def _html(title: str, runs: list[_Run], skipped: list[tuple[str, str]]) -> str:
+def _html(title: str, runs: list[_Run], skipped: list[tuple[str, str]], merged: list[MergedRun] = ()) -> str:
     svgs: list[str] = []
+    svg_of: dict[int, int] = {}  # id(graph) -> its drawing's index (each rank's own, for the side-by-side view)
     data_runs = []
     for ri, run in enumerate(runs):
         n = len(run.steps)
@@ -520,28 +532,42 @@ def _html(title: str, runs: list[_Run], skipped: list[tuple[str, str]]) -> str:
                 "x": _chart_x(si, n),
             }
             if st.svg:
-                entry["svg"] = len(svgs)
+                entry["svg"] = svg_of[id(st.graph)] = len(svgs)
                 svgs.append(st.svg)
             if st.diff_svg:
                 entry["diff"] = len(svgs)
                 svgs.append(st.diff_svg)
             steps.append(entry)
         data_runs.append({"steps": steps})
+    for m in merged:  # after the runs: run indices len(runs)...
+        steps = []
+        for st in m.steps:
+            steps.append({"step": st.number, "svg": len(svgs) if st.svg else None, "diff": None,
+                          "changed": st.view.structure_differs,
+                          "nonfinite": any(g.nonfinite_count() for g in st.graphs.values()),
+                          "ranks": [[r, svg_of.get(id(g))] for r, g in st.graphs.items()]})
+            if st.svg:
+                svgs.append(st.svg)
+        data_runs.append({"steps": steps, "merged": True})
     data = {"runs": data_runs, "svgs": svgs}
+    first = len(runs)
 
     run_select = ""
     if len(runs) > 1:
-        opts = "".join(f'<option value="{ri}">{_e(r.name)} ({len(r.steps)} steps)</option>' for ri, r in enumerate(runs))
+        opts = "".join(f'<option value="{ri}">{_e(r.name)} ({len(r.steps)} steps)</option>'
+                       for ri, r in enumerate([*runs, *merged]))
         run_select = f'<label>run <select id="run-select">{opts}</select></label>'
     captures = sum(len(r.steps) for r in runs)
     steps = sum(len({st.number for st in r.steps}) for r in runs)
     total = plural(steps, "captured step") + (f" ({captures} backwards)" if captures > steps else "")
     panels = "".join(_step_panel(run, ri, si) for ri, run in enumerate(runs) for si in range(len(run.steps)))
+    panels += "".join(merged_panel(m, first + k, si) for k, m in enumerate(merged) for si in range(len(m.steps)))
     charts = "".join(
         f'<div id="chart-{ri}" hidden><h3>Gradient norm per layer{"" if len(runs) == 1 else " (" + _e(run.name) + ")"}</h3>{_chart(run, ri)}</div>'
         for ri, run in enumerate(runs)
-    )
+    ) + "".join(merged_chart(m, first + k) for k, m in enumerate(merged))
     overviews = "".join(_overview(run, ri) for ri, run in enumerate(runs))
+    overviews += "".join(merged_overview(m, first + k) for k, m in enumerate(merged))
     skipped_html = ""
     if skipped:
         items = "".join(f"<li><code>{_e(p)}</code>: {_e(why)}</li>" for p, why in skipped)
@@ -602,9 +628,9 @@ def build_report(log_dir: str | os.PathLike, out_path: str | os.PathLike, *, tit
     out_path = os.fspath(out_path)
     if not os.path.isdir(log_dir):
         raise NotADirectoryError(f"{log_dir} is not a directory")
-    runs, skipped = _load_runs(log_dir, timeout)
+    runs, skipped, merged = _load_runs(log_dir, timeout)
     if title is None:
         title = f"paddleviz-hooks report: {os.path.basename(os.path.abspath(log_dir))}"
-    page = _html(title, runs, skipped)
+    page = _html(title, runs, skipped, merged)
     atomic_write(out_path, page.encode("utf-8"))
     return out_path

@@ -11,10 +11,14 @@ var mode = document.getElementById("mode");
 var hl = document.getElementById("highlight");
 var norms = document.getElementById("norms");
 var runSel = document.getElementById("run-select");
+var side = document.getElementById("side");
+var sideLabel = document.getElementById("side-label");
 var run = 0, idx = -1, scale = 1, tx = 0, ty = 0, userView = false;
 
 function apply(){ stage.style.transform = "translate(" + tx + "px," + ty + "px) scale(" + scale + ")"; }
 function svgSize(){
+  var row = stage.querySelector(".side-by-side");  // several drawings: their row's size
+  if (row) { var b = row.getBoundingClientRect(); return [b.width / scale, b.height / scale]; }
   var s = stage.querySelector("svg");
   if (!s) return null;
   var vb = s.viewBox && s.viewBox.baseVal;
@@ -37,8 +41,8 @@ function autoView(){  // readable: fit, but no smaller than 100% while the width
   var sz = svgSize(); if (!sz) return;
   var all = Math.min(vp.clientWidth / sz[0], vp.clientHeight / sz[1]);
   place(Math.min(1.5, Math.max(all, Math.min(1, vp.clientWidth / sz[0]))) * 0.96);
-  var mark = stage.querySelector(norms.checked ? ".pvh-added, .pvh-removed, .pvh-ratio-up, .pvh-ratio-down"
-                                               : ".pvh-added, .pvh-removed");
+  var mark = stage.querySelector(norms.checked ? ".pvh-added, .pvh-removed, .pvh-ratio-up, .pvh-ratio-down, .pvh-rank-only"
+                                               : ".pvh-added, .pvh-removed, .pvh-rank-only");
   if (!mark) return;
   var v = vp.getBoundingClientRect(), m = mark.getBoundingClientRect();
   if (m.top >= v.top && m.bottom <= v.bottom) return;
@@ -61,13 +65,42 @@ function show(r, i){
   // structure changes by default; gradient-norm colouring only when asked for
   var useDiff = st.diff !== null && ((hl.checked && st.changed) || norms.checked);
   var svg = useDiff ? DATA.svgs[st.diff] : (st.svg !== null ? DATA.svgs[st.svg] : null);
-  stage.innerHTML = svg === null ? "" : svg;
+  var merged = !!DATA.runs[r].merged;  // one step of several ranks in one drawing
+  sideLabel.hidden = !merged;
+  var sideBySide = merged && side.checked && st.ranks;
+  if (sideBySide) {  // each rank's own drawing, captioned with its rank
+    stage.innerHTML = "";
+    var row = document.createElement("div");
+    row.className = "side-by-side";
+    st.ranks.forEach(function(rk){
+      var fig = document.createElement("figure");
+      var cap = document.createElement("figcaption");
+      cap.textContent = "rank " + rk[0];
+      fig.appendChild(cap);
+      var holder = document.createElement("div");
+      holder.innerHTML = rk[1] === null ? "no drawing" : DATA.svgs[rk[1]];
+      fig.appendChild(holder);
+      row.appendChild(fig);
+    });
+    stage.appendChild(row);
+    svg = "";
+  } else {
+    stage.innerHTML = svg === null ? "" : svg;
+  }
   stage.classList.toggle("no-norms", !norms.checked);
-  var s = stage.querySelector("svg");
-  if (s) { var sz = svgSize(); s.style.width = sz[0] + "px"; s.style.height = sz[1] + "px"; }
-  mode.textContent = !useDiff ? (st.svg === null ? "no drawing" : "graph")
+  if (sideBySide) {
+    stage.querySelectorAll("svg").forEach(function(s){  // each at its natural size (points -> px)
+      var vb = s.viewBox && s.viewBox.baseVal;
+      if (vb && vb.width) { s.style.width = (vb.width * 96 / 72) + "px"; s.style.height = (vb.height * 96 / 72) + "px"; }
+    });
+  } else {
+    var s = stage.querySelector("svg");
+    if (s) { var sz = svgSize(); s.style.width = sz[0] + "px"; s.style.height = sz[1] + "px"; }
+  }
+  mode.textContent = !useDiff ? (sideBySide ? "each rank's own drawing" : st.svg === null ? "no drawing"
+                                 : merged ? "ranks merged" : "graph")
     : (norms.checked ? "changes since " : "structure changed since ") + st.since;
-  mode.className = useDiff ? "diff" : "";
+  mode.className = useDiff ? "diff" : (merged && st.changed ? "ranks-differ" : "");
   note.textContent = svg === null ? "No drawing for this step (see the panel)." : "wheel: zoom, drag: pan, F: fit all, 1: 100%, A: automatic view";
   document.getElementById("panel-" + r + "-" + i).hidden = false;
   document.getElementById("overview-" + r).hidden = false;
@@ -83,8 +116,10 @@ function buildStrip(){
     strip.innerHTML = "";
     steps.forEach(function(st, i){
       var c = document.createElement("span");
-      c.className = (st.changed ? "changed " : "") + (st.nonfinite ? "nonfinite" : "");
-      c.title = "step " + st.step + (st.role ? " - " + st.role : "") + (st.changed ? ", structure changed" : "") +
+      var merged = !!DATA.runs[run].merged;
+      c.className = (st.changed ? (merged ? "ranks-differ " : "changed ") : "") + (st.nonfinite ? "nonfinite" : "");
+      c.title = "step " + st.step + (st.role ? " - " + st.role : "") +
+        (st.changed ? (merged ? ", ranks differ in structure" : ", structure changed") : "") +
         (st.nonfinite ? ", NaN/Inf" : "");
       c.addEventListener("click", function(){ show(run, i); });
       strip.appendChild(c);
@@ -96,6 +131,7 @@ function buildStrip(){
 slider.addEventListener("input", function(){ show(run, parseInt(slider.value, 10)); });
 hl.addEventListener("change", function(){ show(run, idx); });
 norms.addEventListener("change", function(){ show(run, idx); });
+side.addEventListener("change", function(){ userView = false; show(run, idx); });
 // a used control gives the keyboard back to the viewer (arrows step, F/1/A zoom)
 document.querySelectorAll("header button, header input[type=checkbox], header select").forEach(function(c){
   c.addEventListener(c.tagName === "SELECT" ? "change" : "click", function(){ c.blur(); });
