@@ -132,18 +132,23 @@ def fmt_bytes(n: int | None) -> str:
     return f"{n} B"
 
 
-def call_name(name: str) -> str:
+def call_name(name: str, inclusive: bool = False) -> str:
     """A layer call ``"path#call"`` as people read it: ``layers.0.self_attn``,
     ``block (call 2)``; ``"?"`` (no layer call) is outside the model.
+
+    ``inclusive``: the call stands with its sublayers (a row of the recompute
+    table), so the top layer's call is the whole model, not its own forward.
 
     Example:
         >>> call_name("layers.0.self_attn#0"), call_name("block#1"), call_name("#0"), call_name("?")
         ('layers.0.self_attn', 'block (call 2)', "the model's own forward", 'outside the model')
+        >>> call_name("#0", inclusive=True)
+        'the whole model'
     """
     path, sep, index = name.rpartition("#")
     if not sep or not index.isdigit():
         return OUTSIDE_MODEL
-    return layer_name(path) + _call_suffix(int(index))
+    return (box_name(path) if inclusive else layer_name(path)) + _call_suffix(int(index))
 
 
 def fmt_ratio(r: float) -> str:

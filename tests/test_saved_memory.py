@@ -427,6 +427,8 @@ def test_report_memory_table_sorts_by_a_clicked_column(tmp_path):
             t = page.locator("table.saved")
             t.scroll_into_view_if_needed()
             assert [int(v) for v in t.evaluate(visible % 1)] == [v["held"] for v in by["held"][:30]]
+            # the top row holds everything, its sublayers included: the whole model, not its own forward
+            assert t.locator("tbody tr").first.locator("td").first.inner_text() == "the whole model"
             # behind each row's bytes held, a bar as long as they are relative to the most
             bars = t.evaluate("t => Array.from(t.querySelectorAll('tr:not([hidden]) .bar'))"
                               ".map(b => b.getBoundingClientRect().width / b.parentNode.clientWidth)")

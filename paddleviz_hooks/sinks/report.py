@@ -410,7 +410,7 @@ def _saved_table(graph: BackwardGraph, shown: int = 30) -> str:
         return f'<span class="bar" style="width:{100 * v.get("held", 0) / top:.1f}%"></span>'
 
     body = "".join(
-        f'<tr{" hidden" if i >= shown else ""}><td>{_e(call_name(k))}</td>'
+        f'<tr{" hidden" if i >= shown else ""}><td>{_e(call_name(k, inclusive=True))}</td>'
         f'{num(v.get("held"), bar(v))}{num(v.get("inputs"))}{num(v.get("frees"))}</tr>'
         for i, (k, v) in enumerate(rows))
     more = (f'<p class="muted">{shown} of {len(table)} layer calls shown; a click on a column sorts them all</p>'
