@@ -8,6 +8,7 @@
   PNG and its SVG come from one engine run).
 * ``diff.py``: a :class:`~paddleviz_hooks.diff.GraphDiff` drawn over the newer graph.
 * ``ranks.py``: one step captured on several ranks, merged in one drawing.
+* ``output.py``: the checks of an output path and format, shared by the writers.
 """
 
 from .diff import diff_to_dot, render_diff, render_diff_png, render_diff_views

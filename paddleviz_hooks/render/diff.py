@@ -26,6 +26,7 @@ from ..escape import dot_attrs, dot_html_table, dot_label
 from ..graph import BackwardGraph
 from ..text import collapse_note, describe_node, edge_lines, fmt_num, fmt_ratio, ghost_lines
 from .dot import to_dot
+from .output import output_target
 from .draw import LEGIBLE_DPI, render_png, render_svg, render_views
 
 __all__ = ["diff_to_dot", "render_diff", "render_diff_png", "render_diff_views", "diff_styles", "DIFF_STYLE"]
@@ -266,16 +267,7 @@ def render_diff(
         True
     """
     _check(diff, newer, older)
-    if path is not None and not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"path must be a str, os.PathLike or None, got {type(path).__name__}")
-    path = os.fspath(path) if path is not None else None
-    fmt = (format or (os.path.splitext(path)[1].lstrip(".") if path else "svg")).lower()
-    if fmt not in _FORMATS:
-        raise ValueError(f"format must be one of {', '.join(_FORMATS)}; got {fmt!r}" + (f" (from {path!r})" if path else ""))
-    if path is not None:
-        directory = os.path.dirname(os.path.abspath(path))
-        if not os.path.isdir(directory):
-            raise FileNotFoundError(f"directory {directory!r} does not exist; create it first")
+    path, fmt = output_target(path, format, _FORMATS, optional=True)
     if fmt == "json":
         data = diff.to_json(indent=1).encode("utf-8")
     elif fmt == "png":

@@ -28,6 +28,7 @@ from ..graph import BackwardGraph
 from ..text import collapse_note
 from .dot import to_dot
 from .engine import run_engine, run_engine_formats
+from .output import output_target
 
 __all__ = ["clear_plan_cache", "render_png", "render_views", "fit_png", "render_svg", "render_to_file", "layout_size",
            "png_size", "prepare", "LEGIBLE_DPI", "VIEW_MAX_PX"]
@@ -679,15 +680,7 @@ def _with_note(options: dict[str, Any], collapsed: BackwardGraph, full: Backward
 
 def render_to_file(graph: BackwardGraph, path: str | os.PathLike, format: str | None = None, **options: Any) -> str:
     """Write ``graph`` to ``path`` as png, svg, dot or json (see ``BackwardGraph.render``)."""
-    if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
-    path = os.fspath(path)
-    fmt = (format or os.path.splitext(path)[1].lstrip(".")).lower()
-    if fmt not in _FORMATS:
-        raise ValueError(f"format must be one of {', '.join(_FORMATS)}; got {fmt!r} (from {path!r})")
-    directory = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(directory):
-        raise FileNotFoundError(f"directory {directory!r} does not exist; create it first")
+    path, fmt = output_target(path, format, _FORMATS)
     if fmt == "json":
         data = graph.to_json(indent=1).encode("utf-8")
     elif fmt == "dot":

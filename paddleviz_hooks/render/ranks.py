@@ -31,6 +31,7 @@ from ..ranks import RankView, compare_ranks
 from ..text import (RANKS_DIFFER_LEGEND, RANKS_NORM_LEGEND, RANKS_SYNC_LEGEND, box_lines, describe_node, edge_lines,
                     ghost_lines, node_lines, rank_presence, rank_values, ranks_title)
 from .draw import prepare, render_png, render_svg
+from .output import output_target
 from .dot import to_dot
 
 __all__ = ["RANK_STYLE", "rank_styles", "ranks_to_dot", "render_ranks"]
@@ -224,14 +225,7 @@ def render_ranks(graphs: Mapping[int, BackwardGraph], path: str | os.PathLike | 
         >>> render_ranks({0: cap.graphs[0], 1: cap.graphs[1]})[:5]
         b'<?xml'
     """
-    if path is not None and not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"path must be a str, os.PathLike or None, got {type(path).__name__}")
-    path = os.fspath(path) if path is not None else None
-    fmt = (format or (os.path.splitext(path)[1].lstrip(".") if path else "svg")).lower()
-    if fmt not in _FORMATS:
-        raise ValueError(f"format must be one of {', '.join(_FORMATS)}; got {fmt!r}" + (f" (from {path!r})" if path else ""))
-    if path is not None and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-        raise FileNotFoundError(f"directory {os.path.dirname(os.path.abspath(path))!r} does not exist; create it first")
+    path, fmt = output_target(path, format, _FORMATS, optional=True)
     opts = dict(options)
     timeout = opts.pop("timeout", 120.0)
     max_px = opts.pop("max_px", None)
