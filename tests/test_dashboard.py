@@ -36,19 +36,10 @@ from paddleviz_hooks import BackwardGraph, BackwardGraphCallback
 from paddleviz_hooks.options import RecorderOptions
 from paddleviz_hooks.pipeline import VIEWER_LABEL_PX, viewer_png
 from paddleviz_hooks.sinks.visualdl import encode_like_visualdl, png_to_array
+from _browser import CHROMIUM, launch_chromium
 
 REPO = Path(__file__).resolve().parents[1]
 TEST_OUTPUT = REPO / "test-output"
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
 RUN = "backward_graph"  # our run's folder under the log dir (the callback's run_name)
 SHOWN = "vdl_log/backward_graph"  # its name in the dashboard: "<log dir>/<run_name>"
 PAGE_TAG = re.compile(r"^backward_graph/from_step_(\d{6})$")
@@ -427,7 +418,7 @@ def test_dashboard_viewer_in_chromium(server, trained, tmp_path):
         assert label_px[v["step"]] >= VIEWER_LABEL_PX, (v, info, label_px)
 
     with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        browser = launch_chromium(p)
         try:
             page = browser.new_page(viewport={"width": 1440, "height": 900})
             page.set_default_timeout(30_000)
@@ -548,7 +539,7 @@ def test_graphs_tab_in_chromium(server, trained, tmp_path):
     assert len(into_conv) == 1
     shots = []
     with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        browser = launch_chromium(p)
         try:
             page = browser.new_page(viewport={"width": 1440, "height": 900})
             page.set_default_timeout(30_000)
@@ -600,7 +591,7 @@ def test_scalars_page_keeps_the_users_curves_first(server):
     """The user's train/* group is first and open; ours come after it and their charts draw."""
     sync_api = pytest.importorskip("playwright.sync_api")
     with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        browser = launch_chromium(p)
         try:
             page = browser.new_page(viewport={"width": 1440, "height": 900})
             page.set_default_timeout(30_000)

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from _browser import CHROMIUM, launch_chromium
 from _distkit import launch
 from paddleviz_hooks import BackwardGraph, summarize
 from paddleviz_hooks.render import to_dot
@@ -217,7 +218,6 @@ def test_a_trigger_on_one_rank_captures_on_that_rank(results):
     assert math.isnan(g.meta["loss"]) and g.meta["grad_sync"]["rank"] == 1
 
 
-CHROMIUM = "/usr/bin/chromium"
 
 
 def _drop_last_node(path: Path) -> None:
@@ -265,9 +265,7 @@ def test_rank_report_in_chromium(rank_report, tmp_path):
     html, _ = rank_report
     errors = []
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=[
-            "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-            "--disable-background-networking", "--disable-component-update", "--disable-sync"])
+        browser = launch_chromium(p)
         try:
             page = browser.new_page(viewport={"width": 1400, "height": 900})
             page.on("pageerror", lambda e: errors.append(str(e)))
@@ -352,9 +350,7 @@ def test_merged_report_in_chromium(merged_report, tmp_path):
     html, (g0, g1) = merged_report
     errors = []
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=[
-            "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-            "--disable-background-networking", "--disable-component-update", "--disable-sync"])
+        browser = launch_chromium(p)
         try:
             page = browser.new_page(viewport={"width": 1500, "height": 950})
             page.on("pageerror", lambda e: errors.append(str(e)))

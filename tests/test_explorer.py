@@ -27,6 +27,7 @@ from paddleviz_hooks import capture_backward
 from paddleviz_hooks.diff import diff_graphs
 from paddleviz_hooks.graph import BackwardGraph, Edge, GradMeta, Node
 from paddleviz_hooks.sinks import explorer as ex
+from _browser import CHROMIUM, launch_chromium
 
 dacite = pytest.importorskip("dacite")
 graph_builder = pytest.importorskip("model_explorer.graph_builder")
@@ -339,9 +340,6 @@ def test_explore_removes_its_own_temporary_export_when_stopped():
 # --------------------------------------------------------------------------
 # end to end: Model.fit with a NaN trigger, `paddleviz-hooks explore`, headless Chromium
 # --------------------------------------------------------------------------
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 NAN_STEP = 4
 
 
@@ -442,7 +440,7 @@ def test_explore_a_nan_run_in_chromium(tmp_path):
     proc, url = _explore_cli(log_dir, tmp_path / "me", tmp_path / "server.log")
     try:
         with sync_api.sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+            browser = launch_chromium(p)
             try:
                 page = browser.new_page(viewport={"width": 1400, "height": 900})
                 page.set_default_timeout(30_000)

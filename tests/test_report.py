@@ -15,9 +15,9 @@ from paddleviz_hooks.diff import diff_graphs
 from paddleviz_hooks.sinks.report import ReportError, build_report, find_step_files
 from paddleviz_hooks.render.engine import find_engine
 from paddleviz_hooks import render_to_file
+from _browser import CHROMIUM, launch_chromium
 
 F = paddle.nn.functional
-CHROMIUM = "/usr/bin/chromium"
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EVIL = 'fc1</script><img src=x onerror="window.__pwned=1">'
 STEPS = 12
@@ -156,9 +156,7 @@ def test_report_in_chromium(report, tmp_path):
     url = report["html"].as_uri()
     requests, errors, dialogs = [], [], []
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=[
-            "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-            "--disable-background-networking", "--disable-component-update", "--disable-sync"])
+        browser = launch_chromium(p)
         try:
             page = browser.new_page(viewport={"width": 1400, "height": 900})
             page.on("request", lambda r: requests.append(r.url))
@@ -302,9 +300,7 @@ def test_report_colours_gradient_norm_changes_only_when_asked(tmp_path):
     build_report(str(tmp_path / "log"), str(out))
     ratio = "g.edge.pvh-ratio-up, g.edge.pvh-ratio-down"
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=[
-            "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-            "--disable-background-networking", "--disable-component-update", "--disable-sync"])
+        browser = launch_chromium(p)
         try:
             page = browser.new_page(viewport={"width": 1400, "height": 900})
             page.goto(out.as_uri())
@@ -358,9 +354,7 @@ def test_report_hides_the_norm_legend_with_the_norm_colours(tmp_path):
     out = tmp_path / "report.html"
     build_report(str(tmp_path / "log"), str(out))
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=[
-            "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-            "--disable-background-networking", "--disable-component-update", "--disable-sync"])
+        browser = launch_chromium(p)
         try:
             page = browser.new_page(viewport={"width": 1400, "height": 900})
             page.goto(out.as_uri())

@@ -18,6 +18,7 @@ from paddleviz_hooks import BackwardGraph, BackwardGraphRecorder, build_report, 
 from paddleviz_hooks.capture.saved import _op_sites
 
 from _fitkit import text_records, vdl_records
+from _browser import CHROMIUM, launch_chromium
 
 
 def allocated() -> int:
@@ -396,7 +397,6 @@ def test_recorder_color_by_shades_its_drawings(tmp_path):
     assert f'fillcolor="{SAVED_SHADES[0]}"' in _dot_node((run / "step_000001.dot").read_text(), top.id)
 
 
-CHROMIUM = "/usr/bin/chromium"
 
 
 @pytest.mark.browser
@@ -416,9 +416,7 @@ def test_report_memory_table_sorts_by_a_clicked_column(tmp_path):
     by = {col: sorted(table.values(), key=lambda v: -v[col]) for col in ("held", "frees")}
     visible = "t => Array.from(t.tBodies[0].rows).filter(r => !r.hidden).map(r => r.cells[%d].dataset.v ?? r.cells[0].textContent)"
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=[
-            "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-            "--disable-background-networking", "--disable-component-update", "--disable-sync"])
+        browser = launch_chromium(p)
         try:
             page = browser.new_page(viewport={"width": 1400, "height": 900})
             errors = []
