@@ -23,7 +23,7 @@ safely), and so is a ``Tensor[]`` input that takes no gradient (the integer
 from __future__ import annotations
 
 __all__ = ["hook_hazard", "MULTI_TENSOR_INPUT", "UNMEASURED", "NEVER_FIRES_PREFIXES", "PROGRAM_OP_NOTE",
-           "RECOMPUTE_INPUT_NOTE"]
+           "RECOMPUTE_INPUT_NOTE", "INPLACE_BACKWARD", "SHARES_RECEIVED_UNCHANGED"]
 
 #: Measured: hooking these makes ``backward()`` raise (op cases in brackets).
 MULTI_TENSOR_INPUT = frozenset(
@@ -72,6 +72,35 @@ PROGRAM_OP_NOTE = "inside a compiled program: not observed"
 #: recompute, ``capture/nested.py``): the detached copy of the block's input
 #: that the PyLayer held; its gradient leaves the block through the PyLayer.
 RECOMPUTE_INPUT_NOTE = "input of the recomputed block (a detached copy): the PyLayer passes its gradient on"
+
+
+#: Measured (``tests/test_inplace_edges.py`` sweeps the op zoo): the backward
+#: kernels of these kinds write what they pass on into the very buffer they
+#: received, whenever nothing else holds it (Paddle checks the buffer's use
+#: count). Read after the node ran, that buffer holds the node's output, not
+#: its input. A producer with a hook holds the buffer (no rewrite then); after
+#: a producer without one (Concat, Stack, AddN...) or at the root, the
+#: received gradient can only be read before the kernel runs (a tensor hook on
+#: the root) or is recorded as not observed. The capture does not depend on
+#: this list: it compares buffer addresses at run time.
+INPLACE_BACKWARD = frozenset({
+    "AcosGradNode", "AcoshGradNode", "AsinGradNode", "AsinhGradNode", "AtanGradNode", "AtanhGradNode",
+    "CeilGradNode", "CeluGradNode", "ClipGradNode", "CosGradNode", "CoshGradNode", "EluGradNode",
+    "ExpGradNode", "Expm1GradNode", "FloorGradNode", "GroupNormGradNode", "HardshrinkGradNode",
+    "HardsigmoidGradNode", "HardswishGradNode", "HardtanhGradNode", "LeakyReluGradNode", "Log10GradNode",
+    "Log1pGradNode", "Log2GradNode", "LogGradNode", "LogsigmoidGradNode", "MaskedFillGradNode",
+    "MishGradNode", "PowGradNode", "ReciprocalGradNode", "Relu6GradNode", "ReluGradNode", "RoundGradNode",
+    "RsqrtGradNode", "SigmoidGradNode", "SiluGradNode", "SinGradNode", "SinhGradNode", "SoftplusGradNode",
+    "SoftshrinkGradNode", "SoftsignGradNode", "SqrtGradNode", "SquareGradNode", "SwishGradNode",
+    "TanGradNode", "TanhGradNode", "TanhShrinkGradNode", "ThresholdedReluGradNode",
+})
+
+#: Measured: these pass the received buffer on as it is (same values, maybe
+#: another shape): sharing it does not change what was received.
+SHARES_RECEIVED_UNCHANGED = frozenset({
+    "AddGradNode", "FlattenGradNode", "IndexAddGradNode", "ReshapeGradNode", "SqueezeGradNode",
+    "SubtractGradNode", "TransposeGradNode",
+})
 
 
 def hook_hazard(node_name: str) -> str | None:

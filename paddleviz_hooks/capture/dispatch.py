@@ -79,9 +79,9 @@ class Dispatcher:
 
     def _run_partial_grad(self, outputs, inputs, grad_outputs, retain_graph, *rest):
         return self._run(self._orig_grad, "grad", outputs, retain_graph,
-                         (outputs, inputs, grad_outputs, retain_graph, *rest))
+                         (outputs, inputs, grad_outputs, retain_graph, *rest), inputs=inputs)
 
-    def _run(self, original, entry, roots, retain_graph, args):
+    def _run(self, original, entry, roots, retain_graph, args, inputs=None):
         with self._lock:
             caps = list(self._active)
         frames = self._local.__dict__.setdefault("frames", [])
@@ -94,7 +94,7 @@ class Dispatcher:
             # inside the try: an interrupt while walking still unhooks what was hooked
             for cap in caps:
                 if outer is None:
-                    s = cap._begin(list(roots), entry)
+                    s = cap._begin(list(roots), entry, inputs=inputs)
                 else:  # inside another backward: the capture's session of that one, if any
                     s = cap._begin(list(roots), entry, nested=True, parent=outer.sessions.get(cap))
                 sessions.append((cap, s))
@@ -102,6 +102,10 @@ class Dispatcher:
             frames.append(frame)
             pushed = True
             result = original(*args)
+            if inputs is not None:  # paddle.grad: what it computed for each input (parameter rows)
+                for _, s in sessions:
+                    if s is not None:
+                        s.results = result
             # A KeyboardInterrupt/SystemExit that hit one of our hooks was held
             # back so Paddle could finish the backward (raised inside a hook it
             # would surface as Paddle's OSError); deliver it now, as itself,

@@ -26,16 +26,17 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any, Callable
 
 import paddle
 
 from ..graph import BackwardGraph, GradMeta
-from ..hazards import hook_hazard
+from ..hazards import SHARES_RECEIVED_UNCHANGED, hook_hazard
 from ..warn import WarnOnce
 from .attribution import LayerAttribution, frame_name
 from .dispatch import DISPATCHER
-from .gradnode import Walk, forget_saved, grad_fn, parameter_names, walk_graph
+from .gradnode import Walk, forget_saved, grad_fn, grad_node_ptr, parameter_names, prune_to_inputs, walk_graph
 from .static import ProgramRuns
 from .nested import place, pylayer_context, stitch
 from .saved import SavedMemory
@@ -107,6 +108,11 @@ class _Session:
         self.trigger: str | None = None
         self.calls: dict[str, str] = {}  # layer-call tree of the walked nodes
         self.saved: tuple[dict[int, int], dict[str, Any]] | None = None  # see saved.py
+        self.roots: list[Any] = []  # the tensors the backward starts from (their hooks read the root edges)
+        self.inputs: list[Any] | None = None  # paddle.grad's inputs
+        self.results: Any = None  # what paddle.grad returned for them (set by the dispatcher)
+        # node id -> [contributions still to come, their sum so far]: nodes receiving over several edges
+        self.sums: dict[int, list[Any]] = {}
 
 
 class BackwardCapture:
@@ -261,7 +267,7 @@ class BackwardCapture:
 
     # -- called by the dispatcher -----------------------------------------
     def _begin(self, roots: list[Any], entry: str, nested: bool = False,
-               parent: _Session | None = None) -> _Session | None:
+               parent: _Session | None = None, inputs: Any = None) -> _Session | None:
         t0 = time.perf_counter()
         self._backwards += 1
         saved = self._saved if self._saved is not None and self._saved.armed else None
@@ -288,7 +294,13 @@ class BackwardCapture:
                 if cache:
                     cache[0].release()
                 return None
-            s = _Session(self, walk(), entry, t0)
+            w = walk()
+            if inputs is not None:  # paddle.grad: only what it computes
+                inputs = list(inputs) if isinstance(inputs, (list, tuple)) else [inputs]
+                w = prune_to_inputs(w, {p for p in map(grad_node_ptr, inputs) if p is not None})
+                cache[0].release()
+            s = _Session(self, w, entry, t0)
+            s.roots, s.inputs = list(roots), inputs
             s.trigger = trigger
             self._snapshot_calls(s)
             s.index = self.backwards_seen
@@ -321,6 +333,7 @@ class BackwardCapture:
         """A backward inside ``parent``'s: walk and hook it, and find the node that runs it."""
         layer_of = self._attribution.lookup if self._attribution is not None else None
         s = _Session(self, walk_graph(roots, self._param_names, layer_of), entry, t0, parent=parent)
+        s.roots = list(roots)
         for node in s.walk.nodes:  # its roots are activations (recompute's block outputs), not a loss
             if node.kind == "root":
                 node.name = node.op = "activation" if len(roots) == 1 else node.name
@@ -343,6 +356,11 @@ class BackwardCapture:
             if reason is not None:
                 node.note = reason
                 needs_in.update(e.dst for e in w.out_edges.get(nid, ()))
+        self._plan_sums(s)
+        for i, e in w.roots:  # what each root receives, read before its node's kernel can rewrite it
+            t = s.roots[i] if i < len(s.roots) else None
+            if t is not None and not t.stop_gradient:
+                s.handles.append(t.register_hook(self._make_root_hook(s, e)))
         for nid, node in enumerate(w.nodes):
             if node.kind == "param":
                 self._hook_param(s, nid)
@@ -389,31 +407,88 @@ class BackwardCapture:
         totals.hooked.add(ptr)
         s.param_hooks.append(ptr)
 
+    def _plan_sums(self, s: _Session) -> None:
+        """Nodes that receive over several edges, each from a hooked op: their hooks sum what
+        they send there, so the node's received gradient (``Node.received``) is exact."""
+        w = s.walk
+        into: dict[int, list[int]] = {}
+        for e in w.edges:
+            into.setdefault(e.dst, []).append(e.src)
+        for dst, srcs in into.items():
+            node = w.nodes[dst]  # an op must be hooked: its hook checks it has one forward output
+            if (len(srcs) > 1 and (node.kind == "input" or (node.kind == "op" and hook_hazard(node.name) is None))
+                    and all(w.nodes[i].kind == "op" and hook_hazard(w.nodes[i].name) is None for i in srcs)):
+                s.sums[dst] = [len(srcs), None]
+
+    def _make_root_hook(self, s: _Session, e: Any):
+        """A tensor hook on a root: it runs before the root's node, with what the node receives."""
+        with_stats = self.grad_stats
+
+        def hook(grad):
+            t = time.perf_counter()
+            try:
+                e.grad = stats.grad_meta(grad, with_stats, s.stats)
+            except Exception as exc:
+                s.errors.append(exc)
+            except BaseException as exc:  # Ctrl-C: re-raised when the backward returns
+                if s.interrupt is None:
+                    s.interrupt = exc
+            s.hook_seconds += time.perf_counter() - t
+            return None
+
+        return hook
+
     def _make_hook(self, s: _Session, nid: int, want_in: bool):
         with_stats = self.grad_stats
         queue = s.stats
         out_edges = s.walk.out_edges.get(nid, [])
-        root_edge = s.walk.root_edges.get(nid)
         sums = s.leaf_sums
         to_leaf = ([i for i, e in enumerate(out_edges) if s.walk.nodes[e.dst].kind == "input"]
                    if sums is not None else [])
+        multi = s.sums
+        nodes = s.walk.nodes
+        keeps_values = s.walk.nodes[nid].name in SHARES_RECEIVED_UNCHANGED
+        summed = nid in multi  # its received gradient is summed by its producers' hooks
 
         def hook(outs, ins):
             t = time.perf_counter()
             try:
+                if summed and len(stats.flat_tensors(ins)) != 1:
+                    nodes[nid].received = None  # several forward outputs: the parts are different tensors
                 produced = stats.flat_tensors(outs)
-                for e, g in zip(out_edges, produced):
-                    e.grad = stats.grad_meta(g, with_stats, queue)
+                if len(produced) == len(out_edges):
+                    for e, g in zip(out_edges, produced):
+                        e.grad = stats.grad_meta(g, with_stats, queue)
+                        acc = multi.get(e.dst)
+                        if acc is None:
+                            continue
+                        if acc[1] is not None and tuple(acc[1].shape) != tuple(g.shape):
+                            del multi[e.dst]  # gradients of different outputs of that node
+                            continue
+                        acc[0] -= 1  # a fresh tensor from the second part on: Paddle adds in place
+                        acc[1] = g if acc[1] is None else acc[1] + g
+                        if acc[0] == 0:
+                            nodes[e.dst].received = stats.grad_meta(acc[1], with_stats, queue)
+                            del multi[e.dst]
+                else:  # holes or extra slots: no gradient is put on an edge it may not belong to
+                    for e in out_edges:
+                        e.grad = GradMeta(note="unpaired")
+                    for e in out_edges:
+                        multi.pop(e.dst, None)
                 for i in to_leaf:  # before Paddle accumulates it into the leaf (see _ParamTotals)
                     if i < len(produced):
                         prev = sums.get(out_edges[i].dst)
                         sums[out_edges[i].dst] = produced[i] if prev is None else prev + produced[i]
-                if root_edge is not None or want_in:
+                if want_in:
                     received = stats.flat_tensors(ins)
                     if len(received) == 1:
-                        m = stats.grad_meta(received[0], with_stats, queue)
-                        if root_edge is not None:
-                            root_edge.grad = m
+                        r = received[0]
+                        if not keeps_values and r.size and any(r.data_ptr() == g.data_ptr() for g in produced):
+                            # the kernel wrote what it passes on into the buffer it received
+                            m = stats.grad_meta(r, False)
+                            m.note = "overwritten"
+                        else:
+                            m = stats.grad_meta(r, with_stats, queue)
                         s.in_meta[nid] = m
             except Exception as exc:  # a raising hook would abort backward
                 s.errors.append(exc)
@@ -451,6 +526,7 @@ class BackwardCapture:
                 except Exception:
                     pass
             s.handles.clear()
+            s.roots, s.sums = [], {}
             s.totals.hooked.difference_update(s.param_hooks)
             for ret in s.returned:  # see _make_hook: drop the gradients Paddle leaks
                 ret.clear()
@@ -516,14 +592,25 @@ class BackwardCapture:
 
     @staticmethod
     def _fill_received(s: _Session) -> None:
-        """An unhooked producer's edge: the receiver saw the same tensor when it is its only input."""
+        """An unhooked producer's edge: the receiver saw the same tensor when it is its only input
+        (unless the receiver's kernel rewrote it first: then the edge says so); an ``add_n``
+        passes on what it received, unchanged, to each of its inputs."""
         w = s.walk
-        in_count: dict[int, int] = {}
+        in_edges: dict[int, list] = {}
         for e in w.edges:
-            in_count[e.dst] = in_count.get(e.dst, 0) + 1
+            in_edges.setdefault(e.dst, []).append(e)
         for e in w.edges:
-            if e.grad is None and in_count.get(e.dst) == 1 and e.dst in s.in_meta:
+            if e.grad is None and len(in_edges[e.dst]) == 1 and e.dst in s.in_meta:
                 e.grad = s.in_meta[e.dst]
+        for nid, node in enumerate(w.nodes):
+            into = in_edges.get(nid, [])
+            if node.name != "AddNGradNodeFinal" or len(into) != 1 or into[0].grad is None:
+                continue
+            got = into[0].grad
+            if got.note is None and (got.norm is not None or not s.cap.grad_stats):
+                for e in w.out_edges.get(nid, []):
+                    if e.grad is None:
+                        e.grad = replace(got)
 
     def _leaf_totals(self, s: _Session) -> None:
         """A detached input's total gradient, when every gradient reaching it was seen."""
@@ -567,6 +654,26 @@ class BackwardCapture:
             graph.meta["saved_memory"] = saved_meta
         return graph
 
+    def _grad_results(self, s: _Session, nodes: list, ptrs: list) -> None:
+        """``paddle.grad``: each input's node gets what it returned (its leaf hooks do not run):
+        a parameter's row, another node's received gradient (the sum over its uses)."""
+        if s.inputs is None or s.results is None:
+            return
+        at = {p: i for i, p in enumerate(ptrs) if p is not None}
+        results = s.results if isinstance(s.results, (list, tuple)) else [s.results]
+        for t, r in zip(s.inputs, results):
+            ptr = grad_node_ptr(t)
+            if r is None or ptr not in at:
+                continue
+            n = nodes[at[ptr]]
+            m = stats.grad_meta(r, self.grad_stats, s.stats)
+            if n.kind == "param":
+                n.grad = m
+            else:
+                n.received = m
+        s.stats.resolve()
+        s.inputs = s.results = None
+
     def _read_applied(self, s: _Session) -> dict[str, Any] | None:
         """Several processes: each parameter's applied gradient, read from ``param.grad`` now.
 
@@ -600,6 +707,7 @@ class BackwardCapture:
         for n, p in zip(nodes, ptrs):
             if n.kind == "param" and p in metas:
                 n.grad = metas[p]
+        self._grad_results(s, nodes, ptrs)
         in_count: dict[int, int] = {}
         for e in edges:
             in_count[e.dst] = in_count.get(e.dst, 0) + 1

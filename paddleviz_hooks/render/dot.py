@@ -217,8 +217,10 @@ def _observed(graph: BackwardGraph, e: Edge) -> bool:
     """False for a gradient with a known shape whose values no hook saw: one
     that leaves or enters an op without a hook (inside a compiled program,
     AddN, Concat...) or a box of such ops only, and carries no statistics."""
-    if e.grad is None or e.grad.norm is not None or not graph.meta.get("grad_stats"):
-        return e.grad is not None
+    if e.grad is None or e.grad.note is not None:  # a reason it was not observed (GradMeta.note)
+        return False
+    if e.grad.norm is not None or not graph.meta.get("grad_stats"):
+        return True
 
     def unseen(n: Node) -> bool:  # an op without a hook (AddN, Concat, a program op) or a box of such ops
         return (n.kind == "op" and not n.hooked) or (n.kind == "layer" and 0 < n.ops == n.unhooked)
