@@ -183,6 +183,9 @@ class BackwardCapture:
         self._saved: SavedMemory | None = None
         self._saved_on = False  # observe saved tensors in the forwards of this block
         self._backwards = 0  # backwards under way (a recompute's inner one runs inside another)
+        #: set to a list to keep, per graph, the grad node address of every node (None: no
+        #: grad node); for checks against hooks on the forward's tensors (tests/truth)
+        self.node_ptrs: list[list[int | None]] | None = None
 
     # -- context protocol ---------------------------------------------------
     def __enter__(self) -> "BackwardCapture":
@@ -731,6 +734,8 @@ class BackwardCapture:
             meta={"entry": s.entry, "grad_stats": self.grad_stats, **self.meta},
         )
         graph.assign_keys()
+        if self.node_ptrs is not None:
+            self.node_ptrs.append(list(ptrs))
         return graph
 
 
