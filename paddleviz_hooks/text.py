@@ -25,6 +25,7 @@ __all__ = [
     "COMMUNICATION_LEGEND",
     "NOT_OBSERVED",
     "UNOBSERVED_WHY",
+    "DASHED_LEGEND",
     "combined_norm",
     "MODEL_OUTPUT",
     "OUTSIDE_MODEL",
@@ -87,6 +88,8 @@ OUTSIDE_MODEL = "outside the model"
 MODEL_OUTPUT = "model output"
 #: A gradient that flowed but could not be seen (its producer takes no hook).
 NOT_OBSERVED = "not observed"
+#: Legend row of dashed edges.
+DASHED_LEGEND = f"dashed: gradient {NOT_OBSERVED} (the node takes no hook, or as its label says)"
 #: Why a gradient's values were not observed (``GradMeta.note`` codes, see ``graph.UNOBSERVED_REASONS``).
 UNOBSERVED_WHY = {
     "overwritten": "not observed: the receiving op's backward overwrote it in place",

@@ -38,6 +38,7 @@ from .attribution import LayerAttribution, frame_name
 from .dispatch import DISPATCHER
 from .gradnode import Walk, forget_saved, grad_fn, grad_node_ptr, parameter_names, prune_to_inputs, walk_graph
 from .static import ProgramRuns
+from .cut import CUT_KINDS, cut
 from .nested import place, pylayer_context, stitch
 from .saved import SavedMemory
 from .sync import AppliedGrads, data_parallel_world, local_scalar
@@ -113,6 +114,8 @@ class _Session:
         self.results: Any = None  # what paddle.grad returned for them (set by the dispatcher)
         # node id -> [contributions still to come, their sum so far]: nodes receiving over several edges
         self.sums: dict[int, list[Any]] = {}
+        # node id of a Concat/Stack with one incoming edge -> [its input slots, the gradient it received]
+        self.cuts: dict[int, list[Any]] = {}
 
 
 class BackwardCapture:
@@ -360,6 +363,12 @@ class BackwardCapture:
                 node.note = reason
                 needs_in.update(e.dst for e in w.out_edges.get(nid, ()))
         self._plan_sums(s)
+        into: dict[int, int] = {}
+        for e in w.edges:
+            into[e.dst] = into.get(e.dst, 0) + 1
+        for nid, node in enumerate(w.nodes):
+            if node.name in CUT_KINDS and into.get(nid) == 1 and w.wrappers[nid] is not None:
+                s.cuts[nid] = [len(w.wrappers[nid].next_functions), None]
         for i, e in w.roots:  # what each root receives, read before its node's kernel can rewrite it
             t = s.roots[i] if i < len(s.roots) else None
             if t is not None and not t.stop_gradient:
@@ -431,6 +440,8 @@ class BackwardCapture:
             t = time.perf_counter()
             try:
                 e.grad = stats.grad_meta(grad, with_stats, s.stats)
+                if e.dst in s.cuts:
+                    s.cuts[e.dst][1] = grad
             except Exception as exc:
                 s.errors.append(exc)
             except BaseException as exc:  # Ctrl-C: re-raised when the backward returns
@@ -449,6 +460,7 @@ class BackwardCapture:
         to_leaf = ([i for i, e in enumerate(out_edges) if s.walk.nodes[e.dst].kind == "input"]
                    if sums is not None else [])
         multi = s.sums
+        cuts = s.cuts
         nodes = s.walk.nodes
         keeps_values = s.walk.nodes[nid].name in SHARES_RECEIVED_UNCHANGED
         summed = nid in multi  # its received gradient is summed by its producers' hooks
@@ -462,6 +474,8 @@ class BackwardCapture:
                 if len(produced) == len(out_edges):
                     for e, g in zip(out_edges, produced):
                         e.grad = stats.grad_meta(g, with_stats, queue)
+                        if e.dst in cuts:
+                            cuts[e.dst][1] = g  # cut into its inputs' parts when the backward is over
                         acc = multi.get(e.dst)
                         if acc is None:
                             continue
@@ -529,7 +543,7 @@ class BackwardCapture:
                 except Exception:
                     pass
             s.handles.clear()
-            s.roots, s.sums = [], {}
+            s.roots, s.sums = [], {}  # s.cuts: used, then dropped, by _fill_received
             s.totals.hooked.difference_update(s.param_hooks)
             for ret in s.returned:  # see _make_hook: drop the gradients Paddle leaks
                 ret.clear()
@@ -602,6 +616,7 @@ class BackwardCapture:
         in_edges: dict[int, list] = {}
         for e in w.edges:
             in_edges.setdefault(e.dst, []).append(e)
+        BackwardCapture._cut(s)
         for e in w.edges:
             if e.grad is None and len(in_edges[e.dst]) == 1 and e.dst in s.in_meta:
                 e.grad = s.in_meta[e.dst]
@@ -614,6 +629,26 @@ class BackwardCapture:
                 for e in w.out_edges.get(nid, []):
                     if e.grad is None:
                         e.grad = replace(got)
+
+    @staticmethod
+    def _cut(s: _Session) -> None:
+        """A Concat's or Stack's outgoing edges, cut from the gradient it received (``cut.py``)."""
+        cuts, s.cuts = s.cuts, {}
+        w = s.walk
+        for nid, (slots, received) in cuts.items():
+            if received is None:
+                continue
+            shapes: list[tuple[int, ...] | None] = [None] * slots
+            for e in w.out_edges.get(nid, []):
+                d = w.nodes[e.dst]
+                shape = d.shape if d.kind == "param" else (s.in_meta[e.dst].shape if e.dst in s.in_meta else None)
+                if e.slot < slots:
+                    shapes[e.slot] = shape
+            parts = cut(w.nodes[nid].name, received, shapes)
+            for e in w.out_edges.get(nid, []):
+                part = parts[e.slot] if e.slot < slots else None
+                if part is not None and (e.grad is None or e.grad.norm is None):
+                    e.grad = stats.grad_meta(part, s.cap.grad_stats, s.stats)
 
     def _leaf_totals(self, s: _Session) -> None:
         """A detached input's total gradient, when every gradient reaching it was seen."""

@@ -9,7 +9,7 @@ from typing import Any, Mapping
 from ..escape import dot_attrs, dot_html_table, dot_label, dot_quote
 from ..graph import BackwardGraph, Edge, Node, is_communication
 from ..hazards import PROGRAM_OP_NOTE
-from ..text import (COMMUNICATION_LEGEND, NOT_OBSERVED, SAVED_SHADE_NONE, SAVED_SHADE_TITLE, box_name, call_of,
+from ..text import (COMMUNICATION_LEGEND, DASHED_LEGEND, SAVED_SHADE_NONE, SAVED_SHADE_TITLE, box_name, call_of,
                     edge_lines, node_lines, node_tooltip, origin_mark, saved_shade_line)
 
 __all__ = ["to_dot", "dot_parts", "STYLE", "COLOR_BY", "SAVED_SHADES", "check_color_by", "saved_shades"]
@@ -315,7 +315,7 @@ def _legend(stats: bool, compiled: bool = False, origin: bool = False, communica
         rows.append(({"BGCOLOR": "#7b1fa2"}, "where the NaN/Inf starts"))
     if communication:
         rows.append(({"BGCOLOR": STYLE["communication"]["fillcolor"]}, COMMUNICATION_LEGEND))
-    rows.append(({}, f"dashed: gradient {NOT_OBSERVED} (the node takes no hook)"))
+    rows.append(({}, DASHED_LEGEND))
     if compiled:
         rows.append(({}, f"dashed *_grad op: {PROGRAM_OP_NOTE} (to_static)"))
     rows.append(({}, "edge: grad shape dtype" + (", |g| = L2 norm" if stats else "")))

@@ -36,7 +36,7 @@ from ..collapse import call_paths
 from ..diff import GraphDiff, diff_graphs, node_norms
 from ..escape import safe_filename
 from ..graph import BackwardGraph, GradMeta, Node, merge_grad_metas
-from ..text import NOT_OBSERVED, backward_role, box_name, call_of, capture_title, describe_node, fmt_shape, graph_summary, layer_name
+from ..text import NOT_OBSERVED, UNOBSERVED_WHY, backward_role, combined_norm, box_name, call_of, capture_title, describe_node, fmt_shape, graph_summary, layer_name
 
 __all__ = ["ExplorerExport", "explorer_graph", "explorer_overlays", "export_explorer", "GRAPHS_FILE"]
 
@@ -72,8 +72,11 @@ def _grad_attrs(meta: GradMeta | None, prefix: str = "") -> list[dict[str, str]]
     if meta is None:
         return [_kv(prefix + "gradient", NOT_OBSERVED)]
     out = [_kv(prefix + "shape", fmt_shape(meta.shape)), _kv(prefix + "dtype", meta.dtype or "?")]
-    if meta.norm is not None:
-        out += [_kv(prefix + "norm", repr(meta.norm)), _kv(prefix + "min", repr(meta.min)),
+    if meta.note is not None:
+        out.append(_kv(prefix + "statistics", UNOBSERVED_WHY.get(meta.note, NOT_OBSERVED)))
+    elif meta.norm is not None:
+        norm = repr(meta.norm) if meta.parts == 1 else combined_norm(meta)
+        out += [_kv(prefix + "norm", norm), _kv(prefix + "min", repr(meta.min)),
                 _kv(prefix + "max", repr(meta.max)), _kv(prefix + "NaN", meta.nan), _kv(prefix + "Inf", meta.inf)]
     else:
         out.append(_kv(prefix + "statistics", NOT_OBSERVED))
