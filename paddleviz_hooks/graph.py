@@ -225,11 +225,12 @@ class Node:
         local_grad: under multi-process data parallel, the gradient this
             rank's own backward produced for the parameter, before
             synchronisation (see ``meta["grad_sync"]``); None otherwise.
-        received: for an op or input leaf that received gradients over
-            several edges (a forward tensor used several times), the sum of
-            what arrived, summed while the backward ran (the norm of a sum
-            cannot be had from the norms of its parts); None otherwise or
-            when some part was not observed.
+        received: for an op that received gradients over several edges (a
+            forward tensor used several times), the sum of what arrived, read
+            when it ran (the norm of a sum cannot be had from the norms of its
+            parts); for the node of a non-leaf ``paddle.grad`` input, what
+            ``paddle.grad`` returned for it. None otherwise or when not
+            observed.
     """
 
     id: int

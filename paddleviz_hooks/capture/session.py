@@ -112,8 +112,6 @@ class _Session:
         self.roots: list[Any] = []  # the tensors the backward starts from (their hooks read the root edges)
         self.inputs: list[Any] | None = None  # paddle.grad's inputs
         self.results: Any = None  # what paddle.grad returned for them (set by the dispatcher)
-        # node id -> [contributions still to come, their sum so far]: nodes receiving over several edges
-        self.sums: dict[int, list[Any]] = {}
         # node id of a Concat/Stack with one incoming edge -> [its input slots, the gradient it received]
         self.cuts: dict[int, list[Any]] = {}
 
@@ -362,10 +360,10 @@ class BackwardCapture:
             if reason is not None:
                 node.note = reason
                 needs_in.update(e.dst for e in w.out_edges.get(nid, ()))
-        self._plan_sums(s)
-        into: dict[int, int] = {}
+        into: dict[int, int] = {}  # incoming edges per node (plain ints: this runs every captured step)
         for e in w.edges:
             into[e.dst] = into.get(e.dst, 0) + 1
+        read_sum = self._sum_readers(s, into)
         for nid, node in enumerate(w.nodes):
             if node.name in CUT_KINDS and into.get(nid) == 1 and w.wrappers[nid] is not None:
                 s.cuts[nid] = [len(w.wrappers[nid].next_functions), None]
@@ -378,7 +376,7 @@ class BackwardCapture:
                 self._hook_param(s, nid)
             if node.kind != "op" or node.note is not None:
                 continue
-            hook = self._make_hook(s, nid, nid in needs_in)
+            hook = self._make_hook(s, nid, nid in needs_in, nid in read_sum)
             s.handles.append(w.wrappers[nid]._register_post_hook(hook))
             node.hooked = True
 
@@ -419,18 +417,24 @@ class BackwardCapture:
         totals.hooked.add(ptr)
         s.param_hooks.append(ptr)
 
-    def _plan_sums(self, s: _Session) -> None:
-        """Nodes that receive over several edges, each from a hooked op: their hooks sum what
-        they send there, so the node's received gradient (``Node.received``) is exact."""
+    def _sum_readers(self, s: _Session, into: dict[int, int]) -> set[int]:
+        """Hooked ops that receive over several edges, each from a hooked op: their hooks read
+        what they received in all (``Node.received``).
+
+        Paddle adds the parts into the first part's buffer, which the first producer's hook
+        holds (it returned it): the receiving op's kernel cannot rewrite that buffer in place,
+        so its post-hook reads the exact sum, at no extra arithmetic.
+        """
+        if not self.grad_stats:
+            return set()  # shapes only: the sum would tell nothing more
         w = s.walk
-        into: dict[int, list[int]] = {}
+        nodes = w.nodes
+        hooked = [n.kind == "op" and n.note is None for n in nodes]  # notes are set just before
+        found = {dst for dst, k in into.items() if k > 1 and hooked[dst]}
         for e in w.edges:
-            into.setdefault(e.dst, []).append(e.src)
-        for dst, srcs in into.items():
-            node = w.nodes[dst]  # an op must be hooked: its hook checks it has one forward output
-            if (len(srcs) > 1 and (node.kind == "input" or (node.kind == "op" and hook_hazard(node.name) is None))
-                    and all(w.nodes[i].kind == "op" and hook_hazard(w.nodes[i].name) is None for i in srcs)):
-                s.sums[dst] = [len(srcs), None]
+            if e.dst in found and not hooked[e.src]:
+                found.discard(e.dst)
+        return found
 
     def _make_root_hook(self, s: _Session, e: Any):
         """A tensor hook on a root: it runs before the root's node, with what the node receives."""
@@ -452,52 +456,35 @@ class BackwardCapture:
 
         return hook
 
-    def _make_hook(self, s: _Session, nid: int, want_in: bool):
+    def _make_hook(self, s: _Session, nid: int, want_in: bool, want_sum: bool = False):
         with_stats = self.grad_stats
         queue = s.stats
         out_edges = s.walk.out_edges.get(nid, [])
         sums = s.leaf_sums
         to_leaf = ([i for i, e in enumerate(out_edges) if s.walk.nodes[e.dst].kind == "input"]
                    if sums is not None else [])
-        multi = s.sums
         cuts = s.cuts
         nodes = s.walk.nodes
         keeps_values = s.walk.nodes[nid].name in SHARES_RECEIVED_UNCHANGED
-        summed = nid in multi  # its received gradient is summed by its producers' hooks
 
         def hook(outs, ins):
             t = time.perf_counter()
             try:
-                if summed and len(stats.flat_tensors(ins)) != 1:
-                    nodes[nid].received = None  # several forward outputs: the parts are different tensors
                 produced = stats.flat_tensors(outs)
                 if len(produced) == len(out_edges):
                     for e, g in zip(out_edges, produced):
                         e.grad = stats.grad_meta(g, with_stats, queue)
                         if e.dst in cuts:
                             cuts[e.dst][1] = g  # cut into its inputs' parts when the backward is over
-                        acc = multi.get(e.dst)
-                        if acc is None:
-                            continue
-                        if acc[1] is not None and tuple(acc[1].shape) != tuple(g.shape):
-                            del multi[e.dst]  # gradients of different outputs of that node
-                            continue
-                        acc[0] -= 1  # a fresh tensor from the second part on: Paddle adds in place
-                        acc[1] = g if acc[1] is None else acc[1] + g
-                        if acc[0] == 0:
-                            nodes[e.dst].received = stats.grad_meta(acc[1], with_stats, queue)
-                            del multi[e.dst]
                 else:  # holes or extra slots: no gradient is put on an edge it may not belong to
                     for e in out_edges:
                         e.grad = GradMeta(note="unpaired")
-                    for e in out_edges:
-                        multi.pop(e.dst, None)
                 for i in to_leaf:  # before Paddle accumulates it into the leaf (see _ParamTotals)
                     if i < len(produced):
                         prev = sums.get(out_edges[i].dst)
                         sums[out_edges[i].dst] = produced[i] if prev is None else prev + produced[i]
-                if want_in:
-                    received = stats.flat_tensors(ins)
+                if want_in or want_sum:
+                    received = stats.flat_tensors(ins)  # several: several forward outputs
                     if len(received) == 1:
                         r = received[0]
                         if not keeps_values and r.size and any(r.data_ptr() == g.data_ptr() for g in produced):
@@ -506,7 +493,10 @@ class BackwardCapture:
                             m.note = "overwritten"
                         else:
                             m = stats.grad_meta(r, with_stats, queue)
-                        s.in_meta[nid] = m
+                        if want_in:
+                            s.in_meta[nid] = m
+                        if want_sum and m.note is None:
+                            nodes[nid].received = m
             except Exception as exc:  # a raising hook would abort backward
                 s.errors.append(exc)
             except BaseException as exc:  # Ctrl-C: re-raised when the backward returns
@@ -543,7 +533,7 @@ class BackwardCapture:
                 except Exception:
                     pass
             s.handles.clear()
-            s.roots, s.sums = [], {}  # s.cuts: used, then dropped, by _fill_received
+            s.roots = []  # s.cuts: used, then dropped, by _fill_received
             s.totals.hooked.difference_update(s.param_hooks)
             for ret in s.returned:  # see _make_hook: drop the gradients Paddle leaks
                 ret.clear()
@@ -613,19 +603,20 @@ class BackwardCapture:
         (unless the receiver's kernel rewrote it first: then the edge says so); an ``add_n``
         passes on what it received, unchanged, to each of its inputs."""
         w = s.walk
-        in_edges: dict[int, list] = {}
+        in_count: dict[int, int] = {}
+        last_in: dict[int, Any] = {}
         for e in w.edges:
-            in_edges.setdefault(e.dst, []).append(e)
+            in_count[e.dst] = in_count.get(e.dst, 0) + 1
+            last_in[e.dst] = e
         BackwardCapture._cut(s)
         for e in w.edges:
-            if e.grad is None and len(in_edges[e.dst]) == 1 and e.dst in s.in_meta:
+            if e.grad is None and in_count[e.dst] == 1 and e.dst in s.in_meta:
                 e.grad = s.in_meta[e.dst]
         for nid, node in enumerate(w.nodes):
-            into = in_edges.get(nid, [])
-            if node.name != "AddNGradNodeFinal" or len(into) != 1 or into[0].grad is None:
+            if node.name != "AddNGradNodeFinal" or in_count.get(nid) != 1:
                 continue
-            got = into[0].grad
-            if got.note is None and (got.norm is not None or not s.cap.grad_stats):
+            got = last_in[nid].grad
+            if got is not None and got.note is None and (got.norm is not None or not s.cap.grad_stats):
                 for e in w.out_edges.get(nid, []):
                     if e.grad is None:
                         e.grad = replace(got)
