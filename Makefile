@@ -31,12 +31,17 @@ browser:
 	    || echo "WARNING: apt-get could not install chromium; the browser tests will be skipped"; \
 	  else echo "no root/sudo: browser tests will be skipped (apt-get install chromium)"; fi; }
 
+# SwanLab, TensorBoard and W&B for the dashboard sink tests (not needed by the demo)
+$(VENV)/.dashboards: $(VENV)/.installed
+	$(BIN)/pip install -q -e '.[dashboards-test]'
+	touch $@
+
 setup: $(VENV)/.installed engine
 
 demo: setup
 	$(BIN)/python examples/train_lenet.py --log-dir vdl_log
 
-test: setup browser
+test: setup browser $(VENV)/.dashboards
 	$(BIN)/python -m pytest -q -ra --doctest-modules paddleviz_hooks tests
 
 bench: setup
