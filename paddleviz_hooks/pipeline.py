@@ -29,7 +29,7 @@ from .graph import BackwardGraph
 from .options import RecorderOptions
 from .render import (EngineNotFound, RenderTimeout, png_size, render_diff_views, render_png, render_svg,
                      render_views, to_dot)
-from .sinks.base import CaptureData, CapturePictures, SinkContext, capture_scalars
+from .sinks.base import CaptureData, CapturePictures, SinkContext, capture_scalars, suffixed
 from .sinks.files import StepFiles
 from .sinks.hub import SinkSet
 from .text import backward_role, capture_title, diff_summary, graph_summary
@@ -346,7 +346,7 @@ class CapturePipeline:
             paths["dot"] = files.write(step, "dot", to_dot(graph, title=_title(step, trigger, graph),
                                                            **_shading(opts, graph)), suffix=suffix)
         if diff is not None and diff.structure_changed and "json" in opts.formats:
-            paths["diff.json"] = files.write(step, "json", diff.to_json(), suffix=_join(suffix, "diff"))
+            paths["diff.json"] = files.write(step, "json", diff.to_json(), suffix=suffixed(suffix, "diff"))
         self._log_data(graph, diff, step, trigger, suffix, paths)
         self.written.append(step)
         if not {"png", "svg"} & set(opts.formats) and not self.sinks:
@@ -442,7 +442,7 @@ class CapturePipeline:
         if "png" in formats and png is not None:
             paths["png"] = files.write(step, "png", self.sinks.file_png(png), suffix=suffix)
         if "png" in formats and diff_png is not None:
-            paths["diff.png"] = files.write(step, "png", self.sinks.file_png(diff_png), suffix=_join(suffix, "diff"))
+            paths["diff.png"] = files.write(step, "png", self.sinks.file_png(diff_png), suffix=suffixed(suffix, "diff"))
         if "svg" in formats and d.svg is not None:
             paths["svg"] = files.path(step, "svg", suffix=suffix)
         viewer, svg, d.viewer, d.svg = d.viewer, d.svg, None, None
@@ -483,9 +483,3 @@ def _shading(options: RecorderOptions, graph: BackwardGraph) -> dict[str, Any]:
 def _title(step: int, trigger: str, graph: BackwardGraph) -> str:
     meta = graph.meta
     return capture_title(step, trigger, backward_role(meta.get("backward")), origin=meta.get("nonfinite_origin"))
-
-
-def _join(name: str, suffix: str) -> str:
-    """``name`` for a step's first backward, ``name_b2`` for its second."""
-    return f"{name}_{suffix}" if suffix else name
-

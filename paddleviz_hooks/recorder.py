@@ -81,9 +81,9 @@ class BackwardGraphRecorder:
             and scalars: a name, a :class:`~paddleviz_hooks.Sink` object, or
             a list of them. Names: ``"visualdl"`` (the default), ``"swanlab"``
             (into the active SwanLab run, else a local run of its own under
-            ``run_name/swanlog``), ``"tensorboard"`` (tensorboardX event
+            ``log_dir/swanlog``), ``"tensorboard"`` (tensorboardX event
             files in ``run_name``), ``"wandb"`` (into the active W&B run, else
-            an offline run of its own under ``run_name``). Each needs its pip
+            an offline run of its own under ``run_name/wandb``). Each needs its pip
             extra (``pip install 'paddleviz-hooks[swanlab]'``...), imported
             when the first capture reaches it. Default ``("visualdl",)``.
         visualdl_graphs: with ``visualdl``, also write every capture as an

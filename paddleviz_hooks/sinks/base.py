@@ -32,7 +32,7 @@ from ..diff import GraphDiff
 from ..graph import BackwardGraph
 
 __all__ = ["Sink", "SinkContext", "CaptureData", "CapturePictures", "capture_scalars", "finite_scalars",
-           "png_to_array", "SCALAR_GROUP",
+           "png_to_array", "suffixed", "SCALAR_GROUP",
            "LAYER_NORM_GROUP", "SAVED_MEMORY_GROUP"]
 
 #: Scalar groups: '~' sorts after letters, digits and '_', so dashboards that order groups
@@ -180,8 +180,18 @@ def capture_scalars(graph: BackwardGraph, suffix: str = "", diagnostics: bool = 
             name = {"(self)": "top_layer", "(outside)": "outside_the_model"}.get(layer, layer)
             scalars[f"{SAVED_MEMORY_GROUP}/{name}"] = nbytes / 1e6
     if suffix:  # a step's later backwards: their own series (~backward_graph_b2/...)
-        scalars = {f"{k.split('/', 1)[0]}_{suffix}/{k.split('/', 1)[1]}": v for k, v in scalars.items()}
+        scalars = {suffixed(k.split("/", 1)[0], suffix) + "/" + k.split("/", 1)[1]: v for k, v in scalars.items()}
     return scalars
+
+
+def suffixed(name: str, suffix: str) -> str:
+    """``name`` for a step's first backward, ``name_b2`` for its second (tags, keys, file names).
+
+    Example:
+        >>> suffixed("backward_graph", ""), suffixed("backward_graph", "b2")
+        ('backward_graph', 'backward_graph_b2')
+    """
+    return f"{name}_{suffix}" if suffix else name
 
 
 def finite_scalars(scalars: dict[str, float | None]) -> dict[str, float]:

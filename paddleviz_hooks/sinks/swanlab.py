@@ -16,13 +16,10 @@ from __future__ import annotations
 
 import os
 
-from .base import CaptureData, CapturePictures, Sink, SinkContext, finite_scalars, png_to_array
+from .base import CaptureData, CapturePictures, Sink, SinkContext, finite_scalars, png_to_array, suffixed
 
 __all__ = ["SwanLabSink"]
 
-
-def _join(name: str, suffix: str) -> str:
-    return f"{name}_{suffix}" if suffix else name
 
 
 class SwanLabSink(Sink):
@@ -51,14 +48,14 @@ class SwanLabSink(Sink):
         self._captions: dict[tuple[int, str], str] = {}  # the summary, shown under the picture too
 
     def data(self, record: CaptureData) -> None:
-        base = _join("backward_graph", record.suffix)
+        base = suffixed("backward_graph", record.suffix)
         values: dict = dict(finite_scalars(record.scalars))
         values[f"{base}/summary"] = self._swanlab.Text(record.text)
         self.run.log(values, step=record.step)
         self._captions[(record.step, record.suffix)] = record.text
 
     def pictures(self, record: CapturePictures) -> None:
-        base = _join("backward_graph", record.suffix)
+        base = suffixed("backward_graph", record.suffix)
         values = {}
         caption = self._captions.pop((record.step, record.suffix), record.title)
         if record.picture is not None:

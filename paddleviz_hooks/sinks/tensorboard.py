@@ -15,13 +15,10 @@ from __future__ import annotations
 
 from ..escape import markdown_literal
 from ..text import svg_file_note
-from .base import CaptureData, CapturePictures, Sink, SinkContext, finite_scalars, png_to_array
+from .base import CaptureData, CapturePictures, Sink, SinkContext, finite_scalars, png_to_array, suffixed
 
 __all__ = ["TensorBoardSink"]
 
-
-def _join(name: str, suffix: str) -> str:
-    return f"{name}_{suffix}" if suffix else name
 
 
 class TensorBoardSink(Sink):
@@ -42,7 +39,7 @@ class TensorBoardSink(Sink):
         self._writer = SummaryWriter(logdir=context.directory, flush_secs=10)
 
     def data(self, record: CaptureData) -> None:
-        base = _join("backward_graph", record.suffix)
+        base = suffixed("backward_graph", record.suffix)
         self._writer.add_text(f"{base}/summary", markdown_literal(record.text), record.step)
         # as summaries of our own: add_scalar would rewrite '~' to '_' and the names would differ
         # from the other dashboards' (and sort before the user's curves)
@@ -51,7 +48,7 @@ class TensorBoardSink(Sink):
             self._writer.file_writer.add_summary(self._Summary(value=values), record.step)
 
     def pictures(self, record: CapturePictures) -> None:
-        base = _join("backward_graph", record.suffix)
+        base = suffixed("backward_graph", record.suffix)
         if record.picture is not None:
             self._writer.add_image(base, png_to_array(record.picture), record.step, dataformats="HWC")
         if record.diff_picture is not None:

@@ -20,7 +20,7 @@ from typing import Any
 
 from ..escape import vdl_graph_name, vdl_tag
 from .base import (LAYER_NORM_GROUP, SAVED_MEMORY_GROUP, SCALAR_GROUP, CaptureData, CapturePictures, Sink, SinkContext,
-                   finite_scalars, png_to_array)
+                   finite_scalars, png_to_array, suffixed)
 from .vdl_graph import write_vdl_graph
 
 __all__ = ["VisualDLSink", "TagPages", "png_to_array", "encode_like_visualdl", "graph_dir", "PAGE", "SCALAR_GROUP",
@@ -77,7 +77,7 @@ def graph_dir(directory: str, display_name: str, step: int, trigger: str, suffix
         'step_000008-nonfinite_loss-vdl_log.backward_graph'
     """
     run = ".".join(vdl_graph_name(part, limit=60) for part in display_name.split("/"))
-    label = _join(f"step_{int(step):06d}", suffix) + ("" if trigger == "scheduled" else f"-{vdl_graph_name(trigger)}")
+    label = suffixed(f"step_{int(step):06d}", suffix) + ("" if trigger == "scheduled" else f"-{vdl_graph_name(trigger)}")
     return os.path.join(directory, "graphs", f"{label}-{run}")
 
 
@@ -114,9 +114,9 @@ class VisualDLSink(Sink):
 
     def data(self, record: CaptureData) -> None:
         step, suffix = record.step, record.suffix
-        self.text(self._pages.tag(_join("summary", suffix), step), record.text, step)
+        self.text(self._pages.tag(suffixed("summary", suffix), step), record.text, step)
         self.scalars(record.scalars, step)
-        base = _join("backward_graph", suffix)
+        base = suffixed("backward_graph", suffix)
         tags = [self._pages.tag(base, step)]
         if record.trigger != "scheduled":
             tags.append(self._pages.tag(f"{base}/trigger_{record.trigger}", step))
@@ -179,10 +179,6 @@ class VisualDLSink(Sink):
     def close(self) -> None:
         self._writer.close()
 
-
-def _join(name: str, suffix: str) -> str:
-    """``name`` for a step's first backward, ``name_b2`` for its second."""
-    return f"{name}_{suffix}" if suffix else name
 
 
 _URL_SAFE_PATH = re.compile(r"^[A-Za-z0-9/._~:\\-]*$")

@@ -24,16 +24,13 @@ from __future__ import annotations
 from typing import Callable
 
 from ..escape import html_escape
-from .base import CaptureData, CapturePictures, Sink, SinkContext, finite_scalars, png_to_array
+from .base import CaptureData, CapturePictures, Sink, SinkContext, finite_scalars, png_to_array, suffixed
 
 __all__ = ["WandbSink", "STEP_KEY"]
 
 #: the x axis of every record of ours
 STEP_KEY = "backward_graph/step"
 
-
-def _join(name: str, suffix: str) -> str:
-    return f"{name}_{suffix}" if suffix else name
 
 
 class WandbSink(Sink):
@@ -80,12 +77,12 @@ class WandbSink(Sink):
             run.log({STEP_KEY: step, **values}, commit=True)
 
     def data(self, record: CaptureData) -> None:
-        base, text, scalars = _join("backward_graph", record.suffix), record.text, finite_scalars(record.scalars)
+        base, text, scalars = suffixed("backward_graph", record.suffix), record.text, finite_scalars(record.scalars)
         self._log(record.step, lambda: {
             **scalars, f"{base}/summary": self._wandb.Html(f"<pre>{html_escape(text)}</pre>", inject=False)})
 
     def pictures(self, record: CapturePictures) -> None:
-        base, title = _join("backward_graph", record.suffix), record.title
+        base, title = suffixed("backward_graph", record.suffix), record.title
         picture, svg, diff_picture = record.picture, record.svg, record.diff_picture
         if picture is None and svg is None and diff_picture is None:
             return
