@@ -192,8 +192,9 @@ def test_every_dashboard_gets_one_picture_text_and_scalars_per_capture(all_four)
         assert e.value == pytest.approx(graphs[e.step].global_grad_norm(), rel=1e-6)
     assert [e.step for e in tb.Scalars(NORM)] == CAPTURED
 
-    # SwanLab: a local run of its own under log_dir/swanlog
+    # SwanLab: a local run of its own under log_dir/swanlog, which copies nothing of the console
     (exp,) = swanlab_records(log_dir / "swanlog").values()
+    assert not glob.glob(os.path.join(exp["dir"], "console", "*"))
     keys = exp["keys"]
     kind, pics = keys["backward_graph/graph"]
     assert kind == "image" and [s for s, _ in pics] == CAPTURED

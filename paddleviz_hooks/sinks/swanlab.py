@@ -41,8 +41,10 @@ class SwanLabSink(Sink):
         if self.own:
             log_dir = os.path.join(os.path.abspath(context.log_dir), "swanlog")
             os.makedirs(log_dir, exist_ok=True)
+            # terminal proxy off: a run of ours does not copy the user's console into its folder
             self.run = swanlab.init(mode="local", log_dir=log_dir, project="paddleviz-hooks",
-                                    name=context.display_name)
+                                    name=context.display_name,
+                                    settings=swanlab.Settings(terminal={"proxy_type": "none"}))
         else:
             self.run = swanlab.get_run()
         self._captions: dict[tuple[int, str], str] = {}  # the summary, shown under the picture too
