@@ -446,8 +446,8 @@ class CapturePipeline:
         if "svg" in formats and d.svg is not None:
             paths["svg"] = files.path(step, "svg", suffix=suffix)
         viewer, svg, d.viewer, d.svg = d.viewer, d.svg, None, None
-        if not self.sinks or (png is None and diff_png is None):
-            return
+        if not self.sinks:
+            return  # (a capture not drawn still reaches the sinks: what they keep for it is let go)
         self.sinks.pictures(CapturePictures(step, d.trigger, suffix, title, viewer if viewer is not None else png,
                                             diff_png, svg, paths))
 

@@ -37,7 +37,8 @@ class BackwardGraphRecorder:
     ``.svg`` (full detail), ``.dot`` and ``.json`` under ``log_dir/run_name/``,
     and logs image, text and scalar records to VisualDL in that same folder,
     its own run, so it never hides (or is hidden by) another writer of
-    ``log_dir`` (or to SwanLab, TensorBoard or W&B: see ``sinks``). Drawing and writing happen in a background thread.
+    ``log_dir`` (or to SwanLab, TensorBoard or W&B: see ``sinks``). Drawing
+    and writing happen in a background thread.
 
     Args:
         log_dir: VisualDL log directory (the one ``visualdl --logdir`` shows).

@@ -99,7 +99,8 @@ class CapturePictures:
         title: the pictures' title line.
         picture: the viewing picture (PNG bytes): drawn for a dashboard's image viewer
             (landscape, labels legible when fitted to a window) when the recorder's
-            ``viewer_px`` allows, else the PNG file's picture. None when drawing failed.
+            ``viewer_px`` allows, else the PNG file's picture. None when drawing failed
+            (the record still comes, so a sink can let go of what it kept for the capture).
         diff_picture: the structure-change picture (PNG bytes) or None.
         svg: the full-detail SVG text (every op), or None when ``svg`` is not among the formats.
         paths: ext -> picture file written (``"png"``, ``"svg"``, ``"diff.png"``).

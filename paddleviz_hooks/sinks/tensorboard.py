@@ -43,7 +43,8 @@ class TensorBoardSink(Sink):
         self._writer.add_text(f"{base}/summary", markdown_literal(record.text), record.step)
         # as summaries of our own: add_scalar would rewrite '~' to '_' and the names would differ
         # from the other dashboards' (and sort before the user's curves)
-        values = [self._Summary.Value(tag=tag, simple_value=value) for tag, value in finite_scalars(record.scalars).items()]
+        values = [self._Summary.Value(tag=tag, simple_value=value)
+                  for tag, value in finite_scalars(record.scalars).items()]
         if values:
             self._writer.file_writer.add_summary(self._Summary(value=values), record.step)
 
