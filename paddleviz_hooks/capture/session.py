@@ -116,6 +116,20 @@ class _Session:
         self.cuts: dict[int, list[Any]] = {}
 
 
+def _observe(s: _Session, record: Callable[[Any], None], grad: Any) -> None:
+    """Run a tensor hook's recording: a failure is kept for one warning (a raising hook would
+    abort the backward), a Ctrl-C is held until the backward returns, the time is counted."""
+    t = time.perf_counter()
+    try:
+        record(grad)
+    except Exception as exc:
+        s.errors.append(exc)
+    except BaseException as exc:  # Ctrl-C: re-raised when the backward returns
+        if s.interrupt is None:
+            s.interrupt = exc
+    s.hook_seconds += time.perf_counter() - t
+
+
 class BackwardCapture:
     """Captures the backward graph of every backward run inside a ``with`` block.
 
@@ -395,22 +409,17 @@ class BackwardCapture:
             return  # an enclosing backward's hook on it sees this backward's share too
         with_stats = self.grad_stats
 
+        def record(grad):
+            prev = totals.tensors.get(ptr)
+            total = grad if prev is None else prev + grad  # before Paddle adds grad to param.grad
+            totals.metas[ptr] = stats.grad_meta(total, with_stats, s.stats)
+            if totals.applied is not None:
+                totals.applied.note(ptr, named[1], total)
+            if totals.keep:
+                totals.tensors[ptr] = total
+
         def hook(grad):
-            t = time.perf_counter()
-            try:
-                prev = totals.tensors.get(ptr)
-                total = grad if prev is None else prev + grad  # before Paddle adds grad to param.grad
-                totals.metas[ptr] = stats.grad_meta(total, with_stats, s.stats)
-                if totals.applied is not None:
-                    totals.applied.note(ptr, named[1], total)
-                if totals.keep:
-                    totals.tensors[ptr] = total
-            except Exception as exc:
-                s.errors.append(exc)
-            except BaseException as exc:  # Ctrl-C: re-raised when the backward returns
-                if s.interrupt is None:
-                    s.interrupt = exc
-            s.hook_seconds += time.perf_counter() - t
+            _observe(s, record, grad)
             return None
 
         s.handles.append(named[1].register_hook(hook))
@@ -440,18 +449,13 @@ class BackwardCapture:
         """A tensor hook on a root: it runs before the root's node, with what the node receives."""
         with_stats = self.grad_stats
 
+        def record(grad):
+            e.grad = stats.grad_meta(grad, with_stats, s.stats)
+            if e.dst in s.cuts:
+                s.cuts[e.dst][1] = grad
+
         def hook(grad):
-            t = time.perf_counter()
-            try:
-                e.grad = stats.grad_meta(grad, with_stats, s.stats)
-                if e.dst in s.cuts:
-                    s.cuts[e.dst][1] = grad
-            except Exception as exc:
-                s.errors.append(exc)
-            except BaseException as exc:  # Ctrl-C: re-raised when the backward returns
-                if s.interrupt is None:
-                    s.interrupt = exc
-            s.hook_seconds += time.perf_counter() - t
+            _observe(s, record, grad)
             return None
 
         return hook

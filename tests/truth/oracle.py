@@ -24,7 +24,6 @@ different one is a failure.
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -33,6 +32,7 @@ import paddle
 
 from paddleviz_hooks import capture_backward
 from paddleviz_hooks.capture.gradnode import grad_fn
+from paddleviz_hooks.capture.saved import _op_sites  # where Paddle's op functions live (no numbers)
 from paddleviz_hooks.collapse import collapse_with_map, layer_depths
 
 REL = 1e-6  # float64 norms of the same float32 values: equal up to summation order
@@ -102,19 +102,10 @@ class TensorHooks:
         return wrapper
 
     def __enter__(self) -> "TensorHooks":
-        ops = {id(f): f for n, f in vars(paddle._C_ops).items()
-               if not n.startswith("_") and type(f).__name__ == "builtin_function_or_method"}
-        for mod in list(sys.modules.values()):
-            if not (getattr(mod, "__name__", "") or "").startswith("paddle"):
-                continue
-            try:
-                items = list(vars(mod).items())
-            except TypeError:
-                continue
-            for name, v in items:
-                if id(v) in ops and ops[id(v)] is v:
-                    self._patched.append((mod, name, v))
-                    setattr(mod, name, self._wrap(v))
+        for mod, name in _op_sites():  # every paddle._C_ops function, and its copies imported by name
+            v = vars(mod).get(name)
+            self._patched.append((mod, name, v))
+            setattr(mod, name, self._wrap(v))
         for name in _TENSOR_OPS:
             f = paddle.Tensor.__dict__.get(name)
             if f is not None:
@@ -128,12 +119,13 @@ class TensorHooks:
         self._patched.clear()
 
     def release(self) -> None:
-        for h in self._handles:
+        """Remove the hooks (those of tensors whose graph is gone are gone already)."""
+        while self._handles:
+            handle = self._handles.pop()
             try:
-                h.remove()
+                handle.remove()
             except Exception:
-                pass
-        self._handles.clear()
+                continue
         self._alive.clear()
 
 

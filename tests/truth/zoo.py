@@ -3,6 +3,8 @@ random-weight model and a step that runs its backward (or ``paddle.grad``)."""
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import paddle
 import paddle.nn as nn
@@ -39,7 +41,7 @@ def _backward(model, forward, grad_tensor=None):
     return Case(model, run, root=1.0 if grad_tensor is None else float(np.linalg.norm(grad_tensor.numpy())))
 
 
-def _vision(name, size=32, **kw):
+def _vision(name, size, **kw):
     import paddle.vision.models as V
 
     m = getattr(V, name)(num_classes=4, **kw)
@@ -87,29 +89,16 @@ def mlp_grad_tensor():
 
 
 # ---- paddle.vision families --------------------------------------------------------------------
-@entry("resnet18")
-def resnet18():
-    return _vision("resnet18")
-
-
-@entry("mobilenet_v2", fast=True)
-def mobilenet_v2():
-    return _vision("mobilenet_v2", scale=0.25)
-
-
-@entry("mobilenet_v3_small")
-def mobilenet_v3_small():
-    return _vision("mobilenet_v3_small", scale=0.35)
-
-
-@entry("shufflenet_v2_swish")
-def shufflenet_swish():
-    return _vision("shufflenet_v2_swish")
-
-
-@entry("squeezenet1_1", fast=True)
-def squeezenet():
-    return _vision("squeezenet1_1", size=48)
+#: paddle.vision families at small sizes: name -> (keyword arguments, input size, in the fast subset)
+VISION = {
+    "resnet18": ({}, 32, False),
+    "mobilenet_v2": ({"scale": 0.25}, 32, True),
+    "mobilenet_v3_small": ({"scale": 0.35}, 32, False),
+    "shufflenet_v2_swish": ({}, 32, False),
+    "squeezenet1_1": ({}, 48, True),
+}
+for _name, (_kw, _size, _fast) in VISION.items():
+    entry(_name, fast=_fast)(functools.partial(_vision, _name, _size, **_kw))
 
 
 @entry("lenet")
@@ -276,16 +265,16 @@ def inplace_ops():
     return _backward(m, lambda: m(x))
 
 
-class _Cube(paddle.autograd.PyLayer):
+class _RoundSTE(paddle.autograd.PyLayer):
+    """Rounding with a straight-through gradient (quantisation-aware training's trick)."""
+
     @staticmethod
     def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return x ** 3
+        return paddle.round(x * 4.0) / 4.0
 
     @staticmethod
     def backward(ctx, g):
-        (x,) = ctx.saved_tensor()
-        return 3 * x * x * g
+        return g * 0.5  # a custom gradient, deliberately not the identity
 
 
 class PyLayerNet(nn.Layer):
@@ -294,7 +283,7 @@ class PyLayerNet(nn.Layer):
         self.fc1, self.fc2 = nn.Linear(4, 4), nn.Linear(4, 1)
 
     def forward(self, x):
-        return self.fc2(F.sigmoid(_Cube.apply(self.fc1(x)))).sum()
+        return self.fc2(F.sigmoid(_RoundSTE.apply(self.fc1(x)))).sum()
 
 
 @entry("pylayer")
