@@ -6,8 +6,10 @@ proves the list sufficient: it sweeps 150 op cases reaching 131 grad node
 kinds, and every kind it reaches is either hooked (119 kinds, gradients
 bit-identical to an uncaptured run) or listed here; ``test_hazard_entries_are_necessary`` proves
 each measurable entry necessary by hooking it and watching backward fail.
-Nodes listed here are still drawn; they just carry no gradient data on their
-outgoing edges (``capture.py`` fills what it can from the receiving nodes).
+Nodes listed here are still drawn; their outgoing edges are filled where that
+is exact: from the receiving node's hook (unless its kernel rewrote what it
+received, see :data:`INPLACE_BACKWARD`), cut from what a Concat or Stack
+received (``capture/cut.py``), or an ``add_n``'s incoming gradient.
 
 The mechanism behind :data:`MULTI_TENSOR_INPUT`: Paddle converts a post-hook's
 return value back with one tensor per forward input slot. A node whose
@@ -74,7 +76,7 @@ PROGRAM_OP_NOTE = "inside a compiled program: not observed"
 RECOMPUTE_INPUT_NOTE = "input of the recomputed block (a detached copy): the PyLayer passes its gradient on"
 
 
-#: Measured (``tests/test_inplace_edges.py`` sweeps the op zoo): the backward
+#: Measured (``tests/test_edge_truth.py`` checks each entry): the backward
 #: kernels of these kinds write what they pass on into the very buffer they
 #: received, whenever nothing else holds it (Paddle checks the buffer's use
 #: count). Read after the node ran, that buffer holds the node's output, not

@@ -305,3 +305,77 @@ def test_truth_oracle_whole_zoo():
 
     assert len(ZOO) >= 25
     _run_zoo(list(ZOO))
+
+
+# --------------------------------------------------------------------------
+# the measured list of in-place backward kernels (hazards.py)
+# --------------------------------------------------------------------------
+def _unary(name, lo=-0.9, hi=0.9):
+    f = getattr(F, name, None) or getattr(paddle, name)
+    return f, lo, hi
+
+
+_INPLACE_OPS = {
+    "AcosGradNode": _unary("acos"), "AcoshGradNode": _unary("acosh", 1.5, 2.5), "AsinGradNode": _unary("asin"),
+    "AsinhGradNode": _unary("asinh"), "AtanGradNode": _unary("atan"), "AtanhGradNode": _unary("atanh"),
+    "CeilGradNode": _unary("ceil"), "CeluGradNode": _unary("celu"), "ClipGradNode": (lambda x: paddle.clip(x, -0.3, 0.3), -0.9, 0.9),
+    "CosGradNode": _unary("cos"), "CoshGradNode": _unary("cosh"), "EluGradNode": _unary("elu"), "ExpGradNode": _unary("exp"),
+    "Expm1GradNode": _unary("expm1"), "FloorGradNode": _unary("floor"),
+    "GroupNormGradNode": (lambda x: F.group_norm(x.reshape([1, 2, 3]), 1), -0.9, 0.9),
+    "HardshrinkGradNode": _unary("hardshrink"), "HardsigmoidGradNode": _unary("hardsigmoid"),
+    "HardswishGradNode": _unary("hardswish"), "HardtanhGradNode": _unary("hardtanh"), "LeakyReluGradNode": _unary("leaky_relu"),
+    "Log10GradNode": _unary("log10", 0.2, 0.9), "Log1pGradNode": _unary("log1p", 0.2, 0.9), "Log2GradNode": _unary("log2", 0.2, 0.9),
+    "LogGradNode": _unary("log", 0.2, 0.9), "LogsigmoidGradNode": _unary("log_sigmoid"),
+    "MaskedFillGradNode": (lambda x: paddle.masked_fill(x, x > 0, 0.0), -0.9, 0.9), "MishGradNode": _unary("mish"),
+    "PowGradNode": (lambda x: x ** 3, -0.9, 0.9), "ReciprocalGradNode": _unary("reciprocal", 0.2, 0.9),
+    "Relu6GradNode": _unary("relu6"), "ReluGradNode": _unary("relu"), "RoundGradNode": _unary("round"),
+    "RsqrtGradNode": _unary("rsqrt", 0.2, 0.9), "SigmoidGradNode": _unary("sigmoid"), "SiluGradNode": _unary("silu"),
+    "SinGradNode": _unary("sin"), "SinhGradNode": _unary("sinh"), "SoftplusGradNode": _unary("softplus"),
+    "SoftshrinkGradNode": _unary("softshrink"), "SoftsignGradNode": _unary("softsign"), "SqrtGradNode": _unary("sqrt", 0.2, 0.9),
+    "SquareGradNode": _unary("square"), "SwishGradNode": _unary("swish"), "TanGradNode": _unary("tan"),
+    "TanhGradNode": _unary("tanh"), "TanhShrinkGradNode": _unary("tanhshrink"), "ThresholdedReluGradNode": _unary("thresholded_relu"),
+}
+_UNCHANGED_OPS = {
+    "AddGradNode": lambda x: x + paddle.ones_like(x), "SubtractGradNode": lambda x: x - paddle.ones_like(x),
+    "ReshapeGradNode": lambda x: x.reshape([3, 2]), "FlattenGradNode": lambda x: paddle.flatten(x),
+    "SqueezeGradNode": lambda x: x.unsqueeze(0).squeeze(0), "TransposeGradNode": lambda x: x.t().t(),
+    "IndexAddGradNode": lambda x: paddle.index_add(x, paddle.to_tensor([0]), 0, paddle.ones([1, 3])),
+}
+
+
+def _probe(fn, lo, hi):
+    """(kind, what its hook read equals the gradient it received, that buffer shared with an output)."""
+    from paddleviz_hooks.capture.stats import flat_tensors
+
+    x = paddle.to_tensor(np.random.RandomState(0).uniform(lo, hi, (2, 3)).astype("float32"))
+    x.stop_gradient = False
+    y = fn(x)
+    seen = {}
+    y.register_hook(lambda g: seen.__setitem__("oracle", g.numpy().copy()))
+
+    def post(outs, ins):
+        r, o = flat_tensors(ins), flat_tensors(outs)
+        seen["read"] = r[0].numpy().copy()
+        seen["shared"] = any(a.data_ptr() == b.data_ptr() for a in r for b in o)
+        return outs
+
+    h = y.grad_fn._register_post_hook(post)
+    kind = y.grad_fn.name()
+    c = paddle.concat([y, paddle.zeros_like(y)], axis=0)  # Concat takes no hook: nothing else holds the buffer
+    (c * paddle.arange(12, dtype="float32").reshape(c.shape)).sum().backward()
+    h.remove()
+    return kind, bool(np.array_equal(seen["read"], seen["oracle"])), seen["shared"]
+
+
+def test_the_inplace_backward_kernels_are_the_measured_ones():
+    """Each kind listed in ``hazards.INPLACE_BACKWARD`` writes what it passes on into the buffer it
+    received (same address), and each in ``SHARES_RECEIVED_UNCHANGED`` shares it without changing it."""
+    from paddleviz_hooks.hazards import INPLACE_BACKWARD, SHARES_RECEIVED_UNCHANGED
+
+    assert set(_INPLACE_OPS) == set(INPLACE_BACKWARD) and set(_UNCHANGED_OPS) == set(SHARES_RECEIVED_UNCHANGED)
+    for want, (fn, lo, hi) in _INPLACE_OPS.items():
+        kind, _, shared = _probe(fn, lo, hi)  # where its local derivative is 1 the values even stay
+        assert (kind, shared) == (want, True), (want, kind, shared)
+    for want, fn in _UNCHANGED_OPS.items():
+        kind, same, shared = _probe(fn, -0.9, 0.9)
+        assert (kind, same, shared) == (want, True, True), (want, kind, same, shared)
