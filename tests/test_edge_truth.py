@@ -379,3 +379,15 @@ def test_the_inplace_backward_kernels_are_the_measured_ones():
     for want, fn in _UNCHANGED_OPS.items():
         kind, same, shared = _probe(fn, -0.9, 0.9)
         assert (kind, same, shared) == (want, True, True), (want, kind, same, shared)
+
+
+def test_a_parameter_row_follows_the_users_own_hook():
+    """A parameter used once reuses its edge's statistics only when its leaf hook receives that very
+    tensor unchanged (same address, same in-place version; Paddle refuses in-place changes there);
+    a user's hook that returns another gradient is seen."""
+    paddle.seed(0)
+    lin = nn.Linear(4, 3)
+    lin.weight.register_hook(lambda g: g * 3.0)
+    with capture_backward(lin) as cap:
+        lin(paddle.randn([2, 4])).sum().backward()
+    assert cap.graph.params()["weight"].norm == pytest.approx(norm64(lin.weight.grad), rel=1e-7)

@@ -114,6 +114,9 @@ class _Session:
         self.results: Any = None  # what paddle.grad returned for them (set by the dispatcher)
         # node id of a Concat/Stack with one incoming edge -> [its input slots, the gradient it received]
         self.cuts: dict[int, list[Any]] = {}
+        self.in_count: dict[int, int] = {}  # incoming edges per node
+        # parameter used once -> (address, in-place version, statistics) of what its one producer sent it
+        self.sent: dict[int, tuple[int, int, GradMeta]] = {}
 
 
 def _observe(s: _Session, record: Callable[[Any], None], grad: Any) -> None:
@@ -377,6 +380,7 @@ class BackwardCapture:
         into: dict[int, int] = {}  # incoming edges per node (plain ints: this runs every captured step)
         for e in w.edges:
             into[e.dst] = into.get(e.dst, 0) + 1
+        s.in_count = into
         read_sum = self._sum_readers(s, into)
         for nid, node in enumerate(w.nodes):
             if node.name in CUT_KINDS and into.get(nid) == 1 and w.wrappers[nid] is not None:
@@ -408,11 +412,16 @@ class BackwardCapture:
         if named is None or named[1].stop_gradient or ptr in totals.hooked:
             return  # an enclosing backward's hook on it sees this backward's share too
         with_stats = self.grad_stats
+        sent = s.sent
 
         def record(grad):
             prev = totals.tensors.get(ptr)
             total = grad if prev is None else prev + grad  # before Paddle adds grad to param.grad
-            totals.metas[ptr] = stats.grad_meta(total, with_stats, s.stats)
+            got = sent.get(nid) if prev is None else None
+            if got is not None and got[0] == grad.data_ptr() and got[1] == grad._inplace_version():
+                totals.metas[ptr] = got[2]  # the very tensor its one producer sent, unchanged: same numbers
+            else:
+                totals.metas[ptr] = stats.grad_meta(total, with_stats, s.stats)
             if totals.applied is not None:
                 totals.applied.note(ptr, named[1], total)
             if totals.keep:
@@ -470,14 +479,19 @@ class BackwardCapture:
         cuts = s.cuts
         nodes = s.walk.nodes
         keeps_values = s.walk.nodes[nid].name in SHARES_RECEIVED_UNCHANGED
+        sent = s.sent
+        once = {i for i, e in enumerate(out_edges)  # edges into a parameter used once: its leaf hook reuses them
+                if nodes[e.dst].kind == "param" and s.in_count.get(e.dst) == 1}
 
         def hook(outs, ins):
             t = time.perf_counter()
             try:
                 produced = stats.flat_tensors(outs)
                 if len(produced) == len(out_edges):
-                    for e, g in zip(out_edges, produced):
+                    for i, (e, g) in enumerate(zip(out_edges, produced)):
                         e.grad = stats.grad_meta(g, with_stats, queue)
+                        if i in once:
+                            sent[e.dst] = (g.data_ptr(), g._inplace_version(), e.grad)
                         if e.dst in cuts:
                             cuts[e.dst][1] = g  # cut into its inputs' parts when the backward is over
                 else:  # holes or extra slots: no gradient is put on an edge it may not belong to
@@ -537,7 +551,7 @@ class BackwardCapture:
                 except Exception:
                     pass
             s.handles.clear()
-            s.roots = []  # s.cuts: used, then dropped, by _fill_received
+            s.roots, s.sent = [], {}  # s.cuts: used, then dropped, by _fill_received
             s.totals.hooked.difference_update(s.param_hooks)
             for ret in s.returned:  # see _make_hook: drop the gradients Paddle leaks
                 ret.clear()
