@@ -661,7 +661,7 @@ class BackwardGraph:
                 f"paddleviz-hooks understands ({FORMAT_VERSION}); upgrade paddleviz-hooks"
             )
         try:
-            return cls(
+            graph = cls(
                 nodes=[Node.from_dict(n) for n in d["nodes"]],
                 edges=[Edge.from_dict(e) for e in d["edges"]],
                 layers=dict(d.get("layers", {})),
@@ -670,6 +670,13 @@ class BackwardGraph:
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"malformed backward graph JSON: {exc!r}") from None
+        ids = {n.id for n in graph.nodes}
+        for i, e in enumerate(graph.edges):  # a hand-edited file: say which edge, not a KeyError later
+            for end in (e.src, e.dst):
+                if end not in ids:
+                    raise ValueError(f"malformed backward graph JSON: edge {i} ({e.src} -> {e.dst}) points at "
+                                     f"node {end!r}, which is not among its {len(graph.nodes)} nodes")
+        return graph
 
     @classmethod
     def from_json(cls, text: str | bytes) -> "BackwardGraph":

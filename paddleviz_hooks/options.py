@@ -19,13 +19,18 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 from dataclasses import dataclass, fields
 from typing import Any, Iterable
 
+from .argcheck import check_path, reject_unknown
 from .escape import safe_filename
 from .render.dot import check_color_by
 
 __all__ = ["RecorderOptions", "FORMATS"]
+
+#: The longest wait an option may ask for (a year; far below ``threading.TIMEOUT_MAX``).
+_MAX_WAIT = min(365 * 86400.0, threading.TIMEOUT_MAX / 4)
 
 #: Files a capture can be written as.
 FORMATS = ("png", "svg", "dot", "json")
@@ -56,10 +61,12 @@ def _number(name: str, value: Any, text: str, ok) -> float:
     return float(value)
 
 
-def _int_list(name: str, value: Any, minimum: int) -> list[int]:
+def _int_list(name: str, value: Any, minimum: int, nonempty: bool = False) -> list[int]:
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
         raise TypeError(f"{name} must be a list of ints >= {minimum}, got {value!r}")
     items = list(value)
+    if nonempty and not items:
+        raise ValueError(f"{name} must be a non-empty list of ints >= {minimum}, got {value!r}")
     for v in items:
         _int(f"each of {name}", v, minimum, allow_none=False,
              what=f"{name} must be a list of ints >= {minimum}; each of {name}")
@@ -111,9 +118,7 @@ class RecorderOptions:
         Options not given take the defaults of the fields above.
         """
         known = {f.name for f in fields(cls)} - {"log_dir", "every", "steps"}
-        unknown = sorted(set(options) - known)
-        if unknown:
-            raise TypeError(f"unknown option {unknown[0]!r}; the options are: {', '.join(sorted(known))}")
+        reject_unknown("RecorderOptions.check", options, known)
         o = {f.name: f.default for f in fields(cls) if f.name in known}
         o.update(options)
         capture_first, max_captures, grad_stats = o["capture_first"], o["max_captures"], o["grad_stats"]
@@ -124,8 +129,7 @@ class RecorderOptions:
         run_name, ranks, on_nonfinite, on_grad_spike = o["run_name"], o["ranks"], o["on_nonfinite"], o["on_grad_spike"]
         on_structure_change, cooldown, queue_size = o["on_structure_change"], o["cooldown"], o["queue_size"]
         render_timeout, close_timeout, verbose = o["render_timeout"], o["close_timeout"], o["verbose"]
-        if not isinstance(log_dir, (str, os.PathLike)) or not os.fspath(log_dir):
-            raise TypeError(f"log_dir must be a non-empty path (str or os.PathLike), got {log_dir!r}")
+        log_dir = check_path("log_dir", log_dir)
         if every is not None and steps is not None:
             raise ValueError(f"pass either every= or steps=, not both (got every={every!r}, steps={steps!r})")
         _int("every", every, 1)
@@ -144,7 +148,7 @@ class RecorderOptions:
         elif isinstance(ranks, str):
             raise ValueError(f"ranks must be an int, a list of ints or 'all', got {ranks!r}")
         else:
-            rank_set = frozenset(_int_list("ranks", [ranks] if isinstance(ranks, int) else ranks, 0))
+            rank_set = frozenset(_int_list("ranks", [ranks] if isinstance(ranks, int) else ranks, 0, nonempty=True))
         if not isinstance(run_name, str):
             raise TypeError(f"run_name must be a str, got {run_name!r}")
         if safe_filename(run_name) != run_name:
@@ -159,10 +163,10 @@ class RecorderOptions:
         if isinstance(verbose, bool):
             verbose = int(verbose)
         _int("verbose", verbose, 0, allow_none=False, what="verbose must be 0 (silent) or 1 (print notices)")
-        if verbose > 2:
+        if verbose > 1:
             raise ValueError(f"verbose must be 0 (silent) or 1 (print notices), got {verbose!r}")
         return cls(
-            log_dir=os.fspath(log_dir),
+            log_dir=log_dir,
             every=every,
             steps=step_set,
             capture_first=_bool("capture_first", capture_first),
@@ -186,10 +190,11 @@ class RecorderOptions:
             on_structure_change=_bool("on_structure_change", on_structure_change),
             cooldown=_int("cooldown", cooldown, 0, allow_none=False),
             queue_size=_int("queue_size", queue_size, 1, allow_none=False),
-            render_timeout=_number("render_timeout", render_timeout, "a positive number of seconds",
-                                   lambda v: 0 < v < math.inf),
-            close_timeout=_number("close_timeout", close_timeout, "a number of seconds >= 0",
-                                  lambda v: 0 <= v < math.inf),
+            # threads and subprocesses wait at most threading.TIMEOUT_MAX (OverflowError beyond)
+            render_timeout=_number("render_timeout", render_timeout,
+                                   f"a positive number of seconds up to {_MAX_WAIT:g}", lambda v: 0 < v <= _MAX_WAIT),
+            close_timeout=_number("close_timeout", close_timeout, f"a number of seconds from 0 to {_MAX_WAIT:g}",
+                                  lambda v: 0 <= v <= _MAX_WAIT),
             verbose=verbose,
         )
 

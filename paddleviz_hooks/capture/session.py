@@ -633,6 +633,7 @@ def capture_backward(
     grad_stats: bool = True,
     params: Any = None,
     saved_memory: bool = False,
+    **unknown: Any,
 ) -> BackwardCapture:
     """Capture the backward graph of every backward call inside a ``with`` block.
 
@@ -674,5 +675,9 @@ def capture_backward(
         >>> cap.graph.count_ops()["Matmul"]
         2
     """
+    if unknown:  # a typo: the closest option is named
+        from ..argcheck import reject_unknown
+
+        reject_unknown("capture_backward", unknown, ("layer", "grad_stats", "params", "saved_memory"))
     return BackwardCapture(layer, grad_stats=grad_stats, params=params, saved_memory=saved_memory)
 

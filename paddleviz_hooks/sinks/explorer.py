@@ -32,9 +32,10 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from .._fileio import atomic_write
+from ..argcheck import check_path
 from ..collapse import call_paths
 from ..diff import GraphDiff, diff_graphs, node_norms
-from ..escape import safe_filename
+from ..escape import safe_filename, visible, visible_data
 from ..graph import BackwardGraph, GradMeta, Node, merge_grad_metas
 from ..text import NOT_OBSERVED, backward_role, box_name, call_of, capture_title, describe_node, fmt_shape, graph_summary, layer_name
 
@@ -405,8 +406,8 @@ def export_explorer(source: Any, out_dir: str) -> ExplorerExport:
         An :class:`ExplorerExport` naming the files.
 
     Raises:
-        TypeError: ``source`` is of another type.
-        ValueError: the log directory does not exist or holds no capture.
+        TypeError: ``source`` or ``out_dir`` is of another type.
+        ValueError: the log directory does not exist or holds no capture; ``out_dir`` is empty or has a NUL byte.
 
     Example:
         >>> import tempfile
@@ -417,14 +418,17 @@ def export_explorer(source: Any, out_dir: str) -> ExplorerExport:
         >>> files.graph_ids, list(files.overlays)
         (['step 3'], ['grad_norm_log10', 'nan_inf_elements'])
     """
+    out_dir = check_path("out_dir", out_dir)
     label, series = _series(source)
+    # names that could hide or reorder text are shown escaped, the same way in every file
+    label, series = visible(label), [(visible(gid), g, prev) for gid, g, prev in series]
     os.makedirs(out_dir, exist_ok=True)
     collection = {"label": label, "graphs": [explorer_graph(g, gid) for gid, g, _ in series],
                   "graphSorting": "name_asc"}
-    graphs_path = atomic_write(os.path.join(out_dir, GRAPHS_FILE), json.dumps(collection, allow_nan=False))
+    graphs_path = atomic_write(os.path.join(out_dir, GRAPHS_FILE), json.dumps(visible_data(collection), allow_nan=False))
     overlays = {}
     for stem, data in explorer_overlays(series).items():
         overlays[stem] = atomic_write(os.path.join(out_dir, safe_filename(stem) + ".json"),
-                                      json.dumps(data, allow_nan=False))
+                                      json.dumps(visible_data(data), allow_nan=False))
     start = next(((gid, str(sites[0].id)) for gid, g, _ in series if (sites := g.nonfinite_sites())), None)
     return ExplorerExport(graphs_path, overlays, [gid for gid, _, _ in series], label, start)

@@ -41,7 +41,7 @@ from typing import Any
 
 from .._fileio import atomic_write
 from ..collapse import call_paths
-from ..escape import vdl_graph_name
+from ..escape import vdl_graph_name, visible_data
 from ..graph import BackwardGraph, GradMeta, Node
 from ..text import NOT_OBSERVED, edge_lines, fmt_num, layer_name
 
@@ -300,5 +300,5 @@ def write_vdl_graph(directory: str, graph: BackwardGraph) -> str:
         OSError: the directory cannot be written.
     """
     os.makedirs(directory, exist_ok=True)
-    text = json.dumps(vdl_graph(graph), allow_nan=False, separators=(",", ":"))
+    text = json.dumps(visible_data(vdl_graph(graph)), allow_nan=False, separators=(",", ":"))
     return atomic_write(os.path.join(directory, f"vdlgraph.{int(time.time()):010d}.log"), text)

@@ -16,7 +16,7 @@ import zlib
 from collections import defaultdict
 from typing import Any
 
-from ..escape import vdl_tag
+from ..escape import vdl_tag, visible
 
 __all__ = ["VisualDLSink", "TagPages", "png_to_array", "encode_like_visualdl", "PAGE", "SCALAR_GROUP",
            "LAYER_NORM_GROUP"]
@@ -101,7 +101,7 @@ class VisualDLSink:
 
     def text(self, tag: str, text: str, step: int) -> None:
         """One text sample under ``tag`` (a :class:`TagPages` tag)."""
-        self._writer.add_text(tag=tag, text_string=text, step=step)
+        self._writer.add_text(tag=tag, text_string=visible(text, lines=True), step=step)
 
     def scalars(self, values: dict[str, float | None], step: int) -> None:
         for tag, value in values.items():
