@@ -47,6 +47,18 @@ def _int(name: str, value: Any, minimum: int, allow_none: bool = True, what: str
     return value
 
 
+#: The widest picture an option may ask for: PNG drawing (cairo) stops at 32767 pixels a side.
+_MAX_PX = 32767
+
+
+def _px(name: str, value: Any, allow_none: bool = True) -> int | None:
+    text = f"{name} must be an int from 64 to {_MAX_PX}{' or None' if allow_none else ''}"
+    v = _int(name, value, 64, allow_none, what=text)
+    if v is not None and v > _MAX_PX:
+        raise ValueError(f"{text}, got {value!r}")
+    return v
+
+
 def _bool(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be True or False, got {value!r}")
@@ -133,7 +145,7 @@ class RecorderOptions:
         if every is not None and steps is not None:
             raise ValueError(f"pass either every= or steps=, not both (got every={every!r}, steps={steps!r})")
         _int("every", every, 1)
-        step_set = frozenset(_int_list("steps", steps, 1)) if steps is not None else None
+        step_set = frozenset(_int_list("steps", steps, 1, nonempty=True)) if steps is not None else None
         if steps is None and every is None:
             every = 100
         if isinstance(formats, str):
@@ -141,6 +153,8 @@ class RecorderOptions:
         if isinstance(formats, (bytes, type(None))) or not isinstance(formats, Iterable):
             raise TypeError(f"formats must be a non-empty subset of {FORMATS}, got {formats!r}")
         formats = tuple(formats)
+        if any(not isinstance(f, str) for f in formats):
+            raise TypeError(f"formats must be a non-empty subset of {FORMATS}, got {formats!r}")
         if not formats or any(f not in FORMATS for f in formats):
             raise ValueError(f"formats must be a non-empty subset of {FORMATS}, got {formats!r}")
         if ranks == "all":
@@ -175,8 +189,8 @@ class RecorderOptions:
             saved_memory=_bool("saved_memory", saved_memory),
             color_by=color_by,
             view_max_nodes=_int("view_max_nodes", view_max_nodes, 2),
-            view_max_px=_int("view_max_px", view_max_px, 64, allow_none=False),
-            viewer_px=_int("viewer_px", viewer_px, 64),
+            view_max_px=_px("view_max_px", view_max_px, allow_none=False),
+            viewer_px=_px("viewer_px", viewer_px),
             formats=formats,
             visualdl=_bool("visualdl", visualdl),
             visualdl_graphs=_bool("visualdl_graphs", visualdl_graphs),
