@@ -51,9 +51,9 @@ def atomic_write(path: str, data: bytes | str) -> str:
 
 
 #: The largest step JSON the command line and the report read (bytes). A capture of
-#: 10,000 nodes is about 3.5 MB; 64 MiB is about 180,000 nodes, past which reading,
+#: 10,000 nodes is about 3.5 MB; 32 MiB is about 75,000 nodes, past which reading,
 #: diffing and drawing no longer finish in minutes on a laptop.
-MAX_INPUT_BYTES = 64 * 1024 * 1024
+MAX_INPUT_BYTES = 32 * 1024 * 1024
 
 
 def read_input(path: str, max_bytes: int = MAX_INPUT_BYTES) -> bytes:

@@ -12,8 +12,8 @@ Errors are one line on stderr (``paddleviz-hooks: error: ...``); the exit
 status is 2 for bad usage, 1 for files that cannot be read or written, 0 on
 success. Set ``PADDLEVIZ_DEBUG=1`` to see a traceback for unexpected errors.
 
-Inputs are bounded: a step JSON over ``--max-input-mb`` (64 MiB, about
-180,000 nodes) is refused before it is read, anything but a regular file is
+Inputs are bounded: a step JSON over ``--max-input-mb`` (32 MiB, about
+75,000 nodes) is refused before it is read, anything but a regular file is
 refused, and a graph of more than ``DRAW_MAX_NODES`` nodes is drawn collapsed
 to that many unless ``--max-nodes`` or ``--depth`` says otherwise. ``report``
 skips unreadable or malformed files with a warning naming each.
