@@ -202,3 +202,21 @@ def test_command_line_hostile_values(tmp_path, capsys, monkeypatch):
             wrong.append((argv[:1] + [a[:20] for a in argv[1:]], "accepted"))
     assert not wrong, wrong[:5]
     assert os.listdir(tmp_path / "tmp") == []
+
+
+@pytest.mark.parametrize("option,accepted", [("layer", {"None"}), ("grad_stats", BOOL), ("saved_memory", BOOL),
+                                             ("params", {"None", "{}"})])
+def test_capture_backward_options_against_hostile_values(option, accepted):
+    wrong = []
+    for label, value in HOSTILE.items():
+        try:
+            capture_backward(**{option: value})
+        except (TypeError, ValueError) as exc:
+            if label in accepted or option not in str(exc):
+                wrong.append(f"{label}: {exc}")
+        except Exception as exc:  # noqa: BLE001
+            wrong.append(f"{label}: {type(exc).__name__}: {exc}")
+        else:
+            if label not in accepted:
+                wrong.append(f"{label}: accepted")
+    assert not wrong, wrong
