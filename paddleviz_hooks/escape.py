@@ -78,9 +78,9 @@ def visible(text: Any, *, lines: bool = False) -> str:
 
 
 def visible_data(data: Any) -> Any:
-    """JSON-like data with :func:`visible` applied to every string (keys included)."""
+    """JSON-like data with :func:`visible` applied to every string (keys included; newlines kept)."""
     if isinstance(data, str):
-        return visible(data)
+        return visible(data, lines=True)
     if isinstance(data, dict):
         return {visible_data(k): visible_data(v) for k, v in data.items()}
     if isinstance(data, (list, tuple)):
