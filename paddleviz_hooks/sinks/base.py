@@ -163,7 +163,7 @@ def scalar_depth(graph: BackwardGraph, depth: int | None = None) -> int:
 
     Example:
         >>> from paddleviz_hooks.graph import GradMeta, Node
-        >>> g = BackwardGraph(nodes=[Node(i, "param", param=p, grad=GradMeta(norm=1.0))
+        >>> g = BackwardGraph(nodes=[Node(i, "param", "GradNodeAccumulation", param=p, grad=GradMeta(norm=1.0))
         ...                          for i, p in enumerate(["enc.0.w", "enc.1.w", "head.w"])])
         >>> scalar_depth(g), sorted(g.layer_grad_norms(scalar_depth(g)))
         (2, ['enc.0', 'enc.1', 'head'])
