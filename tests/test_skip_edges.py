@@ -169,3 +169,19 @@ def test_where_a_gradient_cannot_be_read_the_edge_says_why():
     assert all((e.grad is None or e.grad.norm is None) == (e.note is not None) for e in g.edges
                if g.nodes[e.src].kind == "op")
     assert math.isfinite(g.global_grad_norm())
+
+
+def test_a_concat_into_an_in_place_backward_shows_what_it_sent():
+    """Tanh's backward overwrites the gradient it received with the one it passes on: read at
+    the receiver (as before), the Concat's edge showed Tanh's output (0.20 where 0.41 flowed)."""
+    paddle.seed(0)
+    SEEN.clear()
+    lin, out = nn.Linear(4, 4), nn.Linear(8, 2)
+    with capture_backward(nn.LayerList([lin, out])) as cap:
+        cat = paddle.concat([paddle.tanh(lin(paddle.randn([3, 4]))), paddle.randn([3, 4])], axis=1)
+        _watch(cat, "cat")
+        out(cat).square().mean().backward()
+    g = cap.graph
+    (e,) = [e for e in g.edges if g.nodes[e.src].op == "Concat"]
+    assert g.nodes[e.dst].op == "Tanh"
+    _check(e, SEEN["cat"][:, :4], "Concat -> Tanh")
