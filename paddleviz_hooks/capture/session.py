@@ -506,9 +506,9 @@ class BackwardCapture:
         if s.errors:
             self._warn("hook", f"gradient recording failed at {len(s.errors)} nodes: {s.errors[0]!r}")
         self._fill_received(s)
-        explain(s.walk.nodes, s.walk.edges, s.joins)
         self._leaf_totals(s)
         self._merge_children(s)
+        explain(s.walk.nodes, s.walk.edges, s.joins)  # after stitching: it may fill the PyLayer's edge
         if s.at is not None:
             s.parent.children.append((s.at, s))
             s.parent.hook_seconds += s.prepare_seconds + s.hook_seconds  # the step's capture cost
@@ -558,13 +558,13 @@ class BackwardCapture:
 
     def _build(self, s: _Session) -> BackwardGraph:
         self._fill_received(s)
-        explain(s.walk.nodes, s.walk.edges, s.joins)
         if s.saved is not None:  # node ids of this session's own walk, before stitching
             node_bytes, saved_meta = s.saved
             for nid, nbytes in node_bytes.items():
                 s.walk.nodes[nid].saved_bytes = nbytes
         stitched = len(s.children)
         self._merge_children(s)
+        explain(s.walk.nodes, s.walk.edges, s.joins)  # after stitching: it may fill the PyLayer's edge
         sync = self._read_applied(s)
         s.stats.resolve()  # every statistic of this backward, in one read
         graph = self._graph(s, s.walk.nodes, s.walk.edges, s.ptrs)
