@@ -4,9 +4,11 @@
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
+# PaddleFormers pins numpy<=1.26.4: its integration tests run in a venv of their own
+PFVENV := .venv-pf
 APT    := $(shell if [ "$$(id -u)" = 0 ]; then echo "apt-get"; elif command -v sudo >/dev/null && sudo -n true 2>/dev/null; then echo "sudo apt-get"; fi)
 
-.PHONY: setup engine browser demo test bench clean
+.PHONY: setup engine browser demo test bench clean paddleformers-venv
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV) || { echo "python venv failed: install python3-venv (apt-get install -y python3-venv)"; exit 1; }
@@ -15,6 +17,14 @@ $(BIN)/activate:
 $(VENV)/.installed: $(BIN)/activate pyproject.toml setup.cfg
 	$(BIN)/pip install -q -e '.[pure,test,explorer]'
 	touch $@
+
+$(PFVENV)/.installed: pyproject.toml setup.cfg
+	$(PYTHON) -m venv $(PFVENV)
+	$(PFVENV)/bin/pip install -q --upgrade pip
+	$(PFVENV)/bin/pip install -q -e '.[pure,paddleformers]' 'pytest>=7'
+	touch $@
+
+paddleformers-venv: $(PFVENV)/.installed
 
 # Graphviz's `dot` through apt where we may; otherwise the graphviz-pure extra
 # installed above is used automatically.
@@ -36,11 +46,12 @@ setup: $(VENV)/.installed engine
 demo: setup
 	$(BIN)/python examples/train_lenet.py --log-dir vdl_log
 
-test: setup browser
+test: setup browser paddleformers-venv
 	$(BIN)/python -m pytest -q -ra --doctest-modules paddleviz_hooks tests
+	$(PFVENV)/bin/python -m pytest -q -ra tests/integrations
 
 bench: setup
 	$(BIN)/python benchmarks/run.py
 
 clean:
-	rm -rf $(VENV) vdl_log demo_out test-output
+	rm -rf $(VENV) $(PFVENV) vdl_log demo_out test-output

@@ -30,7 +30,7 @@ LAYERS = [
     ("options", {"options"}),
     ("pipeline", {"pipeline", "triggers"}),
     ("recorder", {"recorder"}),
-    ("adapters", {"callbacks", "compat", "cli", "notebook"}),
+    ("adapters", {"callbacks", "compat", "cli", "notebook", "attaching", "integrations"}),
     ("root", {""}),
 ]
 
