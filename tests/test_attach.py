@@ -17,19 +17,10 @@ import paddle
 import paddle.nn as nn
 import pytest
 
+from _fitkit import mlp
 from paddleviz_hooks import BackwardGraph, attach
 
 QUIET = dict(verbose=0, visualdl=False, formats=("json",), every=1)
-
-
-class Net(nn.Layer):
-    def __init__(self) -> None:
-        super().__init__()
-        self.body = nn.Linear(8, 16)
-        self.head = nn.Linear(16, 3)
-
-    def forward(self, x):
-        return self.head(nn.functional.relu(self.body(x)))
 
 
 class SeenSGD(paddle.optimizer.SGD):
@@ -61,11 +52,11 @@ def _data(n=8):
 
 def _setup(two_optimizers=False):
     paddle.seed(0)
-    net = Net()
+    net = mlp()
     names = {id(p): n for n, p in net.named_parameters()}
     if two_optimizers:  # PaddleClas keeps engine.optimizer as a list
-        opts = [SeenSGD(net.body.parameters(), names, learning_rate=0.1),
-                SeenSGD(net.head.parameters(), names, learning_rate=0.1)]
+        opts = [SeenSGD(net[0].parameters(), names, learning_rate=0.1),
+                SeenSGD(net[2].parameters(), names, learning_rate=0.1)]
     else:
         opts = [SeenSGD(net.parameters(), names, learning_rate=0.1)]
     return net, opts
