@@ -495,6 +495,12 @@ class BackwardGraphRecorder:
     def _after_backward(self, ok: bool) -> None:
         if self._replaying:
             return
+        try:
+            self._check_backward(ok)
+        finally:
+            self._write_if_doomed()
+
+    def _check_backward(self, ok: bool) -> None:
         pending, self._replay_trigger = self._replay_trigger, None
         if not ok or self.model is None:
             return
@@ -602,10 +608,15 @@ class BackwardGraphRecorder:
                 origin = f"; {describe_origin(found)}" + (origin if found["kind"] in ("forward", "input") else "")
             self._notice(f"captured step {step} (trigger: {trigger}){origin}")
         self._pending.append(graph)
-        if self._nonfinite_loss(graph) and self._last_backward():
+        self._write_if_doomed()
+
+    def _write_if_doomed(self) -> None:
+        """After the step's last backward, a step with a NaN/Inf loss is written at once."""
+        if any(self._nonfinite_loss(g) for g in self._pending) and self._last_backward():
             self._write_now()
 
-    def _nonfinite_loss(self, graph: BackwardGraph) -> bool:
+    @staticmethod
+    def _nonfinite_loss(graph: BackwardGraph) -> bool:
         loss = graph.meta.get("loss")
         return isinstance(loss, float) and not math.isfinite(loss)
 
