@@ -180,6 +180,7 @@ def attach(model: paddle.nn.Layer, optimizer: Any, log_dir: str | os.PathLike = 
         raise TypeError("optimizer must be an optimizer (with step() or minimize()) or a list of them, "
                         f"got {optimizer!r}")
     recorder = BackwardGraphRecorder(log_dir, model, **options)
+    recorder.expect_applied_gradients()
     recorder.open()
     updaters = [*([(scaler, False)] if scaler is not None else []), *((o, True) for o in optimizers)]
     return AttachHandle(model, updaters, recorder)

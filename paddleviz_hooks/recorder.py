@@ -223,6 +223,7 @@ class BackwardGraphRecorder:
         self._micro_batches: int | None = None
         self._applied_norm: float | None = None
         self._applied: dict[str, Any] | None = None  # read_applied_gradients() of this step
+        self._reads_applied = False  # the loop says when its gradients are final (spike watch then)
         self._triggers = Triggers(self.options, self._budget_left, self._notice)
 
     @property
@@ -398,21 +399,32 @@ class BackwardGraphRecorder:
         norm (``"applied_grad_norm"``, also ``"accumulated_grad_norm"``); the
         gradients drawn in each micro-batch's graph stay that backward's own.
         Without this call the accumulated norm is read after the step's last
-        backward. Does nothing on a step that captured nothing.
+        backward. ``on_grad_spike`` then watches this norm, once per step
+        (else the sum in ``param.grad`` after every backward), from the first
+        call on: call :meth:`expect_applied_gradients` before the first step
+        to have it so from the start.
         """
-        if not self._pending or self.model is None:
+        self._reads_applied = True
+        if self.model is None or not self._active or not (self._pending or self.options.on_grad_spike):
             return
         try:
+            total = global_grad_norm(self.model.parameters())
+            self._triggers.applied_norm(self.global_step, total)
+            if not self._pending:
+                return
             norms: dict[str, float] = {}
             for name, p in self.model.named_parameters():
                 g = local_value(p.grad) if p.grad is not None else None
                 if g is not None and g._is_initialized():
                     norms[strip_wrapper_prefix(name)] = math.sqrt(sum_of_squares([g]))
-            total = global_grad_norm(self.model.parameters())
         except Exception as exc:
             self._warn("applied", f"reading the applied gradients failed: {exc!r}")
             return
         self._applied = {"norms": norms, "norm": total}
+
+    def expect_applied_gradients(self) -> None:
+        """The loop will call :meth:`read_applied_gradients` on every step (adapters say so first)."""
+        self._reads_applied = True
 
     def disarm(self) -> None:
         """Let the rest of this step's backwards (e.g. evaluation) run uncaptured."""
@@ -509,7 +521,8 @@ class BackwardGraphRecorder:
             return
         kept = self._kept
         can_replay = kept is not None and kept.seen and bool(kept.out_grads)
-        if self._triggers.after_backward(self.global_step, self.model.parameters(), can_replay):
+        if self._triggers.after_backward(self.global_step, self.model.parameters(), can_replay,
+                                         spike=not self._reads_applied):
             self._capture_replayed("nonfinite_grad")
 
     def _capture_replayed(self, trigger: str) -> None:

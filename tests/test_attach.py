@@ -169,3 +169,24 @@ def test_detach_on_an_exception_restores_everything(tmp_path):
             raise RuntimeError("boom")
     assert opt.__dict__["step"] is own and "minimize" not in opt.__dict__
     assert not net._forward_pre_hooks
+
+
+def test_grad_spikes_are_judged_on_the_applied_gradients_once_per_update(tmp_path):
+    """With accumulation, param.grad after the first micro-batch is a partial sum: a spike
+    watch fed after every backward mixes partial and whole sums (here ~100x apart) and
+    fires on ordinary steps. attach feeds it the gradients each update applies."""
+    net, (opt,) = _setup()
+    rng = np.random.default_rng(1)
+    batches = [paddle.to_tensor(rng.standard_normal((2, 8)).astype("float32")) for _ in range(2)]
+    y = paddle.to_tensor(np.array([0, 1], dtype="int64"))
+    with attach(net, opt, str(tmp_path), on_grad_spike=1.5, cooldown=1, steps=[], capture_first=False,
+                verbose=0, visualdl=False, formats=("json",)) as h:
+        for update in range(1, 11):
+            for k, x in enumerate(batches):
+                scale = 0.01 if k == 0 else 1.0  # a tiny first micro-batch
+                if update == 8 and k == 1:
+                    scale = 100.0  # a real spike in update 8
+                (nn.functional.cross_entropy(net(x), y) * scale).backward()
+            opt.step()
+            opt.clear_grad()
+    assert h.recorder.triggers == {9: "grad_spike"}

@@ -91,6 +91,7 @@ class BackwardGraphTrainerCallback(TrainerCallback):
         self.close()  # a previous train(), perhaps one that raised
         log_dir = self._log_dir or getattr(args, "logging_dir", None) or "vdl_log"
         self.recorder = BackwardGraphRecorder(log_dir, model, **self._options)
+        self.recorder.expect_applied_gradients()
         self.recorder.open()
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
