@@ -4,11 +4,13 @@
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
-# PaddleFormers pins numpy<=1.26.4: its integration tests run in a venv of their own
-PFVENV := .venv-pf
+# PaddleFormers pins numpy<=1.26.4 and PaddleDetection needs numpy==1.23.5: their
+# integration tests (tests/integrations/) run in a venv of their own each
+PFVENV  := .venv-pf
+DETVENV := .venv-det
 APT    := $(shell if [ "$$(id -u)" = 0 ]; then echo "apt-get"; elif command -v sudo >/dev/null && sudo -n true 2>/dev/null; then echo "sudo apt-get"; fi)
 
-.PHONY: setup engine browser demo test bench clean paddleformers-venv
+.PHONY: setup engine browser demo test bench clean paddleformers-venv ppdet-venv
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV) || { echo "python venv failed: install python3-venv (apt-get install -y python3-venv)"; exit 1; }
@@ -25,6 +27,14 @@ $(PFVENV)/.installed: pyproject.toml setup.cfg
 	touch $@
 
 paddleformers-venv: $(PFVENV)/.installed
+
+$(DETVENV)/.installed: pyproject.toml setup.cfg
+	$(PYTHON) -m venv $(DETVENV)
+	$(DETVENV)/bin/pip install -q --upgrade pip
+	$(DETVENV)/bin/pip install -q -e '.[pure,ppdet]' 'pytest>=7'
+	touch $@
+
+ppdet-venv: $(DETVENV)/.installed
 
 # Graphviz's `dot` through apt where we may; otherwise the graphviz-pure extra
 # installed above is used automatically.
@@ -46,12 +56,13 @@ setup: $(VENV)/.installed engine
 demo: setup
 	$(BIN)/python examples/train_lenet.py --log-dir vdl_log
 
-test: setup browser paddleformers-venv
+test: setup browser paddleformers-venv ppdet-venv
 	$(BIN)/python -m pytest -q -ra --doctest-modules paddleviz_hooks tests
-	$(PFVENV)/bin/python -m pytest -q -ra tests/integrations
+	$(PFVENV)/bin/python -m pytest -q -ra tests/integrations/test_paddleformers_trainer.py
+	$(DETVENV)/bin/python -m pytest -q -ra tests/integrations/test_ppdet_trainer.py
 
 bench: setup
 	$(BIN)/python benchmarks/run.py
 
 clean:
-	rm -rf $(VENV) $(PFVENV) vdl_log demo_out test-output
+	rm -rf $(VENV) $(PFVENV) $(DETVENV) vdl_log demo_out test-output

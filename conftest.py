@@ -6,6 +6,6 @@ import importlib.util
 
 collect_ignore = [
     f"paddleviz_hooks/integrations/{name}.py"
-    for name in ("paddleformers",)
+    for name in ("paddleformers", "ppdet")
     if importlib.util.find_spec(name) is None
 ]

@@ -1,5 +1,5 @@
 """Adapters for training loops that are not yours: PaddleFormers' ``Trainer``
-(:mod:`.paddleformers`, which imports PaddleFormers: import it where that is
-installed). Any other loop, PaddleDetection's included, takes
+(:mod:`.paddleformers`) and PaddleDetection's (:mod:`.ppdet`). Each imports its
+framework: import the one you use where it is installed. Any other loop takes
 :func:`paddleviz_hooks.attach`.
 """
