@@ -28,7 +28,7 @@ command work without importing paddle):
 How the modules fit together (data flows one way)::
 
     capture/ -> graph.py -> collapse.py, diff.py -> ranks.py -> text.py, render/ -> sinks/
-                                                   -> pipeline.py -> recorder.py -> callbacks/
+                                                   -> pipeline.py -> recorder.py -> callbacks/, attaching.py -> integrations/
 """
 
 import sys
