@@ -18,7 +18,7 @@ import paddle.nn as nn
 import pytest
 
 from _fitkit import mlp
-from paddleviz_hooks import BackwardGraph, attach
+from paddleviz_hooks import BackwardGraph, attach, summarize
 
 QUIET = dict(verbose=0, visualdl=False, formats=("json",), every=1)
 
@@ -123,6 +123,8 @@ def test_paddleclas_loop_update_freq_2_with_a_list_of_optimizers(tmp_path, evalu
         assert set(first.params()) == set(applied) == set(second.params())
         for n, v in applied.items():
             assert first.meta["applied_grads"][n] == pytest.approx(v, rel=1e-6)
+        assert "(this backward)" in summarize(first)  # its own gradients, labelled so
+        assert "applied gradient norm" in summarize(first)
     # nothing of attach is left, and training was not changed
     for o in opts:
         assert "step" not in o.__dict__ and "minimize" not in o.__dict__
