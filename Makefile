@@ -26,19 +26,18 @@ $(VENV)/.installed-test: $(BIN)/activate pyproject.toml setup.cfg
 	$(BIN)/pip install -q -e '.[pure,test,explorer,dashboards-test]'
 	touch $@
 
-$(PFVENV)/.installed: pyproject.toml setup.cfg
-	$(PYTHON) -m venv $(PFVENV)
-	$(PFVENV)/bin/pip install -q --upgrade pip
-	$(PFVENV)/bin/pip install -q -e '.[pure,paddleformers]' 'pytest>=7'
-	touch $@
+# A venv of its own for one integration's tests: $(1) its folder, $(2) its setup.cfg extra
+define INTEGRATION_VENV
+$(1)/.installed: pyproject.toml setup.cfg
+	$(PYTHON) -m venv $(1)
+	$(1)/bin/pip install -q --upgrade pip
+	$(1)/bin/pip install -q -e '.[pure,$(2)]' 'pytest>=7'
+	touch $$@
+endef
+$(eval $(call INTEGRATION_VENV,$(PFVENV),paddleformers))
+$(eval $(call INTEGRATION_VENV,$(DETVENV),ppdet))
 
 paddleformers-venv: $(PFVENV)/.installed
-
-$(DETVENV)/.installed: pyproject.toml setup.cfg
-	$(PYTHON) -m venv $(DETVENV)
-	$(DETVENV)/bin/pip install -q --upgrade pip
-	$(DETVENV)/bin/pip install -q -e '.[pure,ppdet]' 'pytest>=7'
-	touch $@
 
 ppdet-venv: $(DETVENV)/.installed
 

@@ -296,18 +296,11 @@ class CapturePipeline:
 
     def settle(self, timeout: float) -> bool:
         """Wait until every capture handed over is written and drawn (at most ``timeout``
-        s), then flush the VisualDL records; True when nothing was left waiting."""
+        s; the sinks flush after each record); True when nothing was left waiting."""
         deadline = time.monotonic() + timeout
         done = self.worker.wait(timeout)
         while not self.idle and time.monotonic() < deadline:
             time.sleep(0.02)
-        with self._sink_lock:
-            sink = self._sink
-            if sink is not None:
-                try:
-                    sink.flush()
-                except Exception as exc:
-                    self._warn("vdl-flush", f"flushing the VisualDL writer failed: {exc!r}")
         return done and self.idle
 
     @property
