@@ -1,0 +1,246 @@
+"""Forward source lines: where in the user's code each op of a captured graph was made.
+
+Paddle records the Python stack of a forward op call on the grad node it
+creates while ``FLAGS_call_stack_level`` is 3, and writes those stacks, keyed
+by the node's address (``grad_fn.node_ptr()``), when a backward is given a
+``dump_backward_graph_path``. So, on captured steps only:
+
+* :func:`arm` sets the flag for the forward (the capture arms it when its
+  block is entered or its step starts, and again after each backward of the
+  block); :func:`disarm` puts the previous value back when the backward
+  starts. Arming is counted: the flag returns to the user's value when the
+  last capture disarms, on every exit path.
+* :class:`StackDump` gives the backward a temporary dump folder, reads the
+  stacks of the nodes the capture walked and removes the folder.
+* :func:`user_frames` keeps the frames of the user's code, outermost first:
+  frames inside Paddle, the standard library and this package are left out,
+  and so are the launcher frames (pytest, a notebook kernel, ``paddle.distributed.launch``)
+  installed packages run before the first frame of the user's own files.
+
+Nothing here runs on a step that is not captured.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import site
+import sysconfig
+import tempfile
+import threading
+from typing import Any
+
+import paddle
+
+from ..graph import Node, SourceFrame
+
+__all__ = ["arm", "disarm", "armed", "StackDump", "parse_call_stacks", "user_frames", "apply_stacks", "prefix_recomputed"]
+
+FLAG = "FLAGS_call_stack_level"
+_LOCK = threading.Lock()
+_ARMED = 0  # captures holding the flag on
+_PREVIOUS: int | None = None  # the user's value, put back when the last one disarms
+
+
+def arm() -> bool:
+    """Record forward call stacks from now on (one more holder); False when it could not."""
+    global _ARMED, _PREVIOUS
+    with _LOCK:
+        if _ARMED == 0:
+            try:
+                _PREVIOUS = int(paddle.get_flags(FLAG)[FLAG])
+                if _PREVIOUS < 3:
+                    paddle.set_flags({FLAG: 3})
+            except Exception:
+                return False
+        _ARMED += 1
+        return True
+
+
+def disarm() -> None:
+    """One holder less; the last one puts the user's flag value back."""
+    global _ARMED, _PREVIOUS
+    with _LOCK:
+        if _ARMED == 0:
+            return
+        _ARMED -= 1
+        if _ARMED == 0 and _PREVIOUS is not None:
+            previous, _PREVIOUS = _PREVIOUS, None
+            if previous < 3:
+                paddle.set_flags({FLAG: previous})
+
+
+def armed() -> bool:
+    """Whether some capture holds the flag on now."""
+    return _ARMED > 0
+
+
+# the dump path's position in the arguments of run_backward and run_partial_grad
+_DUMP_ARG = {"backward": 3, "grad": 8}
+
+
+class StackDump:
+    """A temporary folder for Paddle's dump of one backward, and the stacks read from it."""
+
+    def __init__(self) -> None:
+        self.dir: str | None = None
+
+    def inject(self, entry: str, args: tuple) -> tuple:
+        """``args`` of the backward call with the dump folder in place; unchanged
+        when the user gave a dump path of their own (then nothing is read)."""
+        at = _DUMP_ARG.get(entry)
+        if at is None:
+            return args
+        if len(args) > at and args[at]:
+            return args  # the user's own dump: theirs alone
+        self.dir = tempfile.mkdtemp(prefix="pvh-stacks-")
+        if len(args) > at:
+            return args[:at] + (self.dir,) + args[at + 1:]
+        return args + (None,) * (at - len(args)) + (self.dir,)
+
+    def read(self) -> dict[int, list[SourceFrame]] | None:
+        """Node address -> its forward stack as Paddle recorded it (every frame); None without a dump."""
+        if self.dir is None:
+            return None
+        names = [f for f in os.listdir(self.dir) if f.endswith("_call_stack.log")]
+        if not names:
+            return None
+        stacks: dict[int, list[SourceFrame]] = {}
+        for name in names:
+            with open(os.path.join(self.dir, name), encoding="utf-8", errors="replace") as fh:
+                stacks.update(parse_call_stacks(fh.read()))
+        return stacks
+
+    def collect(self) -> dict[int, list[SourceFrame]] | None:
+        """:meth:`read`, then the folder removed; None (never an error) when nothing could be read."""
+        try:
+            return self.read()
+        except Exception:
+            return None
+        finally:
+            d, self.dir = self.dir, None
+            if d is not None:
+                shutil.rmtree(d, ignore_errors=True)
+
+
+_HEADER = re.compile(r"^GradNodeBase \S+ ptr : (0x[0-9a-fA-F]+) call stack:")
+_FRAME = re.compile(r'^  File "(.*)", line (\d+), in (.*)$')
+_CARETS = re.compile(r"^\s*[\^~]+\s*$")
+
+
+def parse_call_stacks(text: str) -> dict[int, list[SourceFrame]]:
+    """Paddle's ``*_call_stack.log``: node address -> frames (outermost first), each with its code line."""
+    stacks: dict[int, list[SourceFrame]] = {}
+    frames: list[SourceFrame] | None = None
+    for line in text.splitlines():
+        m = _HEADER.match(line)
+        if m:
+            frames = stacks.setdefault(int(m.group(1), 16), [])
+            continue
+        if frames is None:
+            continue
+        m = _FRAME.match(line)
+        if m:
+            frames.append(SourceFrame(m.group(1), int(m.group(2)), m.group(3), ""))
+        elif line.startswith("    ") and frames and not frames[-1].code and not _CARETS.match(line):
+            frames[-1] = frames[-1]._replace(code=line.strip())
+    return stacks
+
+
+_OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def _dirs() -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+    """Folders of (Paddle and this package, the standard library, installed packages)."""
+    paths = sysconfig.get_paths()
+    never = (os.path.dirname(os.path.abspath(paddle.__file__)) + os.sep, _OWN_DIR)
+    stdlib = {os.path.abspath(paths[k]) + os.sep for k in ("stdlib", "platstdlib") if paths.get(k)}
+    installed = {os.path.abspath(paths[k]) for k in ("purelib", "platlib") if paths.get(k)}
+    try:
+        installed.update(os.path.abspath(p) for p in site.getsitepackages())
+        installed.add(os.path.abspath(site.getusersitepackages()))
+    except Exception:
+        pass
+    return never, tuple(stdlib), tuple(d + os.sep for d in installed)
+
+
+_NEVER, _STDLIB, _INSTALLED = _dirs()
+
+
+def _path(f: SourceFrame) -> str:
+    return f.file if f.file.startswith("<") else os.path.abspath(f.file)
+
+
+def _never_user(path: str) -> bool:
+    """Paddle, this package, the standard library (an installed package under the
+    standard library's folder, as in a system Python, is no part of it)."""
+    if path.startswith(("<frozen ", *_NEVER)):
+        return True
+    return path.startswith(_STDLIB) and not path.startswith(_INSTALLED)
+
+
+def user_frames(frames: list[SourceFrame], after_own: bool = False) -> tuple[SourceFrame, ...]:
+    """The frames of the user's code among ``frames`` (outermost first).
+
+    Args:
+        frames: a stack as Paddle recorded it.
+        after_own: keep only the frames after the last frame of this package
+            (a recomputed forward runs inside a backward this package started:
+            what came before is the step's ``backward()`` call, not the block).
+    """
+    if after_own:
+        last = max((i for i, f in enumerate(frames) if _path(f).startswith(_OWN_DIR)), default=-1)
+        frames = frames[last + 1:]
+    out: list[SourceFrame] = []
+    for f in frames:
+        path = _path(f)
+        if _never_user(path):
+            continue
+        if not out and path.startswith(_INSTALLED):
+            continue  # a launcher before the user's first own frame
+        out.append(f)
+    if not out:  # only installed packages: the user's code is one of them
+        out = [f for f in frames if not _never_user(_path(f))]
+    return tuple(out)
+
+
+def apply_stacks(nodes: list[Node], ptrs: list[int | None], stacks: dict[int, list[SourceFrame]] | None,
+                 program_note: str, nested: bool = False) -> None:
+    """Give every op node of a walk its source, or the reason it has none.
+
+    Args:
+        nodes, ptrs: the walk's nodes and their grad node addresses.
+        stacks: what :meth:`StackDump.read` gave; None: not recorded.
+        program_note: ``Node.note`` of ops opened from a to_static program.
+        nested: the walk is a backward run inside another (a recomputed forward).
+    """
+    cache: dict[int, tuple[SourceFrame, ...]] = {}
+    for n, p in zip(nodes, ptrs):
+        if n.kind != "op" or n.source is not None:
+            continue
+        if n.note == program_note or n.op == "Dy2St":  # Paddle records no stack for a program's run
+            n.source_note = "static"
+            continue
+        raw = stacks.get(p) if stacks is not None and p is not None else None
+        if stacks is None:
+            n.source_note = "unrecorded"
+            continue
+        key = id(raw) if raw is not None else 0
+        frames = cache.get(key)
+        if frames is None:
+            frames = cache[key] = user_frames(raw or [], after_own=nested)
+        if frames:
+            n.source = frames
+        else:
+            n.source_note = "internal"
+
+
+def prefix_recomputed(at: Node, nodes: list[Node]) -> None:
+    """A recomputed block's ops (a nested backward's walk) are called from where its
+    PyLayer was made: that node's frames go in front of theirs."""
+    if at.source is None:
+        return
+    for n in nodes:
+        if n.kind == "op" and n.source is not None:
+            n.source = at.source + n.source

@@ -1,0 +1,232 @@
+"""Every op node knows the line of the user's code that made it (``Node.source``).
+
+The oracle is the model file itself: each line of ``_source_model.py`` that
+makes ops names them in a ``# ops:`` comment, and the code recorded must be
+that line's text. Sources are recorded on captured steps only: Paddle's
+call-stack flag is on for their forward and back to the user's value after,
+and no dump folder is left behind.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import tempfile
+
+import paddle
+import pytest
+
+import _source_model as M
+from paddleviz_hooks import BackwardGraph, BackwardGraphRecorder, capture_backward, collapse_graph, summarize
+from paddleviz_hooks.graph import Node, SourceFrame
+from paddleviz_hooks.hazards import PROGRAM_OP_NOTE
+from paddleviz_hooks.render import to_dot
+from paddleviz_hooks.sinks.explorer import explorer_graph
+from paddleviz_hooks.sinks.vdl_graph import vdl_graph
+from paddleviz_hooks.text import node_tooltip
+
+FLAG = "FLAGS_call_stack_level"
+MODEL_FILE = os.path.abspath(M.__file__.replace(".pyc", ".py"))
+
+
+def _flag() -> int:
+    return int(paddle.get_flags(FLAG)[FLAG])
+
+
+def _dumps() -> list[str]:
+    return glob.glob(os.path.join(tempfile.gettempdir(), "pvh-stacks-*"))
+
+
+def _capture(**kw):
+    paddle.seed(0)
+    net = M.Net()
+    x = paddle.randn([3, 6])
+    with capture_backward(net, **kw) as cap:
+        M.loss_of(net, x).backward()  # the outermost user frame
+    return net, cap.graph
+
+
+def _lines(path: str) -> list[str]:
+    with open(path, encoding="utf-8") as fh:
+        return fh.read().splitlines()
+
+
+RECOMPUTE_CALL = next(i for i, line in enumerate(_lines(MODEL_FILE), 1) if "recompute(self.block" in line)
+
+
+def test_every_op_records_its_line_outermost_first():
+    before = _flag()
+    _, g = _capture()
+    assert _flag() == before and not _dumps()
+    marks = M.marked_lines()
+    text = _lines(MODEL_FILE)
+    this = os.path.abspath(__file__)
+    ops = [n for n in g.nodes if n.kind == "op"]
+    assert len(ops) == 13
+    for n in ops:
+        assert n.source and n.source_note is None, n
+        inner = n.source[-1]
+        assert os.path.abspath(inner.file) == MODEL_FILE, n
+        assert n.op in marks[inner.line], (n.op, inner)  # the line that made it
+        assert inner.code == text[inner.line - 1].strip()
+        # outermost first: this test, _capture, loss_of, then inward; no Paddle, pytest or stdlib frame
+        assert os.path.abspath(n.source[0].file) == this
+        assert [f.function for f in n.source[:3]] == [test_every_op_records_its_line_outermost_first.__name__,
+                                                      "_capture", "loss_of"]
+        assert all(os.path.abspath(f.file) in (this, MODEL_FILE) for f in n.source)
+    by = {(n.op, n.layer): n for n in ops}
+    # inside a layer, in a helper called by a layer, in the top-level forward
+    assert by[("Matmul", "inner.fc")].source[-1].function == "forward"
+    assert [f.function for f in by[("Tanh", "inner")].source[-2:]] == ["forward", "squash"]
+    assert by[("Sin", "")].source[-1].line == next(i for i, o in marks.items() if "Sin" in o and "Exp" not in o)
+    # a recomputed block (made again inside the backward): called from the recompute line
+    pylayer = by[("PyLayer:RecomputeFunction", "block")]
+    assert pylayer.source[-1].line == RECOMPUTE_CALL
+    recomputed = [n for n in ops if n.layer is not None and n.layer.startswith("block") and n is not pylayer]
+    assert len(recomputed) == 4
+    for n in recomputed:
+        assert n.source[-2].line == RECOMPUTE_CALL and n.source[-1].function == "forward", n.source
+        assert [f.function for f in n.source[1:3]] == ["_capture", "loss_of"]
+
+
+def test_sources_survive_json_compactly():
+    _, g = _capture()
+    d = json.loads(g.to_json())
+    table = d["frames"]
+    assert len(table) == len({tuple(f) for f in table})  # unique frames
+    assert all(isinstance(i, int) for n in d["nodes"] if n.get("source") for i in n["source"])
+    assert not any("source" in n for n in d["nodes"] if n["kind"] != "op")
+    back = BackwardGraph.from_json(g.to_json())
+    assert back == g
+    assert all(isinstance(f, SourceFrame) for n in back.nodes for f in (n.source or ()))
+    with pytest.raises(ValueError, match="malformed"):
+        BackwardGraph.from_dict({**d, "frames": []})
+
+
+def test_sources_off_records_nothing_and_never_sets_the_flag():
+    seen = []
+    orig = paddle.set_flags
+    paddle.set_flags = lambda f: (seen.append(dict(f)), orig(f))[1]
+    try:
+        _, g = _capture(sources=False)
+    finally:
+        paddle.set_flags = orig
+    assert not any(FLAG in f for f in seen)
+    assert all(n.source is None and n.source_note is None for n in g.nodes)
+    assert "frames" not in json.loads(g.to_json())
+
+
+class _FlagProbe(paddle.nn.Layer):
+    """Notes Paddle's call-stack flag while its forward runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = paddle.nn.Linear(6, 6)
+        self.seen: list[int] = []
+
+    def forward(self, x):
+        self.seen.append(_flag())
+        return paddle.tanh(self.fc(x))
+
+
+@pytest.mark.parametrize("watch", [False, True])
+def test_recorder_records_captured_steps_only(tmp_path, watch):
+    """Steps 1 and 3 captured: their forwards ran with the flag on, steps 2 and 4 with the user's
+    value; with a trigger watch (active on every step) too. The graph files carry the lines."""
+    paddle.seed(0)
+    net = _FlagProbe()
+    before = _flag()
+    kw = {"on_structure_change": True} if watch else {}
+    with BackwardGraphRecorder(str(tmp_path), net, steps=[1, 3], capture_first=False, formats=("json",),
+                               visualdl=False, verbose=0, **kw) as rec:
+        for step in range(1, 5):
+            with rec.step(step):
+                net(paddle.randn([2, 6])).mean().backward()
+            assert _flag() == before
+    assert net.seen == [3, before, 3, before]
+    assert rec.captured_steps == [1, 3]
+    g = BackwardGraph.from_json((tmp_path / "backward_graph" / "step_000003.json").read_text())
+    tanh = next(n for n in g.nodes if n.op == "Tanh")
+    assert tanh.source[-1].code == "return paddle.tanh(self.fc(x))"
+    assert tanh.source[-2].code == "net(paddle.randn([2, 6])).mean().backward()"
+    assert not _dumps()
+
+
+def test_a_trigger_capture_says_the_line_was_not_recorded(tmp_path):
+    """A structure change is only known at the backward: that forward ran unrecorded."""
+    paddle.seed(0)
+    net = _FlagProbe()
+    with BackwardGraphRecorder(str(tmp_path), net, steps=[1], capture_first=False, formats=("json",),
+                               visualdl=False, verbose=0, on_structure_change=True, cooldown=1) as rec:
+        for step in range(1, 4):
+            with rec.step(step):
+                out = net(paddle.randn([2, 6]))
+                (out.exp() if step == 3 else out).mean().backward()
+    assert rec.triggers.get(3) == "structure_change", rec.triggers
+    g = BackwardGraph.from_json((tmp_path / "backward_graph" / "step_000003.json").read_text())
+    ops = [n for n in g.nodes if n.kind == "op"]
+    assert ops and all(n.source is None and n.source_note == "unrecorded" for n in ops)
+    assert "not recorded" in node_tooltip(ops[0])
+
+
+def test_ops_inside_a_to_static_program_say_so():
+    paddle.seed(0)
+    net = _FlagProbe()
+    static = paddle.jit.to_static(net, full_graph=True)
+    x = paddle.randn([2, 6])
+    static(x)  # compiled outside the capture
+    with capture_backward(net) as cap:
+        static(x).mean().backward()
+    g = cap.graph
+    program = [n for n in g.nodes if n.note == PROGRAM_OP_NOTE]
+    assert program and all(n.source is None and n.source_note == "static" for n in program)
+    mean = next(n for n in g.nodes if n.op == "Mean")  # an eager op after the program has its line
+    assert mean.source[-1].code == "static(x).mean().backward()"
+    assert "to_static program" in node_tooltip(program[0])
+
+
+def test_every_view_shows_the_line():
+    _, g = _capture()
+    tanh = next(n for n in g.nodes if n.op == "Tanh")
+    line = f"{MODEL_FILE}:{tanh.source[-1].line} in squash: h = paddle.tanh(h)"
+    assert "line: " + line in node_tooltip(tanh)
+    dot = to_dot(g)
+    assert "_source_model.py:" in dot and "h = paddle.tanh(h)" in dot
+    ex = explorer_graph(g, "g")
+    attrs = {a["key"]: a["value"] for a in next(n for n in ex["nodes"] if n["id"] == str(tanh.id))["attrs"]}
+    assert attrs["source"].startswith(f"_source_model.py:{tanh.source[-1].line}: h = paddle.tanh(h)")
+    assert attrs["source file"] == f"{MODEL_FILE}:{tanh.source[-1].line} in squash"
+    vdl = vdl_graph(g)
+    assert any(n["attrs"].get("source", "").endswith("h = paddle.tanh(h)  # ops: Tanh") for n in vdl["nodes"])
+
+
+def test_summary_names_the_line_of_the_first_nan():
+    paddle.seed(0)
+    net = M.Net()
+    x = paddle.randn([3, 6])
+    x[0, 0] = float("nan")
+    with capture_backward(net) as cap:
+        M.loss_of(net, x).backward()
+    s = summarize(cap.graph)
+    first = cap.graph.nonfinite_sites()[0]
+    assert f"first at " in s and f"(_source_model.py:{first.source[-1].line}: " in s
+
+
+def test_collapse_by_source_groups_ops_by_function():
+    _, g = _capture()
+    c = collapse_graph(g, by="source")
+    boxes = {(n.layer, n.call): n for n in c.nodes if n.kind == "layer"}
+    assert boxes[("squash", 0)].ops == 2 and boxes[("loss_of", 0)].ops == 1
+    assert boxes[("squash", 0)].name == "def in _source_model.py"
+    # three calls of a function named forward: Net's, Inner's (from line 52), Recomputed's (from the recompute)
+    assert sorted(n.ops for (p, _), n in boxes.items() if p == "forward") == [2, 4, 4]
+    assert sum(n.ops for n in boxes.values()) == sum(1 for n in g.nodes if n.kind == "op")
+    assert c.meta["collapse"]["by"] == "source"
+    with pytest.raises(ValueError, match="by must be"):
+        collapse_graph(g, by="file")
+
+
+def test_unknown_reasons_are_worded():
+    n = Node(1, "op", "XGradNode", "X", source_note="internal")
+    assert "made inside Paddle" in node_tooltip(n)
