@@ -12,22 +12,34 @@ from __future__ import annotations
 import glob
 import json
 import os
+import shutil
 import tempfile
+import traceback
 
 import paddle
 import pytest
 
 import _source_model as M
+from _browser import CHROMIUM, launch_chromium
 from paddleviz_hooks import BackwardGraph, BackwardGraphRecorder, capture_backward, collapse_graph, summarize
 from paddleviz_hooks.graph import Node, SourceFrame
 from paddleviz_hooks.hazards import PROGRAM_OP_NOTE
 from paddleviz_hooks.render import to_dot
+from paddleviz_hooks.render.engine import find_engine
 from paddleviz_hooks.sinks.explorer import explorer_graph
+from paddleviz_hooks.sinks.report import build_report
 from paddleviz_hooks.sinks.vdl_graph import vdl_graph
 from paddleviz_hooks.text import node_tooltip
 
 FLAG = "FLAGS_call_stack_level"
+STDLIB_FORMAT_STACK = traceback.format_stack
 MODEL_FILE = os.path.abspath(M.__file__.replace(".pyc", ".py"))
+
+
+@pytest.fixture(autouse=True)
+def _own_tempdir(tmp_path, monkeypatch):
+    """Dump folders go to this test's own folder: other processes' never count."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
 
 
 def _flag() -> int:
@@ -199,6 +211,11 @@ def test_every_view_shows_the_line():
     assert attrs["source file"] == f"{MODEL_FILE}:{tanh.source[-1].line} in squash"
     vdl = vdl_graph(g)
     assert any(n["attrs"].get("source", "").endswith("h = paddle.tanh(h)  # ops: Tanh") for n in vdl["nodes"])
+    if find_engine() is not None:  # the notebook drawing keeps the tooltips through its sanitiser
+        from paddleviz_hooks.notebook import svg_of
+
+        svg = svg_of(g)
+        assert f"_source_model.py:{tanh.source[-1].line} in squash: h = paddle.tanh(h)" in svg
 
 
 def test_summary_names_the_line_of_the_first_nan():
@@ -230,3 +247,74 @@ def test_collapse_by_source_groups_ops_by_function():
 def test_unknown_reasons_are_worded():
     n = Node(1, "op", "XGradNode", "X", source_note="internal")
     assert "made inside Paddle" in node_tooltip(n)
+
+
+@pytest.mark.browser
+@pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="needs Debian's Chromium at /usr/bin/chromium")
+@pytest.mark.skipif(find_engine() is None, reason="no Graphviz layout engine installed")
+def test_clicking_a_node_in_the_report_shows_its_line(tmp_path):
+    from playwright.sync_api import sync_playwright
+
+    _, g = _capture()
+    g.meta["step"] = 1
+    run = tmp_path / "log" / "backward_graph"
+    run.mkdir(parents=True)
+    (run / "step_000001.json").write_text(g.to_json())
+    out = tmp_path / "report.html"
+    build_report(str(tmp_path / "log"), str(out))
+    tanh = next(n for n in g.nodes if n.op == "Tanh")
+    with sync_playwright() as p:
+        browser = launch_chromium(p)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 900})
+            errors: list[str] = []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(out.as_uri())
+            page.wait_for_selector("#stage svg")
+            assert page.locator("#node-info").is_hidden()
+            node = page.locator("#stage g.node").filter(has_text="Tanh").first
+            node.click()
+            info = page.locator("#node-info")
+            assert info.is_visible()
+            lines = [x.replace("\xa0", " ") for x in info.locator("li").all_inner_texts()]  # Graphviz keeps double spaces as nbsp
+            assert f"line: {MODEL_FILE}:{tanh.source[-1].line} in squash: h = paddle.tanh(h)  # ops: Tanh" in lines
+            assert any(x.startswith("called from: ") and ":30 in forward: return squash(h)" in x for x in lines)
+            page.screenshot(path=str(tmp_path / "clicked.png"))
+            # a drag is no click: the panel keeps the clicked node
+            box = page.locator("#stage g.node").filter(has_text="Sin").first.bounding_box()
+            page.mouse.move(box["x"] + 5, box["y"] + 5)
+            page.mouse.down()
+            page.mouse.move(box["x"] + 80, box["y"] + 60)
+            page.mouse.up()
+            assert any("squash" in x for x in info.locator("li").all_inner_texts())
+            assert not errors
+        finally:
+            browser.close()
+    shutil.copy(tmp_path / "clicked.png", os.environ.get("PVH_SHOT", str(tmp_path / "keep.png")))
+
+
+def test_flag_and_dump_folder_restored_on_errors_and_interrupts():
+    before = _flag()
+    paddle.seed(0)
+    net = M.Net()
+    x = paddle.randn([3, 6])
+    with pytest.raises(ZeroDivisionError):
+        with capture_backward(net):
+            net(x)
+            assert _flag() == 3
+            1 / 0  # an error in the user's forward
+    assert _flag() == before
+
+    def stop(grad):
+        raise KeyboardInterrupt
+
+    with pytest.raises((KeyboardInterrupt, OSError)):  # Paddle turns it into an OSError
+        with capture_backward(net):
+            h = net.inner(x)
+            h.register_hook(stop)  # Ctrl-C in the middle of the backward
+            (h * 2).sum().backward()
+    assert _flag() == before and not _dumps()
+    assert traceback.format_stack is STDLIB_FORMAT_STACK  # put back with the flag
+    # the same model afterwards: captured normally
+    _, g = _capture()
+    assert all(n.source for n in g.nodes if n.kind == "op")

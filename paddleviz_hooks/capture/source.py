@@ -10,6 +10,12 @@ by the node's address (``grad_fn.node_ptr()``), when a backward is given a
   block); :func:`disarm` puts the previous value back when the backward
   starts. Arming is counted: the flag returns to the user's value when the
   last capture disarms, on every exit path.
+* Paddle formats each stack with ``traceback.format_stack``, which in Python
+  3.11 parses every frame's line to place ``^^^`` markers: about 0.9 ms per op
+  call 30 frames deep. While armed, ``traceback.format_stack`` is a version
+  that gives the same frames and code lines without the markers, each frame's
+  text formatted once (:func:`_format_stack`); the original is put back with
+  the flag.
 * :class:`StackDump` gives the backward a temporary dump folder, reads the
   stacks of the nodes the capture walked and removes the folder.
 * :func:`user_frames` keeps the frames of the user's code, outermost first:
@@ -22,13 +28,16 @@ Nothing here runs on a step that is not captured.
 
 from __future__ import annotations
 
+import linecache
 import os
 import re
 import shutil
 import site
+import sys
 import sysconfig
 import tempfile
 import threading
+import traceback
 from typing import Any
 
 import paddle
@@ -41,6 +50,31 @@ FLAG = "FLAGS_call_stack_level"
 _LOCK = threading.Lock()
 _ARMED = 0  # captures holding the flag on
 _PREVIOUS: int | None = None  # the user's value, put back when the last one disarms
+_ORIGINAL_FORMAT = traceback.format_stack
+_FRAME_TEXT: dict[tuple[Any, int], str] = {}  # (code object, line) -> its text; emptied on disarm
+
+
+def _format_stack(f: Any = None, limit: int | None = None) -> list[str]:
+    """``traceback.format_stack`` without the column markers: one string per frame,
+    outermost first, ``  File "...", line N, in fn\n    code\n``."""
+    if f is None:
+        f = sys._getframe(1)
+    out = []
+    text = _FRAME_TEXT
+    while f is not None:
+        key = (f.f_code, f.f_lineno)
+        t = text.get(key)
+        if t is None:
+            co = f.f_code
+            line = linecache.getline(co.co_filename, f.f_lineno).strip()
+            t = text[key] = f'  File "{co.co_filename}", line {f.f_lineno}, in {co.co_name}\n' + (
+                f"    {line}\n" if line else "")
+        out.append(t)
+        f = f.f_back
+    if limit is not None:
+        out = out[:limit] if limit >= 0 else out[limit:]  # as traceback counts: innermost first
+    out.reverse()
+    return out
 
 
 def arm() -> bool:
@@ -54,6 +88,8 @@ def arm() -> bool:
                     paddle.set_flags({FLAG: 3})
             except Exception:
                 return False
+            if traceback.format_stack is _ORIGINAL_FORMAT:
+                traceback.format_stack = _format_stack
         _ARMED += 1
         return True
 
@@ -65,6 +101,10 @@ def disarm() -> None:
         if _ARMED == 0:
             return
         _ARMED -= 1
+        if _ARMED == 0:
+            if traceback.format_stack is _format_stack:
+                traceback.format_stack = _ORIGINAL_FORMAT
+            _FRAME_TEXT.clear()
         if _ARMED == 0 and _PREVIOUS is not None:
             previous, _PREVIOUS = _PREVIOUS, None
             if previous < 3:
