@@ -1077,17 +1077,13 @@ def main(argv: list[str] | None = None) -> int:
             table.add(name, "graph captured (grad_stats=True)", f"{len(g.nodes)} nodes",
                       f"{sum(1 for e in g.edges if e.grad is not None and e.grad.norm is not None)} gradients measured")
             del model, g
-    if "saved" not in args.skip:
+    for group, bench in (("saved", bench_saved), ("sources", bench_sources)):  # captured step with / without
+        if group in args.skip:
+            continue
         for name, make, n in (("encoder", paddle_transformer, reps["tr_steps"]),
                               ("resnet50", paddle_resnet50, reps["r50_steps"])):
             model, loss_fn = make()
-            bench_saved(table, name, model, loss_fn, n)
-            del model
-    if "sources" not in args.skip:
-        for name, make, n in (("encoder", paddle_transformer, reps["tr_steps"]),
-                              ("resnet50", paddle_resnet50, reps["r50_steps"])):
-            model, loss_fn = make()
-            bench_sources(table, name, model, loss_fn, n)
+            bench(table, name, model, loss_fn, n)
             del model
     if "huge" not in args.skip:
         bench_huge(table, explorer="explorer" not in args.skip)

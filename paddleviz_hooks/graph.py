@@ -105,7 +105,7 @@ class SourceFrame(NamedTuple):
 #: Why an op node has no :attr:`Node.source` (worded in ``paddleviz_hooks.text``):
 #: ``"static"`` an op inside a to_static program; ``"internal"`` made by Paddle
 #: with no Python caller of the user's; ``"unrecorded"`` its forward ran before
-#: the capture was decided (or with Paddle's own dump path in use).
+#: the capture was armed or decided (or with Paddle's own dump path in use).
 SOURCE_NOTES = ("static", "internal", "unrecorded")
 
 

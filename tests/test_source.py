@@ -318,3 +318,16 @@ def test_flag_and_dump_folder_restored_on_errors_and_interrupts():
     # the same model afterwards: captured normally
     _, g = _capture()
     assert all(n.source for n in g.nodes if n.kind == "op")
+
+
+def test_a_forward_run_before_the_block_is_said_unrecorded():
+    paddle.seed(0)
+    net = M.Net()
+    loss = M.loss_of(net, paddle.randn([3, 6]))  # before the capture: Paddle kept no stack
+    # (the recomputed block is made again inside the backward, in the block: those lines are known)
+    with capture_backward(net) as cap:
+        loss.backward()
+    ops = [n for n in cap.graph.nodes if n.kind == "op"]
+    made_again = [n for n in ops if n.layer in ("block", "block.lin") and not n.op.startswith("PyLayer")]
+    assert len(made_again) == 4 and all(n.source[-1].function == "forward" for n in made_again)
+    assert all(n.source is None and n.source_note == "unrecorded" for n in ops if n not in made_again)

@@ -173,6 +173,7 @@ def parse_call_stacks(text: str) -> dict[int, list[SourceFrame]]:
     """Paddle's ``*_call_stack.log``: node address -> frames (outermost first), each with its code line."""
     stacks: dict[int, list[SourceFrame]] = {}
     frames: list[SourceFrame] | None = None
+    seen: dict[SourceFrame, SourceFrame] = {}  # one object per distinct frame
     for line in text.splitlines():
         m = _HEADER.match(line)
         if m:
@@ -185,6 +186,8 @@ def parse_call_stacks(text: str) -> dict[int, list[SourceFrame]]:
             frames.append(SourceFrame(m.group(1), int(m.group(2)), m.group(3), ""))
         elif line.startswith("    ") and frames and not frames[-1].code and not _CARETS.match(line):
             frames[-1] = frames[-1]._replace(code=line.strip())
+    for frames in stacks.values():
+        frames[:] = [seen.setdefault(f, f) for f in frames]
     return stacks
 
 
@@ -208,16 +211,29 @@ def _dirs() -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
 _NEVER, _STDLIB, _INSTALLED = _dirs()
 
 
-def _path(f: SourceFrame) -> str:
-    return f.file if f.file.startswith("<") else os.path.abspath(f.file)
+_USER, _NOT_USER, _INSTALLED_PKG, _OWN = 0, 1, 2, 3
+_KINDS: dict[str, int] = {}  # file -> one of the above (a few hundred files at most)
 
 
-def _never_user(path: str) -> bool:
-    """Paddle, this package, the standard library (an installed package under the
-    standard library's folder, as in a system Python, is no part of it)."""
-    if path.startswith(("<frozen ", *_NEVER)):
-        return True
-    return path.startswith(_STDLIB) and not path.startswith(_INSTALLED)
+def _kind(file: str) -> int:
+    """Whose a frame's file is: the user's, never the user's (Paddle, this package, the
+    standard library: an installed package under its folder, as in a system Python, is no
+    part of it), an installed package's; this package is also told apart."""
+    k = _KINDS.get(file)
+    if k is None:
+        path = file if file.startswith("<") else os.path.abspath(file)
+        if path.startswith(_OWN_DIR):
+            k = _OWN
+        elif path.startswith(("<frozen ", *_NEVER)) or (path.startswith(_STDLIB) and not path.startswith(_INSTALLED)):
+            k = _NOT_USER
+        elif path.startswith(_INSTALLED):
+            k = _INSTALLED_PKG
+        else:
+            k = _USER
+        if len(_KINDS) > 10000:
+            _KINDS.clear()
+        _KINDS[file] = k
+    return k
 
 
 def user_frames(frames: list[SourceFrame], after_own: bool = False) -> tuple[SourceFrame, ...]:
@@ -229,19 +245,19 @@ def user_frames(frames: list[SourceFrame], after_own: bool = False) -> tuple[Sou
             (a recomputed forward runs inside a backward this package started:
             what came before is the step's ``backward()`` call, not the block).
     """
+    kinds = [_kind(f.file) for f in frames]
     if after_own:
-        last = max((i for i, f in enumerate(frames) if _path(f).startswith(_OWN_DIR)), default=-1)
-        frames = frames[last + 1:]
+        last = max((i for i, k in enumerate(kinds) if k == _OWN), default=-1)
+        frames, kinds = frames[last + 1:], kinds[last + 1:]
     out: list[SourceFrame] = []
-    for f in frames:
-        path = _path(f)
-        if _never_user(path):
+    for f, k in zip(frames, kinds):
+        if k in (_NOT_USER, _OWN):
             continue
-        if not out and path.startswith(_INSTALLED):
+        if not out and k == _INSTALLED_PKG:
             continue  # a launcher before the user's first own frame
         out.append(f)
     if not out:  # only installed packages: the user's code is one of them
-        out = [f for f in frames if not _never_user(_path(f))]
+        out = [f for f, k in zip(frames, kinds) if k == _INSTALLED_PKG]
     return tuple(out)
 
 
@@ -255,7 +271,7 @@ def apply_stacks(nodes: list[Node], ptrs: list[int | None], stacks: dict[int, li
         program_note: ``Node.note`` of ops opened from a to_static program.
         nested: the walk is a backward run inside another (a recomputed forward).
     """
-    cache: dict[int, tuple[SourceFrame, ...]] = {}
+    cache: dict[tuple, tuple[SourceFrame, ...]] = {}
     for n, p in zip(nodes, ptrs):
         if n.kind != "op" or n.source is not None:
             continue
@@ -263,16 +279,16 @@ def apply_stacks(nodes: list[Node], ptrs: list[int | None], stacks: dict[int, li
             n.source_note = "static"
             continue
         raw = stacks.get(p) if stacks is not None and p is not None else None
-        if stacks is None:
+        if not raw:  # no dump, or a node made while the flag was off (a forward run before the block)
             n.source_note = "unrecorded"
             continue
-        key = id(raw) if raw is not None else 0
+        key = tuple(raw)
         frames = cache.get(key)
         if frames is None:
-            frames = cache[key] = user_frames(raw or [], after_own=nested)
+            frames = cache[key] = user_frames(raw, after_own=nested)
         if frames:
             n.source = frames
-        else:
+        else:  # a stack of Paddle's and the standard library's frames only
             n.source_note = "internal"
 
 
