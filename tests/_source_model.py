@@ -68,3 +68,15 @@ def marked_lines(path: str | None = None) -> dict[int, set[str]]:
             if "# ops: " in line and not line.lstrip().startswith(("#", '"')):
                 out[i] = {s.strip() for s in line.split("# ops: ", 1)[1].split(",")}
     return out
+
+
+class Convs(nn.Layer):
+    """Conv2d and add_n: Paddle keeps no call stack on their grad nodes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2D(2, 2, 3, padding=1)
+
+    def forward(self, x):
+        h = self.conv(x)  # ops: Conv2d, Add, Reshape
+        return paddle.add_n([h, x * 2])  # ops: AddN, Scale

@@ -331,3 +331,21 @@ def test_a_forward_run_before_the_block_is_said_unrecorded():
     made_again = [n for n in ops if n.layer in ("block", "block.lin") and not n.op.startswith("PyLayer")]
     assert len(made_again) == 4 and all(n.source[-1].function == "forward" for n in made_again)
     assert all(n.source is None and n.source_note == "unrecorded" for n in ops if n not in made_again)
+
+
+def test_ops_paddle_keeps_no_stack_for_have_their_line_too():
+    """Conv2d and add_n grad nodes carry no stack in Paddle 3.3: their entry points are
+    wrapped while the flag is on (and put back with it)."""
+    from paddle import _C_ops
+
+    before = (_C_ops.conv2d, _C_ops.add_n)
+    paddle.seed(0)
+    net = M.Convs()
+    with capture_backward(net) as cap:
+        net(paddle.randn([1, 2, 4, 4])).mean().backward()
+    assert (_C_ops.conv2d, _C_ops.add_n) == before
+    marks = M.marked_lines()
+    ops = [n for n in cap.graph.nodes if n.kind == "op" and n.op != "Mean"]
+    assert {"Conv2d", "AddN"} <= {n.op for n in ops}
+    for n in ops:
+        assert n.source and n.op in marks[n.source[-1].line], n

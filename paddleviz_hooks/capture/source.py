@@ -16,6 +16,10 @@ by the node's address (``grad_fn.node_ptr()``), when a backward is given a
   that gives the same frames and code lines without the markers, each frame's
   text formatted once (:func:`_format_stack`); the original is put back with
   the flag.
+* A few ops are made by hand-written Paddle code that keeps no stack on
+  their grad node (``Conv2dGradNodeFinal``, ``AddNGradNodeFinal``). While
+  armed, their ``paddle._C_ops`` entry points are wrapped to note the
+  caller's frames by the node's address (:data:`UNTRACED_OPS`).
 * :class:`StackDump` gives the backward a temporary dump folder, reads the
   stacks of the nodes the capture walked and removes the folder.
 * :func:`user_frames` keeps the frames of the user's code, outermost first:
@@ -43,6 +47,7 @@ from typing import Any
 import paddle
 
 from ..graph import Node, SourceFrame
+from .gradnode import grad_fn
 
 __all__ = ["arm", "disarm", "armed", "StackDump", "parse_call_stacks", "user_frames", "apply_stacks", "prefix_recomputed"]
 
@@ -77,6 +82,68 @@ def _format_stack(f: Any = None, limit: int | None = None) -> list[str]:
     return out
 
 
+#: ``paddle._C_ops`` functions whose grad node Paddle 3.3 leaves without a call stack
+UNTRACED_OPS = ("conv2d", "add_n")
+_WRAPPED: dict[str, Any] = {}  # name -> the original, while armed
+_MADE: dict[int, list[SourceFrame]] = {}  # node address -> the frames that made it
+_FRAMES: dict[tuple[Any, int], SourceFrame] = {}
+
+
+def _frames_of(f: Any) -> list[SourceFrame]:
+    """The stack from frame ``f`` outwards, outermost first."""
+    out = []
+    while f is not None:
+        key = (f.f_code, f.f_lineno)
+        fr = _FRAMES.get(key)
+        if fr is None:
+            co = f.f_code
+            fr = _FRAMES[key] = SourceFrame(co.co_filename, f.f_lineno, co.co_name,
+                                            linecache.getline(co.co_filename, f.f_lineno).strip())
+        out.append(fr)
+        f = f.f_back
+    out.reverse()
+    return out
+
+
+def _traced(name: str, original: Any) -> Any:
+    def op(*args: Any, **kwargs: Any) -> Any:
+        out = original(*args, **kwargs)
+        try:
+            gf = grad_fn(out)
+            if gf is not None:
+                _MADE[gf.node_ptr()] = _frames_of(sys._getframe(1))
+        except Exception:  # never break the forward
+            pass
+        return out
+
+    op.__name__ = op.__qualname__ = name
+    op.__wrapped__ = original
+    return op
+
+
+def _wrap_untraced(on: bool) -> None:
+    from paddle import _C_ops
+
+    if on:
+        for name in UNTRACED_OPS:
+            original = getattr(_C_ops, name, None)
+            if original is not None and name not in _WRAPPED:
+                _WRAPPED[name] = original
+                setattr(_C_ops, name, _traced(name, original))
+        return
+    for name, original in list(_WRAPPED.items()):
+        setattr(_C_ops, name, original)
+        del _WRAPPED[name]
+
+
+def fill_untraced(stacks: dict[int, list[SourceFrame]]) -> None:
+    """Give the nodes of ``stacks`` that Paddle left without a stack what the wrapped
+    ops noted for them (each note is used once; the rest wait for another backward,
+    such as the one that made a recomputed block run inside this one)."""
+    for ptr in [p for p in _MADE if p in stacks and not stacks[p]]:
+        stacks[ptr] = _MADE.pop(ptr)
+
+
 def arm() -> bool:
     """Record forward call stacks from now on (one more holder); False when it could not."""
     global _ARMED, _PREVIOUS
@@ -90,6 +157,8 @@ def arm() -> bool:
                 return False
             if traceback.format_stack is _ORIGINAL_FORMAT:
                 traceback.format_stack = _format_stack
+            _MADE.clear()
+            _wrap_untraced(True)
         _ARMED += 1
         return True
 
@@ -104,7 +173,9 @@ def disarm() -> None:
         if _ARMED == 0:
             if traceback.format_stack is _format_stack:
                 traceback.format_stack = _ORIGINAL_FORMAT
+            _wrap_untraced(False)
             _FRAME_TEXT.clear()
+            _FRAMES.clear()
         if _ARMED == 0 and _PREVIOUS is not None:
             previous, _PREVIOUS = _PREVIOUS, None
             if previous < 3:
@@ -153,9 +224,13 @@ class StackDump:
         return stacks
 
     def collect(self) -> dict[int, list[SourceFrame]] | None:
-        """:meth:`read`, then the folder removed; None (never an error) when nothing could be read."""
+        """:meth:`read` with what the wrapped ops noted (:data:`UNTRACED_OPS`), then the
+        folder removed; None (never an error) when nothing could be read."""
         try:
-            return self.read()
+            stacks = self.read()
+            if stacks is not None:
+                fill_untraced(stacks)
+            return stacks
         except Exception:
             return None
         finally:
@@ -164,31 +239,54 @@ class StackDump:
                 shutil.rmtree(d, ignore_errors=True)
 
 
-_HEADER = re.compile(r"^GradNodeBase \S+ ptr : (0x[0-9a-fA-F]+) call stack:")
-_FRAME = re.compile(r'^  File "(.*)", line (\d+), in (.*)$')
+_HEADER = re.compile(r"\S+ ptr : (0x[0-9a-fA-F]+) call stack:")
+_FIRST = re.compile(r'(.*)", line (\d+), in (.*)$')
 _CARETS = re.compile(r"^\s*[\^~]+\s*$")
 
 
 def parse_call_stacks(text: str) -> dict[int, list[SourceFrame]]:
-    """Paddle's ``*_call_stack.log``: node address -> frames (outermost first), each with its code line."""
+    """Paddle's ``*_call_stack.log``: node address -> frames (outermost first), each with its code line.
+
+    Each node is ``GradNodeBase <Name> ptr : 0x<address> call stack:`` then
+    ``traceback.format_stack`` text; a frame's text, repeated by every node
+    made under it, is parsed once.
+
+    Example:
+        >>> log = "\\n".join(["GradNodeBase TanhGradNode ptr : 0x1f call stack: ",
+        ...     '  File "/src/train.py", line 40, in <module>', "    loss = net(x)",
+        ...     '  File "/src/model.py", line 19, in squash', "    h = paddle.tanh(h)", ""])
+        >>> parse_call_stacks(log)[0x1f][-1]
+        SourceFrame(file='/src/model.py', line=19, function='squash', code='h = paddle.tanh(h)')
+    """
     stacks: dict[int, list[SourceFrame]] = {}
-    frames: list[SourceFrame] | None = None
-    seen: dict[SourceFrame, SourceFrame] = {}  # one object per distinct frame
-    for line in text.splitlines():
-        m = _HEADER.match(line)
-        if m:
-            frames = stacks.setdefault(int(m.group(1), 16), [])
+    parsed: dict[str, SourceFrame | None] = {}
+    for block in text.split("GradNodeBase ")[1:]:
+        head, _, body = block.partition("\n")
+        m = _HEADER.match(head)
+        if m is None:
             continue
-        if frames is None:
-            continue
-        m = _FRAME.match(line)
-        if m:
-            frames.append(SourceFrame(m.group(1), int(m.group(2)), m.group(3), ""))
-        elif line.startswith("    ") and frames and not frames[-1].code and not _CARETS.match(line):
-            frames[-1] = frames[-1]._replace(code=line.strip())
-    for frames in stacks.values():
-        frames[:] = [seen.setdefault(f, f) for f in frames]
+        frames = stacks.setdefault(int(m.group(1), 16), [])
+        for chunk in body.split('  File "')[1:]:
+            f = parsed.get(chunk, False)
+            if f is False:
+                f = parsed[chunk] = _frame(chunk)
+            if f is not None:
+                frames.append(f)
     return stacks
+
+
+def _frame(chunk: str) -> SourceFrame | None:
+    """One frame of ``traceback.format_stack`` text, after its ``  File "``."""
+    first, _, rest = chunk.partition("\n")
+    m = _FIRST.match(first)
+    if m is None:
+        return None
+    code = ""
+    for line in rest.split("\n"):
+        if line.startswith("    ") and not _CARETS.match(line):
+            code = line.strip()
+            break
+    return SourceFrame(m.group(1), int(m.group(2)), m.group(3), code)
 
 
 _OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
