@@ -250,6 +250,7 @@ def bench_sources(table: Table, name: str, model, loss_fn, repeats: int) -> None
     """Captured step with and without source lines; an uncaptured step under a recorder whose
     trigger watch is active on every step, with and without them (the flag must stay off)."""
     from paddleviz_hooks import BackwardGraphRecorder
+    from paddleviz_hooks.capture import source
 
     times, cpu, graph = _interleaved(model, loss_fn, {"without": {"sources": False}, "sources": {}}, repeats)
     section = name + ":sources"
@@ -262,17 +263,26 @@ def bench_sources(table: Table, name: str, model, loss_fn, repeats: int) -> None
               f"JSON {len(graph.to_json()) / 1e3:.0f} kB with, "
               f"{len(graph.to_json().encode()) - len(_without_sources(graph).to_json().encode()):+d} bytes for them")
     flags: list[int] = []
+    arms = [0]
+    real_arm = source.arm
+
+    def counted_arm() -> bool:
+        arms[0] += 1
+        return real_arm()
+
     with tempfile.TemporaryDirectory() as tmp:
         recs = {k: BackwardGraphRecorder(os.path.join(tmp, k), model, steps=[10 ** 9], capture_first=False,
                                          on_structure_change=True, formats=("json",), visualdl=False, verbose=0,
                                          sources=(k == "sources"))
                 for k in ("without", "sources")}
         t: dict[str, list[float]] = {k: [] for k in recs}
+        c: dict[str, list[float]] = {k: [] for k in recs}
+        source.arm = counted_arm
         try:
             for i in range(repeats + 1):
                 for k, rec in recs.items():
                     gc.collect()
-                    t0 = time.perf_counter()
+                    c0, t0 = time.process_time(), time.perf_counter()
                     with rec.step(i + 1):
                         loss = loss_fn()
                         flags.append(int(paddle.get_flags("FLAGS_call_stack_level")["FLAGS_call_stack_level"]))
@@ -280,13 +290,16 @@ def bench_sources(table: Table, name: str, model, loss_fn, repeats: int) -> None
                     model.clear_gradients()
                     if i:  # the first is a warm-up
                         t[k].append(time.perf_counter() - t0)
+                        c[k].append(time.process_time() - c0)
         finally:
+            source.arm = real_arm
             for rec in recs.values():
                 rec.close()
     u, uw = med(t["sources"]), med(t["without"])
     table.add(section, "uncaptured step (trigger watch on), sources=True / sources=False", f"{u / uw:.3f}x",
-              f"{fmt_s(u)} vs {fmt_s(uw)}; call-stack flag during those forwards: {sorted(set(flags))}",
-              ratio=u / uw)
+              f"{fmt_s(u)} vs {fmt_s(uw)}, CPU time {med(c['sources']) / med(c['without']):.3f}x (same code: "
+              f"noise); flag armed {arms[0]} times, call-stack flag in those forwards: {sorted(set(flags))}",
+              ratio=u / uw, arms=arms[0])
 
 
 def _without_sources(graph):

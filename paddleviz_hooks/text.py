@@ -542,7 +542,8 @@ def box_lines(node: Node) -> list[str]:
 SOURCE_NOTES_TEXT = {
     "static": "no Python line: a to_static program (its ops run compiled)",
     "internal": "no Python line: made inside Paddle, not called from your code",
-    "unrecorded": "forward line not recorded: its forward ran before the capture was armed or decided",
+    "unrecorded": "forward line not recorded: its forward ran before the capture was armed or decided "
+                  "(or Paddle kept no stack for this op)",
 }
 _SOURCE_SHOWN = 4  # outer frames named after the innermost one
 
