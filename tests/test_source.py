@@ -349,3 +349,19 @@ def test_ops_paddle_keeps_no_stack_for_have_their_line_too():
     assert {"Conv2d", "AddN"} <= {n.op for n in ops}
     for n in ops:
         assert n.source and n.op in marks[n.source[-1].line], n
+
+
+def test_sources_with_saved_memory_leave_every_op_as_paddle_had_it():
+    """saved_memory wraps every _C_ops function as well: both come and go in any order."""
+    from paddle import _C_ops
+
+    before = {n: getattr(_C_ops, n) for n in ("conv2d", "add_n", "matmul")}
+    paddle.seed(0)
+    net = M.Convs()
+    for _ in range(2):  # a second forward after the first backward re-arms both
+        with capture_backward(net, saved_memory=True) as cap:
+            net(paddle.randn([1, 2, 4, 4])).mean().backward()
+            net(paddle.randn([1, 2, 4, 4])).mean().backward()
+        assert {n: getattr(_C_ops, n) for n in before} == before
+    conv = next(n for n in cap.graph.nodes if n.op == "Conv2d")
+    assert conv.source and conv.saved_bytes > 0

@@ -84,7 +84,7 @@ def _format_stack(f: Any = None, limit: int | None = None) -> list[str]:
 
 #: ``paddle._C_ops`` functions whose grad node Paddle 3.3 leaves without a call stack
 UNTRACED_OPS = ("conv2d", "add_n")
-_WRAPPED: dict[str, Any] = {}  # name -> the original, while armed
+_WRAPPED: dict[str, tuple[Any, Any]] = {}  # name -> (what was there, our wrapper), while armed
 _MADE: dict[int, list[SourceFrame]] = {}  # node address -> the frames that made it
 _FRAMES: dict[tuple[Any, int], SourceFrame] = {}
 
@@ -128,11 +128,14 @@ def _wrap_untraced(on: bool) -> None:
         for name in UNTRACED_OPS:
             original = getattr(_C_ops, name, None)
             if original is not None and name not in _WRAPPED:
-                _WRAPPED[name] = original
-                setattr(_C_ops, name, _traced(name, original))
+                _WRAPPED[name] = (original, _traced(name, original))
+                setattr(_C_ops, name, _WRAPPED[name][1])
         return
-    for name, original in list(_WRAPPED.items()):
-        setattr(_C_ops, name, original)
+    for name, (original, ours) in list(_WRAPPED.items()):
+        # saved-memory observing (saved.py) wraps every _C_ops function too and puts
+        # Paddle's own back when it stops: only our own wrapper is replaced here
+        if getattr(_C_ops, name, None) is ours:
+            setattr(_C_ops, name, original)
         del _WRAPPED[name]
 
 
