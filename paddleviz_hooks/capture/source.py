@@ -56,7 +56,8 @@ _LOCK = threading.Lock()
 _ARMED = 0  # captures holding the flag on
 _PREVIOUS: int | None = None  # the user's value, put back when the last one disarms
 _ORIGINAL_FORMAT = traceback.format_stack
-_FRAME_TEXT: dict[tuple[Any, int], str] = {}  # (code object, line) -> its text; emptied on disarm
+# (id of the code object, instruction) -> (the code object, its frame's text); emptied on disarm
+_FRAME_TEXT: dict[tuple[int, int], tuple[Any, str]] = {}
 
 
 def _format_stack(f: Any = None, limit: int | None = None) -> list[str]:
@@ -67,14 +68,14 @@ def _format_stack(f: Any = None, limit: int | None = None) -> list[str]:
     out = []
     text = _FRAME_TEXT
     while f is not None:
-        key = (f.f_code, f.f_lineno)
-        t = text.get(key)
-        if t is None:
-            co = f.f_code
+        co = f.f_code
+        key = (id(co), f.f_lasti)  # f_lineno is worked out from the line table on each read: slower
+        hit = text.get(key)
+        if hit is None or hit[0] is not co:
             line = linecache.getline(co.co_filename, f.f_lineno).strip()
-            t = text[key] = f'  File "{co.co_filename}", line {f.f_lineno}, in {co.co_name}\n' + (
-                f"    {line}\n" if line else "")
-        out.append(t)
+            hit = text[key] = (co, f'  File "{co.co_filename}", line {f.f_lineno}, in {co.co_name}\n' + (
+                f"    {line}\n" if line else ""))
+        out.append(hit[1])
         f = f.f_back
     if limit is not None:
         out = out[:limit] if limit >= 0 else out[limit:]  # as traceback counts: innermost first
