@@ -62,6 +62,10 @@ class BackwardGraphRecorder:
             at :meth:`begin_step` of a selected step, so run the forward
             inside the step; steps captured by a trigger are not covered.
             Default False.
+        sources: on captured steps, record the line of the user's code that
+            called each op's forward (``Node.source``, shown in every view),
+            armed the same way as ``saved_memory``; ops of steps captured by a
+            trigger say it was not recorded. Default True.
         color_by: ``"saved_memory"`` shades ops and layer boxes of the
             pictures by the bytes they saved for backward, with the range of
             each shade in the legend (needs ``saved_memory=True``; a capture
@@ -174,6 +178,7 @@ class BackwardGraphRecorder:
         max_captures: int | None = None,
         grad_stats: bool = True,
         saved_memory: bool = False,
+        sources: bool = True,
         color_by: str | None = None,
         view_max_nodes: int | None = None,
         view_max_px: int = 2000,
@@ -198,7 +203,7 @@ class BackwardGraphRecorder:
             raise TypeError(f"model must be a paddle.nn.Layer or None, got {type(model).__name__}")
         self.options = RecorderOptions.check(
             log_dir, every, steps, capture_first=capture_first, max_captures=max_captures,
-            grad_stats=grad_stats, saved_memory=saved_memory, color_by=color_by, view_max_nodes=view_max_nodes,
+            grad_stats=grad_stats, saved_memory=saved_memory, sources=sources, color_by=color_by, view_max_nodes=view_max_nodes,
             view_max_px=view_max_px,
             viewer_px=viewer_px,
             formats=formats, visualdl=visualdl, sinks=sinks, visualdl_graphs=visualdl_graphs,
@@ -384,8 +389,11 @@ class BackwardGraphRecorder:
             except Exception as exc:
                 self._step_capture = None
                 self._warn("arm", f"capture could not start: {exc!r}")
-        elif scheduled and self.options.saved_memory and self._watch is not None:
-            self._watch.observe_saved(True)  # this step's forward only
+        elif scheduled and self._watch is not None:
+            if self.options.saved_memory:
+                self._watch.observe_saved(True)  # this step's forward only
+            if self.options.sources:
+                self._watch.observe_sources(True)
         return scheduled
 
     def end_step(self) -> None:
@@ -398,6 +406,7 @@ class BackwardGraphRecorder:
             cap.__exit__(None, None, None)
         if self._watch is not None:
             self._watch.observe_saved(False)
+            self._watch.observe_sources(False)
         self._flush()
 
     def read_applied_gradients(self) -> None:
@@ -485,7 +494,7 @@ class BackwardGraphRecorder:
     def _new_capture(self, watch: bool = False, saved_memory: bool = False) -> BackwardCapture:
         """The trigger watch (``watch=True``) or a scheduled step's capture."""
         names = not watch or self._watch_names_layers
-        return BackwardCapture(
+        cap = BackwardCapture(
             self.model if names else None,
             params=None if names else self.model,
             grad_stats=self.options.grad_stats,
@@ -496,7 +505,11 @@ class BackwardGraphRecorder:
             else None,
             warn=self._warn,  # one warning per cause for the whole run
             saved_memory=saved_memory,
+            sources=self.options.sources,
         )
+        # the watch is active on every step: it records sources only for the steps begin_step selects
+        cap.sources_from_enter = not watch
+        return cap
 
     def _decide(self, roots: list[Any], walk: Any) -> str | None:
         if self._replaying:
@@ -539,7 +552,8 @@ class BackwardGraphRecorder:
 
     def _capture_replayed(self, trigger: str) -> None:
         """Capture this step by replaying its forward and backward (param.grad untouched)."""
-        cap = BackwardCapture(self.model, grad_stats=self.options.grad_stats, warn=self._warn)
+        cap = BackwardCapture(self.model, grad_stats=self.options.grad_stats, warn=self._warn,
+                              sources=self.options.sources)
         self._replaying = True
         try:
             with cap:
