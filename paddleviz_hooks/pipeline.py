@@ -35,6 +35,7 @@ from .sinks.files import StepFiles
 from .sinks.vdl_graph import write_vdl_graph
 from .sinks.visualdl import (LAYER_NORM_GROUP, SAVED_MEMORY_GROUP, SCALAR_GROUP, TagPages, VisualDLSink, encode_like_visualdl,
                              png_to_array)
+from .findings import record_of
 from .text import backward_role, capture_title, diff_summary, graph_summary
 from .warn import WarnOnce
 
@@ -338,18 +339,16 @@ class CapturePipeline:
         opts, files = self.options, self.files
         graph, step, trigger, suffix = job.graph, job.step, job.trigger, job.suffix
         prev = self._prev.get(suffix)  # the same backward of an earlier step
-        # a replayed step (the NaN origin's replay) is rooted at the model output, not the loss:
-        # compared with ordinary captures it would report its missing loss ops as a structure change
-        replayed = bool(graph.meta.get("replayed"))
+        # a replayed step (rooted at the model output) is compared too: diff_graphs leaves the
+        # loss ops of the other graph out (GraphDiff.replayed)
         diff = None
-        if prev is not None and not replayed:
+        if prev is not None:
             try:
                 diff = diff_graphs(prev[0], graph)
             except Exception as exc:
                 self._warn("diff", f"comparing with the previous capture failed: {exc!r}")
         path = self._json_path(graph, step, suffix)
-        if not replayed:
-            self._prev[suffix] = (graph, path)
+        self._prev[suffix] = (graph, path)
         if "dot" in opts.formats:
             files.write(step, "dot", to_dot(graph, title=_title(step, trigger, graph), **_shading(opts, graph)),
                         suffix=suffix)
@@ -564,7 +563,7 @@ def _shading(options: RecorderOptions, graph: BackwardGraph) -> dict[str, Any]:
 
 def _title(step: int, trigger: str, graph: BackwardGraph) -> str:
     meta = graph.meta
-    return capture_title(step, trigger, backward_role(meta.get("backward")), origin=meta.get("nonfinite_origin"))
+    return capture_title(step, trigger, backward_role(meta.get("backward")), origin=record_of(graph).origin)
 
 
 def _join(name: str, suffix: str) -> str:
