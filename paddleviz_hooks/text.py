@@ -60,6 +60,7 @@ __all__ = [
     "ORIGIN_NO_GRAD",
     "ORIGIN_NO_NODE",
     "STARTS_HERE",
+    "origin_badge",
     "diff_summary",
     "edge_lines",
     "fmt_bytes",
@@ -368,8 +369,19 @@ ORIGIN_NO_NODE = "without a grad node in this graph (e.g. inside a compiled prog
 ORIGIN_LEGEND = "where the NaN/Inf starts"
 #: The mark of the first node whose gradient turned non-finite (a fact apart from the origin).
 FIRST_GRADIENT = "first non-finite gradient"
-#: The badge of the origin in lists (report, notebook).
+#: The badge of a forward origin in lists (report): the op where the NaN/Inf starts.
 STARTS_HERE = "starts here"
+
+
+def origin_badge(origin: NonfiniteOrigin | dict[str, Any]) -> str:
+    """The badge naming the record's origin in a list: :data:`STARTS_HERE` for an op of the
+    forward, ``cause`` for the other kinds (the input data, the weights, the loss, the backward).
+
+    Example:
+        >>> origin_badge({"kind": "forward", "op": "log"}), origin_badge({"kind": "backward"})
+        ('starts here', 'cause')
+    """
+    return STARTS_HERE if _as_origin(origin).kind == "forward" else "cause"
 
 
 def describe_origin(origin: NonfiniteOrigin | dict[str, Any]) -> str:
@@ -383,7 +395,7 @@ def describe_origin(origin: NonfiniteOrigin | dict[str, Any]) -> str:
         NaN/Inf first produced by op 'sqrt' in layer 'block' (Block) at model.py:16: h = paddle.sqrt(h)
         >>> print(describe_origin({"kind": "forward", "op": "log", "layer": "", "file": "/src/m.py", "line": 3,
         ...                        "needs_grad": False, "dtype": "float32", "nan": 4}))
-        NaN/Inf first produced by op 'log' in the model's own forward at m.py:3, on data that needs no gradient
+        NaN/Inf first produced by op 'log', on data that needs no gradient, in the model's own forward at m.py:3
         >>> print(describe_origin({"kind": "input"}))
         NaN/Inf already in the input data (the batch given to the model)
     """
@@ -403,7 +415,7 @@ def describe_origin(origin: NonfiniteOrigin | dict[str, Any]) -> str:
         if o.code and at:
             at += f": {o.code}"
         place = origin_placement(o)
-        return f"NaN/Inf first produced by op '{o.op}'{where}{at}" + (f", {place}" if place else "")
+        return f"NaN/Inf first produced by op '{o.op}'" + (f", {place}," if place else "") + f"{where}{at}"
     if kind == "outside":
         return f"the model's forward is finite: NaN/Inf made {OUTSIDE_MODEL} (loss function or labels)"
     if kind == "backward":

@@ -41,9 +41,9 @@ from ..escape import clean_svg, html_escape, json_for_script
 from ..graph import BackwardGraph, parse_json
 from ..render import render_diff, render_ranks, render_svg
 from ..findings import record_of
-from ..text import (FIRST_GRADIENT, STARTS_HERE, backward_role, call_name, capture_title, describe_first_gradient,
-                    describe_node, describe_origin, diff_summary, fmt_bytes, fmt_num, graph_summary, plural,
-                    rank_comparison_lines)
+from ..text import (FIRST_GRADIENT, backward_role, call_name, capture_title, describe_first_gradient,
+                    describe_node, describe_origin, diff_summary, fmt_bytes, fmt_num, graph_summary, origin_badge,
+                    plural, rank_comparison_lines)
 from .report_ranks import MergedRun, merged_chart, merged_overview, merged_panel, merged_run
 
 __all__ = ["build_report", "find_step_files", "ReportError"]
@@ -366,7 +366,7 @@ def _chart(run: _Run, ri: int) -> str:
 def _site_list(graph: BackwardGraph) -> str:
     rec = record_of(graph)
     sites = graph.nonfinite_sites() if rec.first_gradient is not None else []
-    head = (f'<p class="bad origin"><span class="badge bad">{_e(STARTS_HERE)}</span> '
+    head = (f'<p class="bad origin"><span class="badge bad">{_e(origin_badge(rec.origin))}</span> '
             f'{_e(describe_origin(rec.origin))}</p>' if rec.origin is not None else "")
     if not sites:
         return head
