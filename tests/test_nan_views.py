@@ -208,16 +208,19 @@ def _key_of_tooltip(stmt: str) -> str:
     return re.search(r"key: ([^|\"]+)", stmt).group(1).strip()
 
 
-def _assert_forward_origin(v: Views, op: str, layer: str, tag: str, in_graph: bool, first_op: str) -> None:
-    line = line_of(tag)
-    at = f"{HERE}:{line}"
+def assert_forward_origin(v: Views, op: str, layer: str, line: int, in_graph: bool, first_op: str,
+                          file: str = HERE) -> None:
+    """Every view of ``v`` names the forward origin ``op`` in ``layer`` at ``file:line`` (its own
+    node when ``in_graph``, else a node added where its output enters the graph) and, apart,
+    the first non-finite gradient at an ``first_op`` node."""
+    at = f"{file}:{line}"
     rec = v.graph.nonfinite
     # the record (JSON): the origin, and the first non-finite gradient as a fact of its own
     o = rec.origin
     assert (o.kind, o.op, o.layer, o.line) == ("forward", op, layer, line)
     assert o.needs_grad is in_graph and (o.key is not None) is in_graph
-    assert o.nan and o.dtype == "float32"  # the tensor it made
-    assert rec.first_gradient is not None and rec.first_gradient.op == first_op
+    assert (o.nan or o.inf) and o.dtype == "float32"  # the tensor it made
+    assert rec.first_gradient is not None and rec.first_gradient.op == first_op.removeprefix("the ")
     node = v.graph.node_by_key()[o.key] if in_graph else v.graph.node_by_key()[rec.entry.key]
     said = f"first produced by op '{op}'"
 
@@ -278,7 +281,7 @@ def test_origin_inside_a_layer_and_the_replay_compared_from_the_model_output(tmp
     run = _run(tmp_path, InLayerNet(), {s: [_batch(s, bad=3)] for s in (1, 2, 3, 4)})
     v = Views(run, 3)
     assert v.graph.meta["replayed"] is True  # step 3 was not scheduled: replayed before the update
-    _assert_forward_origin(v, "sqrt", "block", "sqrt", in_graph=True, first_op="Sqrt")
+    assert_forward_origin(v, "sqrt", "block", line_of("sqrt"), in_graph=True, first_op="Sqrt")
     # compared with step 2 (an ordinary capture rooted at the loss), from the model output
     for text in (v.vdl_text, v.report_panel):
         assert "replayed from the model output" in text, text
@@ -300,7 +303,7 @@ def test_cli_diff_aligns_a_replayed_graph(tmp_path, capsys):
 def test_origin_on_data_that_needs_no_gradient(tmp_path):
     paddle.seed(0)
     run = _run(tmp_path, LogOfDataNet(), {s: [_batch(s, bad=3)] for s in (1, 2, 3, 4)})
-    _assert_forward_origin(Views(run, 3), "log", "", "log", in_graph=False, first_op="Tanh")  # tanh(NaN)
+    assert_forward_origin(Views(run, 3), "log", "", line_of("log"), in_graph=False, first_op="Tanh")  # tanh(NaN)
 
 
 def test_nan_made_only_in_the_backward(tmp_path):
@@ -349,7 +352,7 @@ def test_gradient_accumulation_micro_batches(tmp_path):
     run = _run(tmp_path, InLayerNet(), batches, every=10**6, micro_batches=2)
     v = Views(run, 2, "b2")
     assert v.graph.meta["backward"]["role"] == "micro-batch 2 of 2"
-    _assert_forward_origin(v, "sqrt", "block", "sqrt", in_graph=True, first_op="Sqrt")
+    assert_forward_origin(v, "sqrt", "block", line_of("sqrt"), in_graph=True, first_op="Sqrt")
 
 
 class NormedNet(nn.Layer):

@@ -251,7 +251,7 @@ def _layer_paths(layer: paddle.nn.Layer) -> dict[int, tuple[str, str]]:
 def _from_checker_error(exc: BaseException, layer: paddle.nn.Layer) -> NonfiniteOrigin | None:
     """The origin named by the checker's error: op and the produced tensor's NaN/Inf counts from its
     message, layer and line from its traceback, whether the output needs a gradient from the
-    inputs of the Paddle function the user's line called."""
+    inputs of the innermost Paddle function (the op's wrapper) in it."""
     text = str(exc)
     m = _OP_RE.search(text)
     if m is None:
@@ -260,7 +260,6 @@ def _from_checker_error(exc: BaseException, layer: paddle.nn.Layer) -> Nonfinite
     where = file = line = None
     needs_grad: bool | None = None
     tb = exc.__traceback__
-    user = False  # the frame before was the user's code
     for frame, lineno in traceback.walk_tb(tb):
         owner = frame.f_locals.get("self")
         if owner is not None and id(owner) in paths:
@@ -268,13 +267,12 @@ def _from_checker_error(exc: BaseException, layer: paddle.nn.Layer) -> Nonfinite
         name = os.path.abspath(frame.f_code.co_filename)
         if not name.startswith((_PADDLE_DIR, _OUR_DIR)):
             file, line = frame.f_code.co_filename, lineno  # the innermost line of the user's code
-            user, needs_grad = True, None
-        elif user and name.startswith(_PADDLE_DIR):
-            # the Paddle function the user's line called: its floating-point inputs decide
+        elif name.startswith(_PADDLE_DIR) and not isinstance(owner, paddle.nn.Layer):
+            # a Paddle function (not a layer's __call__/forward): the innermost one holding
+            # floating-point tensors is the op's own wrapper; its inputs decide
             floats = [t for t in tensors_in(dict(frame.f_locals)) if t.is_floating_point()]
             if floats:
                 needs_grad = any(not t.stop_gradient for t in floats)
-            user = False
     traceback.clear_frames(tb)  # the frames hold the replay's tensors
     code = linecache.getline(file, line).strip() if file else ""
     counts = {k: int(v) for k, v in _COUNT_RE.findall(text)}
