@@ -55,6 +55,7 @@ __all__ = [
     "nonfinite_lines",
     "origin_node_lines",
     "origin_placement",
+    "origin_short",
     "origin_output",
     "ORIGIN_LEGEND",
     "ORIGIN_NO_GRAD",
@@ -502,6 +503,16 @@ def origin_mark(origin: NonfiniteOrigin | dict[str, Any]) -> str:
     """
     o = _as_origin(origin)
     return f"NaN/Inf {STARTS_HERE}: {o.op}{_at(o, ', ')}"
+
+
+def origin_short(origin: NonfiniteOrigin | dict[str, Any]) -> str:
+    """The origin mark without the file (VisualDL's Graphs tab shows a node type only after its last dot).
+
+    Example:
+        >>> origin_short({"kind": "forward", "op": "batch_norm", "file": "/src/model.py", "line": 16})
+        'NaN/Inf starts here: batch_norm'
+    """
+    return f"NaN/Inf {STARTS_HERE}: {_as_origin(origin).op}"
 
 
 def origin_node_lines(origin: NonfiniteOrigin | dict[str, Any]) -> list[str]:
@@ -1029,7 +1040,7 @@ def diff_summary(diff: GraphDiff) -> str:
     if diff.replayed:
         gone = _names(sorted({describe(k) for k in diff.left_out}))
         lines.append(f"{diff.replayed} capture {REPLAYED_FROM_OUTPUT}: compared from there"
-                     + (f" (left out of the other: {gone})" if gone else "") + ";")
+                     + (f", the other's ops above it left out ({gone})" if gone else "") + ";")
     if not diff.structure_changed:
         lines.append("same graph structure;")
     else:

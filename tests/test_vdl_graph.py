@@ -156,7 +156,7 @@ def test_nan_origin_is_flagged(tmp_path):
         "forward", op="sqrt", layer="", layer_class="Bad", file="model.py", line=16, code="h = paddle.sqrt(h)",
         key=sqrt.key, needs_grad=True))
     data = vdl_graph(graph)
-    flagged = [n for n in data["nodes"] if n["type"].startswith("NaN/Inf starts here: sqrt, model.py:16")]
+    flagged = [n for n in data["nodes"] if n["type"].startswith("NaN/Inf starts here: sqrt")]
     assert [n["attrs"].get("key") for n in flagged] == [sqrt.key]  # the origin op's own node, named in its type
     assert "model.py:16: h = paddle.sqrt(h)" in flagged[0]["attrs"]["NaN/Inf origin"]
     firsts = [n["attrs"].get("key") for n in data["nodes"] if "first non-finite gradient" in n["attrs"]]

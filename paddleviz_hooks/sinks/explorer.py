@@ -195,7 +195,8 @@ def explorer_graph(graph: BackwardGraph, graph_id: str) -> dict[str, Any]:
         entry = mark.entry
         nodes.append({
             "id": ORIGIN_NODE, "label": " ".join(origin_node_lines(rec.origin)),
-            "namespace": spaces[entry] if entry is not None else "",
+            # in its layer's box: the entry's, unless the origin ran in the model's own forward
+            "namespace": spaces[entry] if entry is not None and rec.origin.layer else "",
             "attrs": [_kv("node", origin_node_lines(rec.origin)[0]), _kv("NaN/Inf origin", describe_origin(rec.origin))],
             "incomingEdges": ([{"sourceNodeId": str(entry), "sourceNodeOutputId": "origin", "targetNodeInputId": "0"}]
                               if entry is not None else []),
@@ -259,6 +260,9 @@ def _nonfinite_data(graph: BackwardGraph) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for nid, c in _produced_nonfinite(graph).items():
         results[str(nid)] = {"value": c}
+    if origin == ORIGIN_NODE:  # the node added for an origin op: the NaN/Inf elements the op made
+        o = record_of(graph).origin
+        results[origin] = {"value": (o.nan or 0) + (o.inf or 0)}
     if origin is not None:
         results.setdefault(origin, {"value": 0}).update(bgColor=_ORIGIN_RED, textColor="#ffffff")
     return {"name": "NaN/Inf elements (red: where it starts)", "results": results,

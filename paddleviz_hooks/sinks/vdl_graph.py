@@ -46,7 +46,7 @@ from ..collapse import call_paths
 from ..escape import vdl_graph_name
 from ..graph import BackwardGraph, GradMeta, Node
 from ..findings import marks, record_of
-from ..text import FIRST_GRADIENT, NOT_OBSERVED, describe_origin, edge_lines, fmt_num, layer_name, origin_mark
+from ..text import FIRST_GRADIENT, NOT_OBSERVED, describe_origin, edge_lines, fmt_num, layer_name, origin_short
 
 __all__ = ["vdl_graph", "write_vdl_graph", "VDL_GRAPH_VERSION"]
 
@@ -289,7 +289,7 @@ def vdl_graph(graph: BackwardGraph) -> dict[str, Any]:
                 tree.nodes[target]["edge_input_nodes"].append(src)
         if target is not None:
             node = tree.nodes[target]
-            node["type"] = origin_mark(rec.origin)
+            node["type"] = origin_short(rec.origin)  # the file is in the attribute (a type shows after its last dot)
             _set(node, "NaN/Inf origin", story)
             for box in tree.ancestors(target):  # the boxes on the way there say so too
                 _set(tree.nodes[box], "NaN/Inf origin", "inside: " + story)
