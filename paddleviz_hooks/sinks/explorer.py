@@ -405,7 +405,8 @@ def _role(meta: dict) -> Any:
 
 
 def _name(items: list[tuple[str, Any, BackwardGraph]]) -> list[tuple[str, BackwardGraph, BackwardGraph | None]]:
-    """Unique ids that sort by step as text; each graph with the previous capture of its run."""
+    """Unique ids that sort by step as text; each graph with the previous capture of its run
+    and backward role (replayed captures included: ``diff_graphs`` aligns them)."""
     width = max((len(str(s)) for _, s, _ in items if isinstance(s, int) and s >= 0), default=1)
     out, seen, last = [], set(), {}
     for i, (run, step, g) in enumerate(items):
@@ -416,8 +417,11 @@ def _name(items: list[tuple[str, Any, BackwardGraph]]) -> list[tuple[str, Backwa
         while gid in seen:
             gid, k = f"{base} #{k}", k + 1
         seen.add(gid)
-        out.append((gid, g, last.get(run)))
-        last[run] = g
+        # a recorded step is compared with the same backward of an earlier step; captures
+        # without a step (by hand) with the one before
+        same = (run, str(_role(g.meta))) if g.meta.get("step") is not None else (run,)
+        out.append((gid, g, last.get(same)))
+        last[same] = g
     return out
 
 
