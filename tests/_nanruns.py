@@ -147,11 +147,16 @@ def encoder_run(log_dir: str, steps: int = 15) -> tuple[BackwardGraphRecorder, d
     return rec, oracle.found
 
 
-def line_of(tag: str) -> int:
-    with open(__file__, encoding="utf-8") as f:
+def tagged_line(path: str, tag: str) -> int:
+    """The line of ``path`` marked ``# origin:<tag>`` (exactly one)."""
+    with open(path, encoding="utf-8") as f:
         hits = [i for i, line in enumerate(f, 1) if line.rstrip().endswith(f"# origin:{tag}")]
     assert len(hits) == 1, tag
     return hits[0]
+
+
+def line_of(tag: str) -> int:
+    return tagged_line(__file__, tag)
 
 
 HERE = os.path.basename(__file__)

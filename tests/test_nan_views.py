@@ -25,27 +25,20 @@ import pytest
 
 from paddleviz_hooks import BackwardGraph, BackwardGraphRecorder, summarize
 from paddleviz_hooks.cli import main as cli_main
+from paddleviz_hooks.notebook import show
 from paddleviz_hooks.sinks import explorer as ex
 from paddleviz_hooks.sinks.report import build_report
 
 from _fitkit import page_tags, vdl_records
+from _nanruns import tagged_line
+from test_nan_origin import positive_linear
 
 D, H = 4, 6
 HERE = Path(__file__).name
 
 
 def line_of(tag: str) -> int:
-    with open(__file__, encoding="utf-8") as f:
-        hits = [i for i, line in enumerate(f, 1) if line.rstrip().endswith(f"# origin:{tag}")]
-    assert len(hits) == 1, tag
-    return hits[0]
-
-
-def positive_linear(d_in: int, d_out: int) -> nn.Linear:
-    lin = nn.Linear(d_in, d_out)
-    lin.weight.set_value(lin.weight.abs() + 0.05)
-    lin.bias.set_value(paddle.zeros_like(lin.bias))
-    return lin
+    return tagged_line(__file__, tag)
 
 
 class SqrtBlock(nn.Layer):
@@ -242,6 +235,9 @@ def assert_forward_origin(v: Views, op: str, layer: str, line: int, in_graph: bo
     texts = v.svg_texts()
     assert sum("starts here" in t for t in texts) == 1
     assert any(at in t for t in texts) and any(f"NaN/Inf starts at {op}" in t for t in texts)
+    # the notebook's drawing (sized for a cell, collapsed where it must be): the same mark, once
+    nb = [html.unescape(t) for t in re.findall(r"<text[^>]*>(.*?)</text>", show(v.graph).svg)]
+    assert sum("starts here" in t for t in nb) == 1 and any(at in t for t in nb)
     # VisualDL text and summarize: the same sentence, and the first gradient under its own name
     for text in (v.vdl_text, summarize(v.graph)):
         assert said in text and at in text
