@@ -390,3 +390,32 @@ def test_long_titles_wrap_and_are_never_cut():
 
     assert words(label.replace("\\n", " ")) == words(title)  # every word kept, in order (parts start lines)
     assert all(len(line) <= 72 for line in label.split("\\n")) and label.count("\\n") >= 3
+
+
+def test_a_graph_saved_before_the_record_reads_the_same():
+    """A graph saved by an older version kept the origin in ``meta["nonfinite_origin"]``:
+    its record is built from it (and from its gradients) and survives a JSON round trip."""
+    from paddleviz_hooks.findings import record_of
+    from paddleviz_hooks.graph import Edge, GradMeta, Node
+
+    g = BackwardGraph([Node(0, "root", "loss", "loss"), Node(1, "op", "SqrtGradNode", "Sqrt", layer="block"),
+                       Node(2, "param", "GradNodeAccumulation", "Parameter", param="block.w")],
+                      [Edge(0, 1, grad=GradMeta((2,), "float32", 1.0)),
+                       Edge(1, 2, grad=GradMeta((2,), "float32", float("nan"), nan=2))],
+                      meta={"step": 3, "nonfinite_origin": {"kind": "forward", "op": "sqrt", "layer": "block",
+                                                            "file": "/m.py", "line": 9, "key": None}})
+    g.assign_keys()
+    old = BackwardGraph.from_json(g.to_json())
+    rec = record_of(old)
+    assert (rec.origin.op, rec.origin.line, rec.first_gradient.op, rec.gradient_sites) == ("sqrt", 9, "Sqrt", 1)
+    again = BackwardGraph.from_json(old.to_json())
+    assert again.nonfinite == old.nonfinite and again.to_json() == old.to_json()  # lossless through JSON
+    assert "NaN/Inf starts at sqrt in block, m.py:9" in to_dot_title(old)
+
+
+def to_dot_title(g: BackwardGraph) -> str:
+    from paddleviz_hooks.render import to_dot
+    from paddleviz_hooks.text import graph_title
+
+    dot = to_dot(g, title=graph_title(g))
+    return re.search(r'^  label="(.*)"$', dot, re.M).group(1).replace("\\n", " ")
