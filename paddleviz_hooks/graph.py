@@ -323,6 +323,8 @@ class NonfiniteOrigin:
         dtype / nan / inf: the tensor the op produced: its dtype and how
             many NaN and Inf elements it held (read from Paddle's checker);
             None when unknown.
+        in_program: the op ran inside a compiled program (``to_static``):
+            the graph holds the program's ops, not this one.
     """
 
     kind: str
@@ -338,6 +340,7 @@ class NonfiniteOrigin:
     dtype: str | None = None
     nan: int | None = None
     inf: int | None = None
+    in_program: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

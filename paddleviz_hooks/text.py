@@ -60,6 +60,7 @@ __all__ = [
     "ORIGIN_LEGEND",
     "ORIGIN_NO_GRAD",
     "ORIGIN_NO_NODE",
+    "ORIGIN_IN_PROGRAM",
     "STARTS_HERE",
     "origin_badge",
     "diff_summary",
@@ -357,6 +358,8 @@ def origin_placement(origin: NonfiniteOrigin | dict[str, Any]) -> str:
     o = _as_origin(origin)
     if o.kind != "forward" or o.key:
         return ""
+    if o.in_program:
+        return ORIGIN_IN_PROGRAM
     if o.needs_grad is False:
         return ORIGIN_NO_GRAD
     return ORIGIN_NO_NODE
@@ -364,8 +367,10 @@ def origin_placement(origin: NonfiniteOrigin | dict[str, Any]) -> str:
 
 #: Where a forward origin's op sits when its output needs no gradient (so it has no grad node).
 ORIGIN_NO_GRAD = "on data that needs no gradient"
-#: ... and when its output needs one but the graph has no node of it (a compiled program).
-ORIGIN_NO_NODE = "without a grad node in this graph (e.g. inside a compiled program)"
+#: ... when it ran inside a compiled program (the graph holds the program's ops).
+ORIGIN_IN_PROGRAM = "inside a compiled program"
+#: ... and when the graph has no node of it for another reason.
+ORIGIN_NO_NODE = "without a grad node in this graph"
 #: Legend row of the origin mark, in every drawing.
 ORIGIN_LEGEND = "where the NaN/Inf starts"
 #: The mark of the first node whose gradient turned non-finite (a fact apart from the origin).
@@ -483,7 +488,7 @@ def origin_title(origin: NonfiniteOrigin | dict[str, Any]) -> str:
     if o.kind == "forward":
         where = f" in {layer_name(o.layer)}" if o.layer is not None else f" {OUTSIDE_MODEL}"
         place = origin_placement(o)
-        place = f", {place}" if place == ORIGIN_NO_GRAD else ""
+        place = f", {place}" if place in (ORIGIN_NO_GRAD, ORIGIN_IN_PROGRAM) else ""
         return f"NaN/Inf starts at {o.op}{where}{_at(o, ', ')}{place}"
     return {
         "input": "NaN/Inf already in the input data",

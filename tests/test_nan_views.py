@@ -87,6 +87,27 @@ class BackwardOnlyNet(nn.Layer):
         return self.head(paddle.sqrt(self.block(x)))
 
 
+class CompiledBlock(nn.Layer):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = positive_linear(D, H)
+
+    def forward(self, x):
+        return paddle.sqrt(self.lin(x))
+
+
+class CompiledNet(nn.Layer):
+    """sqrt of a negative inside a ``to_static`` program: the graph holds the program's ops."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = paddle.jit.to_static(CompiledBlock(), full_graph=True)
+        self.head = nn.Linear(H, 2)
+
+    def forward(self, x):
+        return self.head(self.block(x))  # origin:program
+
+
 class GrowingNet(nn.Layer):
     """From step 2 on, the model's own forward runs two ops more (a Scale, an Exp): a structure
     change, no NaN."""
@@ -301,6 +322,20 @@ def test_origin_on_data_that_needs_no_gradient(tmp_path):
     paddle.seed(0)
     run = _run(tmp_path, LogOfDataNet(), {s: [_batch(s, bad=3)] for s in (1, 2, 3, 4)})
     assert_forward_origin(Views(run, 3), "log", "", line_of("log"), in_graph=False, first_op="Tanh")  # tanh(NaN)
+
+
+def test_origin_inside_a_compiled_program(tmp_path):
+    paddle.seed(0)
+    run = _run(tmp_path, CompiledNet(), {s: [_batch(s, bad=3)] for s in (1, 2, 3)})
+    v = Views(run, 3)
+    o = v.graph.nonfinite.origin
+    assert (o.op.rstrip("_"), o.layer, o.line, o.in_program, o.key) == ("sqrt", "block", line_of("program"), True, None)
+    entry = v.graph.node_by_key()[v.graph.nonfinite.entry.key]
+    assert entry.layer.startswith("block")  # a program op of the block: where the output enters
+    (added,) = v.dot_nodes_with("starts here")
+    assert added.startswith("nan_origin [") and "inside a compiled program" in added
+    assert "inside a compiled program" in v.dot_title() and "inside a compiled program" in v.vdl_text
+    assert v.explorer.start == (v.gid, ex.ORIGIN_NODE) and v.report_panel.count("starts here") == 1
 
 
 def test_nan_made_only_in_the_backward(tmp_path):

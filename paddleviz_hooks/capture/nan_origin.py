@@ -59,6 +59,7 @@ KINDS = ORIGIN_KINDS
 
 _FLAGS = ("FLAGS_check_nan_inf", "FLAGS_check_nan_inf_level")
 _PADDLE_DIR = os.path.dirname(os.path.abspath(paddle.__file__)) + os.sep
+_PADDLE_JIT_DIR = os.path.join(_PADDLE_DIR, "jit") + os.sep
 _OUR_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _OP_RE = re.compile(r"op=([A-Za-z0-9_.]+)")
 _COUNT_RE = re.compile(r"num_(nan|inf)=(\d+)")
@@ -259,6 +260,7 @@ def _from_checker_error(exc: BaseException, layer: paddle.nn.Layer) -> Nonfinite
     paths = _layer_paths(layer)
     where = file = line = None
     needs_grad: bool | None = None
+    in_program = False
     tb = exc.__traceback__
     for frame, lineno in traceback.walk_tb(tb):
         owner = frame.f_locals.get("self")
@@ -267,6 +269,8 @@ def _from_checker_error(exc: BaseException, layer: paddle.nn.Layer) -> Nonfinite
         name = os.path.abspath(frame.f_code.co_filename)
         if not name.startswith((_PADDLE_DIR, _OUR_DIR)):
             file, line = frame.f_code.co_filename, lineno  # the innermost line of the user's code
+        if name.startswith(_PADDLE_JIT_DIR):
+            in_program = True  # a to_static program: its inputs do not say what its ops need
         elif name.startswith(_PADDLE_DIR) and not isinstance(owner, paddle.nn.Layer):
             # a Paddle function (not a layer's __call__/forward): the innermost one holding
             # floating-point tensors is the op's own wrapper; its inputs decide
@@ -279,7 +283,8 @@ def _from_checker_error(exc: BaseException, layer: paddle.nn.Layer) -> Nonfinite
     dtype = _DTYPE_RE.search(text)
     return _origin("forward", op=m.group(1), layer=where[0] if where else None,
                    layer_class=where[1] if where else None, file=file, line=line, code=code or None,
-                   needs_grad=needs_grad, dtype=_DTYPES.get(dtype.group(1), dtype.group(1)) if dtype else None,
+                   needs_grad=None if in_program else needs_grad, in_program=in_program,
+                   dtype=_DTYPES.get(dtype.group(1), dtype.group(1)) if dtype else None,
                    nan=counts.get("nan"), inf=counts.get("inf"))
 
 
