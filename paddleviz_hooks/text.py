@@ -349,17 +349,18 @@ def origin_output(origin: NonfiniteOrigin | dict[str, Any]) -> str:
 
 
 def origin_placement(origin: NonfiniteOrigin | dict[str, Any]) -> str:
-    """Why a forward origin's op has no node of its own in the graph ("" when it has one).
+    """Where a forward origin's op ran when that is not an op of the graph's own: inside a
+    compiled program, or on data that needs no gradient (so it has no grad node); "" otherwise.
 
     Example:
         >>> origin_placement({"kind": "forward", "op": "log", "needs_grad": False})
         'on data that needs no gradient'
     """
     o = _as_origin(origin)
+    if o.kind == "forward" and o.in_program:
+        return ORIGIN_IN_PROGRAM
     if o.kind != "forward" or o.key:
         return ""
-    if o.in_program:
-        return ORIGIN_IN_PROGRAM
     if o.needs_grad is False:
         return ORIGIN_NO_GRAD
     return ORIGIN_NO_NODE

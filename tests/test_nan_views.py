@@ -329,13 +329,15 @@ def test_origin_inside_a_compiled_program(tmp_path):
     run = _run(tmp_path, CompiledNet(), {s: [_batch(s, bad=3)] for s in (1, 2, 3)})
     v = Views(run, 3)
     o = v.graph.nonfinite.origin
-    assert (o.op.rstrip("_"), o.layer, o.line, o.in_program, o.key) == ("sqrt", "block", line_of("program"), True, None)
-    entry = v.graph.node_by_key()[v.graph.nonfinite.entry.key]
-    assert entry.layer.startswith("block")  # a program op of the block: where the output enters
-    (added,) = v.dot_nodes_with("starts here")
-    assert added.startswith("nan_origin [") and "inside a compiled program" in added
-    assert "inside a compiled program" in v.dot_title() and "inside a compiled program" in v.vdl_text
-    assert v.explorer.start == (v.gid, ex.ORIGIN_NODE) and v.report_panel.count("starts here") == 1
+    assert (o.op.rstrip("_"), o.layer, o.line, o.in_program) == ("sqrt", "block", line_of("program"), True)
+    node = v.graph.node_by_key()[o.key]
+    assert node.op == "sqrt_grad" and node.layer == "block"  # the program's own op carries the mark
+    (marked,) = v.dot_nodes_with("starts here")
+    assert _key_of_tooltip(marked) == o.key and 'color="#7b1fa2"' in marked
+    said = f"first produced by op '{o.op}', inside a compiled program,"
+    assert said in v.vdl_text and said in v.report_panel and said in summarize(v.graph)
+    assert v.explorer.start == (v.gid, str(node.id)) and v.report_panel.count("starts here") == 1
+    assert [n["attrs"]["key"] for n in v.vdl_typed("NaN/Inf starts here")] == [o.key]
 
 
 def test_nan_made_only_in_the_backward(tmp_path):

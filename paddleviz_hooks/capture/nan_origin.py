@@ -391,12 +391,22 @@ def _node_key(graph: BackwardGraph | None, origin: NonfiniteOrigin) -> str | Non
     """Key of the grad node of the origin's op in its layer (its first call), if the graph has it.
 
     An op whose output needs no gradient has no grad node: an op of the same
-    name in its layer would be another one."""
+    name in its layer would be another one. An op of a compiled program is
+    one of the program's ops (``sqrt_`` -> ``sqrt_grad``), in its layer or a
+    sublayer."""
     if graph is None or not origin.op or origin.needs_grad is False:
         return None
-    want = _norm_op(origin.op)
+    want = _norm_op(origin.op.rstrip("_"))
+    layer = origin.layer
     for n in graph.nodes:
-        if n.kind == "op" and n.layer == origin.layer and _norm_op(n.op) == want:
+        if n.kind != "op":
+            continue
+        if origin.in_program:
+            inside = n.layer is not None and layer is not None and (
+                layer == "" or n.layer == layer or n.layer.startswith(layer + "."))
+            if inside and _norm_op(n.op) == want + "grad":
+                return n.key
+        elif n.layer == layer and _norm_op(n.op) == want:
             return n.key
     return None
 
