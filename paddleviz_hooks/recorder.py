@@ -558,12 +558,14 @@ class BackwardGraphRecorder:
                 trigger = "nonfinite_grad"
             if trigger != "scheduled":
                 graph.meta["trigger"] = trigger
-        # the NaN/Inf story of the capture, computed once here; every view reads it
-        graph.nonfinite = nonfinite_record(graph, self._locate(graph, trigger), weights, buffers)
+        # the NaN/Inf story of the capture, computed once here; every view reads it (a capture
+        # with nothing non-finite keeps none in its JSON: findings.record_of gives it empty)
+        record = nonfinite_record(graph, self._locate(graph, trigger), weights, buffers)
+        graph.nonfinite = record if record.any else None
         if self._triggers.note is not None:
             graph.meta["trigger_note"], self._triggers.note = self._triggers.note, None
         if trigger != "scheduled":
-            story = " ".join(nonfinite_lines(graph.nonfinite)).rstrip(";")
+            story = " ".join(nonfinite_lines(record)).rstrip(";")
             self._notice(f"captured step {step} (trigger: {trigger})" + (f"; {story}" if story else ""))
         self._pending.append(graph)
 
