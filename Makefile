@@ -13,13 +13,13 @@ $(BIN)/activate:
 	$(BIN)/pip install -q --upgrade pip
 
 # Two stamps: the demo needs only the package (and the pip engine); the tests need their
-# extras too (pytest, playwright, notebooks, Model Explorer).
+# extras too (pytest, playwright, notebooks, Model Explorer, SwanLab/TensorBoard/W&B and their readers).
 $(VENV)/.installed-demo: $(BIN)/activate pyproject.toml setup.cfg
 	$(BIN)/pip install -q -e '.[pure]'
 	touch $@
 
 $(VENV)/.installed-test: $(BIN)/activate pyproject.toml setup.cfg
-	$(BIN)/pip install -q -e '.[pure,test,explorer]'
+	$(BIN)/pip install -q -e '.[pure,test,explorer,dashboards-test]'
 	touch $@
 
 # Graphviz's `dot` through apt where we may; otherwise the graphviz-pure extra
