@@ -53,6 +53,7 @@ from collections import defaultdict
 from dataclasses import replace
 from typing import Iterable, Sequence
 
+from .findings import record_of
 from .graph import BackwardGraph, Edge, Node, merge_grad_metas
 
 __all__ = ["collapse_graph", "collapse_with_map", "collapse_alike", "layer_depths", "call_paths", "CONTAINER_TYPES"]
@@ -565,6 +566,7 @@ def _collapse_once(
         layers=dict(graph.layers),
         meta=dict(graph.meta),
         calls=dict(graph.calls),
+        nonfinite=record_of(graph),  # the full graph's facts; views find their boxes (findings.marks)
     ), new_id, opened
 
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .diff import GraphDiff, diff_graphs
+from .findings import record_of
 from .graph import BackwardGraph
 from .options import RecorderOptions
 from .render import (EngineNotFound, RenderTimeout, png_size, render_diff_views, render_png, render_svg,
@@ -353,19 +354,17 @@ class CapturePipeline:
         opts, files = self.options, self.files
         graph, step, trigger, suffix = job.graph, job.step, job.trigger, job.suffix
         prev = self._prev.get(suffix)  # the same backward of an earlier step
-        # a replayed step (the NaN origin's replay) is rooted at the model output, not the loss:
-        # compared with ordinary captures it would report its missing loss ops as a structure change
-        replayed = bool(graph.meta.get("replayed"))
+        # a replayed step (rooted at the model output) is compared too: diff_graphs leaves the
+        # loss ops of the other graph out (GraphDiff.replayed)
         diff = None
-        if prev is not None and not replayed:
+        if prev is not None:
             try:
                 diff = diff_graphs(prev[0], graph)
             except Exception as exc:
                 self._warn("diff", f"comparing with the previous capture failed: {exc!r}")
         path = self._json_path(graph, step, suffix)
         paths = {"json": path} if "json" in opts.formats else {}
-        if not replayed:
-            self._prev[suffix] = (graph, path)
+        self._prev[suffix] = (graph, path)
         if "dot" in opts.formats:
             paths["dot"] = files.write(step, "dot", to_dot(graph, title=_title(step, trigger, graph),
                                                            **_shading(opts, graph)), suffix=suffix)
@@ -507,4 +506,4 @@ def _shading(options: RecorderOptions, graph: BackwardGraph) -> dict[str, Any]:
 
 def _title(step: int, trigger: str, graph: BackwardGraph) -> str:
     meta = graph.meta
-    return capture_title(step, trigger, backward_role(meta.get("backward")), origin=meta.get("nonfinite_origin"))
+    return capture_title(step, trigger, backward_role(meta.get("backward")), origin=record_of(graph).origin)

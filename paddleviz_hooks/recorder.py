@@ -19,11 +19,12 @@ import paddle
 from .capture import BackwardCapture
 from .capture.gradnode import strip_wrapper_prefix
 from .capture.nan_origin import StepInputs, locate, replay_step
-from .graph import BackwardGraph
+from .findings import nonfinite_record
+from .graph import BackwardGraph, NonfiniteOrigin
 from .options import FORMATS, RecorderOptions
 from .pipeline import CaptureJob, CapturePipeline
 from .sinks.files import StepFiles
-from .text import MODEL_OUTPUT, backward_role, describe_node, describe_origin
+from .text import MODEL_OUTPUT, backward_role, nonfinite_lines
 from .capture.stats import local_value, sum_of_squares
 from .triggers import Triggers, global_grad_norm, weights_nonfinite
 from .warn import WarnOnce
@@ -591,19 +592,20 @@ class BackwardGraphRecorder:
         graph.meta.update(trigger=trigger, replayed=True)
         self._on_graph(graph)
 
-    def _locate(self, graph: BackwardGraph, trigger: str) -> None:
-        """Name where this step's NaN/Inf started (``graph.meta["nonfinite_origin"]``)."""
+    def _locate(self, graph: BackwardGraph, trigger: str) -> NonfiniteOrigin | None:
+        """Where this step's NaN/Inf started (a replay of its forward), or None when not located."""
         kept = self._kept
         loss = graph.meta.get("loss")
         loss_bad = isinstance(loss, float) and not math.isfinite(loss)
         if kept is None or not kept.seen or not (trigger.startswith("nonfinite") or loss_bad
                                                  or graph.nonfinite_count()):
-            return
+            return None
         self._replaying = True
         try:
-            graph.meta["nonfinite_origin"] = locate(self.model, kept, graph, loss_nonfinite=loss_bad)
+            return locate(self.model, kept, graph, loss_nonfinite=loss_bad)
         except Exception as exc:
             self._warn("locate", f"locating where the NaN/Inf started failed: {exc!r}")
+            return None
         finally:
             self._replaying = False
 
@@ -618,6 +620,8 @@ class BackwardGraphRecorder:
             if self._micro_batches:
                 info["micro_batch"] = self._seen.count("backward") + (info.get("entry") == "grad")
                 info["micro_batches"] = self._micro_batches
+        weights: list[str] = []
+        buffers: list[str] = []
         if self.model is not None:
             # what param.grad holds now (accumulated over this step's backwards and any
             # earlier ones not yet applied); after the step's last backward it is the
@@ -627,9 +631,7 @@ class BackwardGraphRecorder:
             except Exception as exc:
                 self._warn("accumulated", f"reading param.grad failed: {exc!r}")
             try:  # an earlier update may have written NaN/Inf into the weights themselves
-                bad = weights_nonfinite(self.model.named_parameters())
-                if bad:
-                    graph.meta["nonfinite_weights"] = [strip_wrapper_prefix(n) for n in bad]
+                weights, buffers = self._nonfinite_values()
             except Exception as exc:
                 self._warn("weights", f"checking the weights for NaN/Inf failed: {exc!r}")
         if trigger == "scheduled" and self.options.on_nonfinite:
@@ -641,16 +643,15 @@ class BackwardGraphRecorder:
                 trigger = "nonfinite_grad"
             if trigger != "scheduled":
                 graph.meta["trigger"] = trigger
-        self._locate(graph, trigger)
+        # the NaN/Inf story of the capture, computed once here; every view reads it (a capture
+        # with nothing non-finite keeps none in its JSON: findings.record_of gives it empty)
+        record = nonfinite_record(graph, self._locate(graph, trigger), weights, buffers)
+        graph.nonfinite = record if record.any else None
         if self._triggers.note is not None:
             graph.meta["trigger_note"], self._triggers.note = self._triggers.note, None
         if trigger != "scheduled":
-            sites = graph.nonfinite_sites()
-            origin = f"; first non-finite gradient at {describe_node(sites[0])}" if sites else ""
-            found = graph.meta.get("nonfinite_origin")
-            if found is not None:
-                origin = f"; {describe_origin(found)}" + (origin if found["kind"] in ("forward", "input") else "")
-            self._notice(f"captured step {step} (trigger: {trigger}){origin}")
+            story = " ".join(nonfinite_lines(record)).rstrip(";")
+            self._notice(f"captured step {step} (trigger: {trigger})" + (f"; {story}" if story else ""))
         self._pending.append(graph)
         self._write_if_doomed()
 
@@ -679,6 +680,18 @@ class BackwardGraphRecorder:
         self._flush()
         if self._pipeline is not None:
             self._pipeline.settle(self.options.close_timeout)
+
+    def _nonfinite_values(self) -> tuple[list[str], list[str]]:
+        """Trainable parameters, and non-trainable tensors (buffers, BatchNorm running statistics:
+        the forward writes them, no update does), whose values hold NaN/Inf."""
+        named = list(self.model.named_parameters())
+        trainable = {name for name, p in named if not p.stop_gradient}
+        bad = weights_nonfinite(named)
+        weights = [strip_wrapper_prefix(n) for n in bad if n in trainable]
+        buffers = [strip_wrapper_prefix(n) for n in bad if n not in trainable]
+        buffers += [strip_wrapper_prefix(n) for n in weights_nonfinite(
+            (name, b) for name, b in self.model.named_buffers() if b is not None and b._is_initialized())]
+        return weights, buffers
 
     def _flush(self) -> None:
         """The step is over: label its graphs (now that their number is known) and write them."""

@@ -227,7 +227,7 @@ def test_summary_names_the_line_of_the_first_nan():
         M.loss_of(net, x).backward()
     s = summarize(cap.graph)
     first = cap.graph.nonfinite_sites()[0]
-    assert f"first at " in s and f"(_source_model.py:{first.source[-1].line}: " in s
+    assert "first non-finite gradient at " in s and f"(_source_model.py:{first.source[-1].line}: " in s
 
 
 def test_collapse_by_source_groups_ops_by_function():
