@@ -158,7 +158,7 @@ def test_engine_runs_once_per_capture_in_steady_state(tmp_path, monkeypatch, for
                 threading.Event().wait(0.01)
             per_capture.append(runs() - before)
     print(f"\nengine runs per capture, formats={formats}, view_max_px={view_max_px}: {per_capture}")
-    assert per_capture[0] >= 2  # the first capture tries arrangements
+    assert 1 <= per_capture[0] <= 3 * steady, per_capture  # a new structure: at most 3 runs per picture
     assert per_capture[1:] == [steady] * 5, per_capture
     run_dir = tmp_path / "log" / "backward_graph"
     assert step_files(run_dir, "png") == list(range(1, 7))
