@@ -52,6 +52,9 @@ MAX_ATTEMPTS = 3
 #: A node takes at least this area (square inches; a 0.75 x 0.3 in box): a candidate
 #: with more nodes than the frame holds at ``min_dpi`` is not even written as DOT.
 _MIN_NODE_AREA = 0.225
+#: Wrapped rows measured against the model (LeNet, a 2-layer encoder, resnet18 in 2-5 rows):
+#: a row is about 1.2x as long as its predicted length, the rows together 0.7x as high.
+_ROW_ALONG, _ROW_ACROSS = 1.2, 0.7
 
 
 @dataclass(frozen=True)
@@ -216,6 +219,7 @@ def _search(key, candidates: Iterator[Candidate], formats, frame: Frame, rankdir
     exhausted = False
     tried: list[_Tried] = []
     bad: set[tuple[Hashable, str, int]] = set()
+    rows_below: dict[Hashable, int] = {}  # detail -> row counts that failed to read in order start here
 
     def candidate(i: int) -> tuple[Candidate, DotSizes | None, dict[str, str]] | None:
         nonlocal exhausted
@@ -246,10 +250,13 @@ def _search(key, candidates: Iterator[Candidate], formats, frame: Frame, rankdir
                 if band is None:
                     continue
                 bw, bh = sizes.estimate(rd, band)
-                bw, bh = bw * ca, bh * cc
+                # rows come out longer (uneven) and stack tighter than the model adds them up
+                ra, rc = corr.get((rd, "rows"), (_ROW_ALONG, _ROW_ACROSS))
+                bw, bh = bw * ca * ra, bh * cc * rc
                 arrs.append(_Arrangement(rd, max(band.values()) + 1, band, bw, bh, frame.dpi(bw, bh)))
+        limit = rows_below.get(c.spec)
         return [a for a in arrs if (c.spec, a.rankdir, a.bands) not in bad
-                and not (a.bands > 1 and (c.spec, a.rankdir, "rows") in bad)]
+                and not (a.bands > 1 and limit is not None and a.bands >= limit)]
 
     def choose(limit: int | None = None, margin: float = 1.0) -> tuple[int, _Arrangement] | None:
         i, last = 0, None
@@ -277,7 +284,11 @@ def _search(key, candidates: Iterator[Candidate], formats, frame: Frame, rankdir
         ca, cc = corr.get(arr.rankdir, (1.0, 1.0))
         (pa, pc), (ra, rc) = _along_across(arr.rankdir, arr.width, arr.height), _along_across(arr.rankdir, w, h)
         if arr.bands == 1:
-            corr[arr.rankdir] = (ca * ra / max(pa, 1e-3), cc * rc / max(pc, 1e-3))
+            if c.nodes >= 8:  # (a drawing of a few boxes is mostly its legend)
+                corr[arr.rankdir] = (ca * ra / max(pa, 1e-3), cc * rc / max(pc, 1e-3))
+        else:  # the rows' own factors, measured
+            wa, wc = corr.get((arr.rankdir, "rows"), (_ROW_ALONG, _ROW_ACROSS))
+            corr[(arr.rankdir, "rows")] = (wa * ra / max(pa, 1e-3), wc * rc / max(pc, 1e-3))
         cuts = _cut_edges(source) if arr.bands > 1 else frozenset()
         d = Decision(c.spec, arr.rankdir, arr.bands, cuts, w, h, dpi, in_order)
         return _Tried(c, arr, out, d, dpi >= min_dpi * 0.995 and in_order)
@@ -291,7 +302,7 @@ def _search(key, candidates: Iterator[Candidate], formats, frame: Frame, rankdir
         if t.legible:
             # the corrected model may now find a more detailed candidate legible: one try
             if len(tried) < MAX_ATTEMPTS and i > 0:
-                better = choose(limit=i, margin=1.05)
+                better = choose(limit=i, margin=0.93)  # near enough to be worth one run
                 if better is not None:
                     t2 = attempt(*better)
                     tried.append(t2)
@@ -299,7 +310,8 @@ def _search(key, candidates: Iterator[Candidate], formats, frame: Frame, rankdir
                         t = t2
             break
         if not t.decision.in_order:
-            bad.add((t.cand.spec, arr.rankdir, "rows"))  # rows that do not read in order: not again
+            # more rows would cut deeper into the blocks: this detail gets fewer rows, or none
+            rows_below[t.cand.spec] = min(arr.bands, rows_below.get(t.cand.spec, arr.bands))
             chosen = choose()  # the same detail in another arrangement, or less detail
             continue
         # illegible: fewer boxes (the corrected model skips what it now knows is too large)
@@ -355,10 +367,9 @@ def _best(arrs: list[_Arrangement]) -> _Arrangement:
 
 
 def _band_counts(w: float, h: float, frame: Frame) -> list[int]:
-    """Row counts that suit a left-to-right strip of ``w`` x ``h`` inches in ``frame``."""
+    """Row counts worth predicting for a left-to-right strip of ``w`` x ``h`` inches in ``frame``."""
     ideal = math.sqrt(max(w, 1e-3) * frame.height / max(h * frame.width, 1e-3))
-    ks = {max(2, math.floor(ideal)), max(2, math.ceil(ideal)), max(2, round(ideal) + 1)}
-    return sorted(k for k in ks if k <= 12)
+    return list(range(2, max(3, min(12, math.ceil(ideal * 2))) + 1))
 
 
 def _bands(sizes: DotSizes, k: int) -> dict[str, int] | None:
@@ -389,17 +400,49 @@ def _bands(sizes: DotSizes, k: int) -> dict[str, int] | None:
         crossed = [inn for x0, x1, inn in spans if x0 < c < x1]
         if not any(crossed):
             allowed.append((c, len(crossed)))
-    cuts: list[float] = []
-    length = (hi - lo) / k
-    for i in range(1, k):
-        ideal = lo + (hi - lo) * i / k
-        free = [(c, n) for c, n in allowed if c not in cuts and abs(c - ideal) <= 0.3 * length]
-        if free:  # near the ideal place, the cut through the fewest layers (between blocks if any)
-            cuts.append(min(free, key=lambda cn: (cn[1], abs(cn[0] - ideal)))[0])
-    if len(cuts) < k - 1:
+    # the cuts through the fewest layers that still give rows of about even length
+    # (at most 1.5x the even length): between blocks where the blocks allow it
+    cuts: list[float] | None = None
+    for level in sorted({n for _c, n in allowed}):
+        cuts = _partition([c for c, n in allowed if n <= level], lo, hi, k)
+        if cuts is not None:
+            break
+    if not cuts:
         return None
-    cuts.sort()
-    return {n: sum(1 for c in cuts if p > c) for n, p in pos.items()}
+    band = {n: sum(1 for c in cuts if p > c) for n, p in pos.items()}
+    # a leaf (a parameter, an input) stays in the row of the op that feeds it
+    has_succ = {t for t, h, *_ in sizes.edges if h in band}
+    for t, h, *_ in sizes.edges:
+        if h in band and t in band and h not in has_succ:
+            band[h] = band[t]
+    return band
+
+
+def _partition(places: list[float], lo: float, hi: float, k: int) -> list[float] | None:
+    """Up to ``k - 1`` cuts among ``places`` making the longest row as short as they can,
+    or None when that row would be over 1.5x the even length ``(hi - lo) / k``."""
+    if not places:
+        return None
+    even = (hi - lo) / k
+
+    def fill(limit: float) -> list[float] | None:
+        cuts, start = [], lo
+        while hi - start > limit:
+            fits = [c for c in places if start < c <= start + limit]
+            if not fits or len(cuts) == k - 1:
+                return None
+            cuts.append(fits[-1])
+            start = fits[-1]
+        return cuts
+
+    best = None
+    limit = even
+    while limit <= 1.5 * even + 1e-9:
+        best = fill(limit)
+        if best is not None:
+            break
+        limit += 0.05 * even
+    return best or None
 
 
 def _innermost(sizes: DotSizes) -> set[int]:
@@ -468,7 +511,8 @@ def _bands_of_cuts(source: str, cuts: frozenset) -> dict[str, int]:
     for t, h, _w, _h, _c in sizes.edges:
         succ.setdefault(t, []).append(h)
     band = {n: 0 for n in sizes.nodes}
-    for n in sorted(sizes.nodes, key=lambda n: sizes.ranks().get(n, 0)):
+    rank = sizes.ranks()
+    for n in sorted(sizes.nodes, key=lambda n: rank.get(n, 0)):
         for m in succ.get(n, []):
             band[m] = max(band[m], band[n] + (1 if (n, m) in cuts else 0))
     return band
@@ -521,9 +565,11 @@ def _rows(source: str, band: dict[str, int]) -> str:
     sizes = read_dot(source)
     rank = sizes.ranks()
     linked = {t for t, *_ in sizes.edges} | {e[1] for e in sizes.edges}  # not the legend
+    entered = {h for t, h, *_ in sizes.edges if band.get(t, 0) != band.get(h, 0)}  # where a row is entered
     firsts = []
     for b in range(max(band.values(), default=0) + 1):
         members = [n for n, bb in band.items() if bb == b and n in rank and n in linked]
+        members = [n for n in members if n in entered] or members
         if members:
             firsts.append(min(members, key=lambda n: (rank[n], n)))
     if len(firsts) > 1:
@@ -580,16 +626,20 @@ def _reads_in_order(plain: str, rankdir: str, band: dict[str, int]) -> bool:
     def rel(n: str) -> float:  # position along the row, 0 at the left edge of the drawing, 1 at its right
         return (pos[n][0] - start) / max(end - start, 1e-6)
 
+    def at_end(n: str) -> bool:  # in the last quarter of its own row (the last row may be short)
+        a = along[band[n]]
+        return pos[n][0] >= min(a) + 0.75 * (max(a) - min(a))
+
     for line in plain.split("\n"):
         parts = line.split()
         if len(parts) < 3 or parts[0] != "edge":
             continue
         tail, head = parts[1].strip('"'), parts[2].strip('"')
-        if tail not in band or head not in band or tail not in pos or head not in pos:
-            continue
+        if tail not in band or head not in band or tail not in pos or head not in pos or "invis" in parts:
+            continue  # (the invisible edges keep the rows in order)
         if band[head] == band[tail]:
             if pos[head][0] <= pos[tail][0]:
                 return False
-        elif band[head] != band[tail] + 1 or rel(head) > 0.25 or rel(tail) < 0.75:
+        elif band[head] != band[tail] + 1 or rel(head) > 0.25 or not at_end(tail):
             return False
     return True
