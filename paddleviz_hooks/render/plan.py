@@ -573,6 +573,12 @@ def _rows(source: str, band: dict[str, int]) -> str:
         if members:
             firsts.append(min(members, key=lambda n: (rank[n], n)))
     if len(firsts) > 1:
+        # a row start's own edges pull harder, so it stays on its row's line
+        starts = set(firsts)
+        for i, line in enumerate(out):
+            m = _EDGE_LINE.match(line)
+            if m and m.group(2) in starts and band.get(m.group(2)) == band.get(m.group(3)):
+                out[i] = f"{m.group(1)}{m.group(2)} -> {m.group(3)} [weight=8, {m.group(4)}]"
         end = max(i for i, ln in enumerate(out) if ln.strip() == "}")  # the graph's closing brace
         out[end:end] = [f"  {{ rank=same; {'; '.join(firsts)} }}", f"  {' -> '.join(firsts)} [style=invis]"]
     return "\n".join(out)
