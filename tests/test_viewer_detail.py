@@ -86,6 +86,8 @@ def _rows_read_in_order(source: str) -> list[str]:
         elif p and p[0] == "edge" and "invis" not in p:
             edges.append((p[1], p[2]))
 
+    feeds = {t for t, _h in edges}  # ops; a leaf (a parameter) hangs beside its op
+
     def beside(a: str, b: str) -> bool:  # vertical extents overlap: on one line
         return abs(nodes[a][1] - nodes[b][1]) < (nodes[a][3] + nodes[b][3]) / 2
 
@@ -95,14 +97,14 @@ def _rows_read_in_order(source: str) -> list[str]:
             continue
         (xt, yt, _wt, ht), (xh, yh, _wh, hh) = nodes[t], nodes[h]
         if xh > xt:
-            if yh - hh / 2 > yt + ht / 2:
+            if yh - yt > ht + hh:  # (a branch inside a line may step up a little)
                 bad.append(f"{t}->{h} climbs to a line above")
             continue
         if yh + hh / 2 >= yt - ht / 2:
             bad.append(f"{t}->{h} runs backward on its line")
-        elif any(beside(n, t) and nodes[n][0] > xt for n in nodes if n != t):
+        elif any(beside(n, t) and nodes[n][0] > xt for n in feeds if n != t and n in nodes):
             bad.append(f"{t}->{h} leaves its line before the end")
-        elif any(beside(n, h) and nodes[n][0] < xh for n in nodes if n != h):
+        elif any(beside(n, h) and nodes[n][0] < xh for n in feeds if n != h and n in nodes):
             bad.append(f"{t}->{h} enters the next line after its start")
     return bad
 

@@ -258,10 +258,10 @@ def _search(key, candidates: Iterator[Candidate], formats, frame: Frame, rankdir
         return [a for a in arrs if (c.spec, a.rankdir, a.bands) not in bad
                 and not (a.bands > 1 and limit is not None and a.bands >= limit)]
 
-    def choose(limit: int | None = None, margin: float = 1.0) -> tuple[int, _Arrangement] | None:
+    def choose(limit: int | None = None, margin: float = 1.0, rows: bool = True) -> tuple[int, _Arrangement] | None:
         i, last = 0, None
         while (limit is None or i < limit) and candidate(i) is not None:
-            arrs = arrangements(i)
+            arrs = [a for a in arrangements(i) if rows or a.bands == 1]
             if arrs:
                 best = _best(arrs)
                 last = (i, best)
@@ -309,16 +309,13 @@ def _search(key, candidates: Iterator[Candidate], formats, frame: Frame, rankdir
                     if t2.legible:
                         t = t2
             break
+        last = len(tried) == MAX_ATTEMPTS - 1  # the last try: unwrapped (it reads in order), with a margin
         if not t.decision.in_order:
             # more rows would cut deeper into the blocks: this detail gets fewer rows, or none
             rows_below[t.cand.spec] = min(arr.bands, rows_below.get(t.cand.spec, arr.bands))
-            chosen = choose()  # the same detail in another arrangement, or less detail
-            continue
-        # illegible: fewer boxes (the corrected model skips what it now knows is too large)
-        nxt = choose()
-        if nxt is not None and len(tried) == MAX_ATTEMPTS - 1:
-            nxt = choose(margin=1.15) or nxt  # the last try: keep a margin
-        chosen = nxt
+        # the same detail in another arrangement, or less detail (the corrected model skips
+        # what it now knows is too large)
+        chosen = choose(margin=1.15, rows=False) or choose(rows=False) if last else choose()
     if structure is not None:
         _CORRECTIONS.put(structure, corr)
     runs = len(tried)
@@ -326,6 +323,8 @@ def _search(key, candidates: Iterator[Candidate], formats, frame: Frame, rankdir
         raise ValueError("nothing to draw")
     good = [t for t in tried if t.legible]
     pick = good[-1] if good else max(tried, key=lambda t: (t.decision.in_order, t.decision.dpi))
+    if not pick.decision.in_order:  # never a picture that does not read in order
+        raise RuntimeError("no arrangement of this drawing read in order within the engine runs allowed")
     if good:
         # among legible attempts, the most detailed (earliest candidate) wins
         order = {id(c): n for n, (c, _r, _x) in enumerate(seen)}
