@@ -291,7 +291,7 @@ def _search(key, candidates: Iterator[Candidate], formats, frame: Frame, rankdir
             corr[(arr.rankdir, "rows")] = (wa * ra / max(pa, 1e-3), wc * rc / max(pc, 1e-3))
         cuts = _cut_edges(source) if arr.bands > 1 else frozenset()
         d = Decision(c.spec, arr.rankdir, arr.bands, cuts, w, h, dpi, in_order)
-        return _Tried(c, arr, out, d, dpi >= min_dpi * 0.995 and in_order)
+        return _Tried(c, arr, out, d, dpi >= min_dpi and in_order)
 
     chosen = choose()
     while chosen is not None and len(tried) < MAX_ATTEMPTS:
