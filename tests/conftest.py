@@ -42,3 +42,23 @@ def _paddle_state_guard():
         warnings.warn("a test left Paddle's grad mode disabled; re-enabled", RuntimeWarning)
     if leaked:
         pytest.fail("the backward patch was still installed after the test: a capture leaked")
+
+
+@pytest.fixture()
+def engine_run_count(tmp_path, monkeypatch):
+    """Layout-engine runs so far, counted by a ``dot`` shim first on ``PATH`` (each run
+    appends a line to a file, then hands over to the real ``dot``); skips without ``dot``."""
+    import os
+    import shutil
+
+    real = shutil.which("dot")
+    if real is None:
+        pytest.skip("needs Graphviz dot")
+    shim_dir, counter = tmp_path / "dot-shim", tmp_path / "dot-runs.txt"
+    shim_dir.mkdir()
+    shim = shim_dir / "dot"
+    shim.write_text(f"#!/bin/sh\necho run >> {counter}\nexec {real} \"$@\"\n")
+    shim.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{shim_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("PADDLEVIZ_ENGINE", "dot")
+    return lambda: len(counter.read_text().splitlines()) if counter.exists() else 0

@@ -8,7 +8,7 @@ tab and the click-to-open viewer at 1440x900, and the picture it shows is checke
   labels (11 pt) are at least ``VIEWER_LABEL_PX`` high as displayed;
 * resnet18: the picture is wrapped into rows and reads like text: in its layout, found
   again from the drawn DOT with ``dot -Tplain``, every edge runs left to right on its line,
-  or goes from the end of one line to the start of a line below.
+  or goes from the end of one line to the start of a line below (``test_plan.against_reading``).
 
 Screenshots land in ``test-output/``.
 """
@@ -18,7 +18,6 @@ from __future__ import annotations
 import base64
 import os
 import shutil
-import subprocess
 from pathlib import Path
 
 import paddle
@@ -31,7 +30,9 @@ from paddleviz_hooks.pipeline import VIEWER_LABEL_PX, viewer_png
 from paddleviz_hooks.sinks.visualdl import encode_like_visualdl, png_to_array
 
 from _browser import CHROMIUM, launch_chromium
-from test_dashboard import BLOB_BYTES_JS, TEST_OUTPUT, VIEWER_JS, VisualDLServer, png_size, wait_until
+from test_dashboard import (BLOB_BYTES_JS, TEST_OUTPUT, VisualDLServer, open_image_tab, png_size, viewer_state,
+                            wait_until)
+from test_plan import against_reading
 
 pytestmark = [pytest.mark.browser,
               pytest.mark.skipif(not os.path.exists(CHROMIUM), reason=f"needs Debian's Chromium at {CHROMIUM}"),
@@ -72,43 +73,6 @@ def _drawn_source(graph: BackwardGraph, info: dict) -> tuple[bytes, str]:
     return png, sources[-1]
 
 
-def _rows_read_in_order(source: str) -> list[str]:
-    """The edges of the drawn layout (``dot -Tplain`` of ``source``) that do not read like
-    text. An edge reads like text when it runs to the right without climbing to a line
-    above, or when it leaves the end of its line (nothing beside the tail further right)
-    for the start of a line below (nothing beside the head further left)."""
-    plain = subprocess.run(["dot", "-Tplain"], input=source.encode(), capture_output=True, check=True).stdout.decode()
-    nodes, edges = {}, []
-    for line in plain.split("\n"):
-        p = line.split()
-        if p and p[0] == "node" and p[1] != "legend":
-            nodes[p[1]] = (float(p[2]), float(p[3]), float(p[4]), float(p[5]))  # x, y (up), width, height
-        elif p and p[0] == "edge" and "invis" not in p:
-            edges.append((p[1], p[2]))
-
-    feeds = {t for t, _h in edges}  # ops; a leaf (a parameter) hangs beside its op
-
-    def beside(a: str, b: str) -> bool:  # vertical extents overlap: on one line
-        return abs(nodes[a][1] - nodes[b][1]) < (nodes[a][3] + nodes[b][3]) / 2
-
-    bad = []
-    for t, h in edges:
-        if t not in nodes or h not in nodes:
-            continue
-        (xt, yt, _wt, ht), (xh, yh, _wh, hh) = nodes[t], nodes[h]
-        if xh > xt:
-            if yh - yt > ht + hh:  # (a branch inside a line may step up a little)
-                bad.append(f"{t}->{h} climbs to a line above")
-            continue
-        if yh + hh / 2 >= yt - ht / 2:
-            bad.append(f"{t}->{h} runs backward on its line")
-        elif any(beside(n, t) and nodes[n][0] > xt for n in feeds if n != t and n in nodes):
-            bad.append(f"{t}->{h} leaves its line before the end")
-        elif any(beside(n, h) and nodes[n][0] < xh for n in feeds if n != h and n in nodes):
-            bad.append(f"{t}->{h} enters the next line after its start")
-    return bad
-
-
 def test_viewer_picture_detail_and_reading_order_in_chromium(tmp_path):
     sync_api = pytest.importorskip("playwright.sync_api")
     shots: list[Path] = []
@@ -124,19 +88,11 @@ def test_viewer_picture_detail_and_reading_order_in_chromium(tmp_path):
             wait_until(lambda: len(server.api("runs")) >= 1, 30, "our run listed")
             browser = launch_chromium(p)
             try:
-                page = browser.new_page(viewport={"width": 1440, "height": 900})
-                page.set_default_timeout(30_000)
-                page.goto(server.url + "/app/sample/image", timeout=60_000)
-                card = page.locator("img[src^='blob:']").first
-                card.wait_for(state="visible", timeout=60_000)
+                page, card = open_image_tab(browser, server.url)
                 card.click()
                 page.locator(".step-slider [role=slider]").wait_for(state="visible")
 
-                def ready():
-                    v = page.evaluate(VIEWER_JS)
-                    return v if v and v["complete"] and v["w"] > 0 and v.get("shown_w", 0) > 0 else None
-
-                v = wait_until(ready, 30, "the viewer's image")
+                v = wait_until(lambda: viewer_state(page), 30, "the viewer's image")
                 shown = base64.b64decode(page.evaluate(BLOB_BYTES_JS, v["src"]))
                 assert shown == expected, f"{name}: the viewer does not show the picture drawn for it"
                 label_px = 11 * info["dpi"] / 72 * v["shown_w"] / v["w"]
@@ -151,7 +107,7 @@ def test_viewer_picture_detail_and_reading_order_in_chromium(tmp_path):
             assert info["collapsed_depth"] is None and info["nodes"] == len(graph.nodes), info
             assert info["full_detail"]
         else:
-            bad = _rows_read_in_order(source)
+            bad = against_reading(source, "LR")
             assert info["bands"] > 1 and not bad, (info, bad)
     print(f"\nviewer pictures (info, label px as shown, png size, shown scale): {found}")
     TEST_OUTPUT.mkdir(exist_ok=True)
