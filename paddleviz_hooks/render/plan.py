@@ -120,6 +120,7 @@ class _Arrangement:
     width: float = 0.0
     height: float = 0.0
     dpi: float = 0.0
+    crossed: int = 0  # layers a row break cuts through (0: rows break between blocks)
 
     @property
     def aspect(self) -> float:
@@ -159,7 +160,7 @@ def clear_plan_cache() -> None:
 
 def draw_planned(
     key: Hashable,
-    candidates: Iterable[Candidate] | Callable[[Hashable], Candidate],
+    candidates: Iterable[Candidate],
     formats: tuple[str, ...],
     frame: Frame,
     *,
@@ -215,13 +216,13 @@ class _Tried:
 def _search(key, candidates: Iterator[Candidate], formats, frame: Frame, rankdirs, min_dpi, timeout, structure,
             extra_args) -> Planned:
     corr = dict(_CORRECTIONS.get(structure) or {}) if structure is not None else {}
-    seen: list[tuple[Candidate, DotSizes | None, dict[str, str]]] = []  # candidates read so far
+    seen: list[tuple[Candidate, _Reader | None]] = []  # candidates read so far (None: too many nodes)
     exhausted = False
     tried: list[_Tried] = []
     bad: set[tuple[Hashable, str, int]] = set()
     rows_below: dict[Hashable, int] = {}  # detail -> row counts that failed to read in order start here
 
-    def candidate(i: int) -> tuple[Candidate, DotSizes | None, dict[str, str]] | None:
+    def candidate(i: int) -> tuple[Candidate, _Reader | None] | None:
         nonlocal exhausted
         while len(seen) <= i and not exhausted:
             c = next(candidates, None)
@@ -229,11 +230,11 @@ def _search(key, candidates: Iterator[Candidate], formats, frame: Frame, rankdir
                 exhausted = True
                 break
             hopeless = c.nodes * _MIN_NODE_AREA > (frame.width / min_dpi) * (frame.height / min_dpi) * 4
-            seen.append((c, None if hopeless else _Reader(c), {}))
+            seen.append((c, None if hopeless else _Reader(c)))
         return seen[i] if i < len(seen) else None
 
     def arrangements(i: int) -> list[_Arrangement]:
-        c, reader, _ = candidate(i)  # type: ignore[misc]
+        c, reader = candidate(i)  # type: ignore[misc]
         if reader is None:
             return []
         arrs = []
@@ -246,14 +247,15 @@ def _search(key, candidates: Iterator[Candidate], formats, frame: Frame, rankdir
             if rd != "LR" or w / max(h, 1e-3) <= VIEW_ASPECT:
                 continue  # only left-to-right strips are wrapped (into rows read like text)
             for k in _band_counts(w, h, frame):
-                band = _bands(sizes, k)
-                if band is None:
+                banded = _bands(sizes, k)
+                if banded is None:
                     continue
+                band, crossed = banded
                 bw, bh = sizes.estimate(rd, band)
                 # rows come out longer (uneven) and stack tighter than the model adds them up
                 ra, rc = corr.get((rd, "rows"), (_ROW_ALONG, _ROW_ACROSS))
                 bw, bh = bw * ca * ra, bh * cc * rc
-                arrs.append(_Arrangement(rd, max(band.values()) + 1, band, bw, bh, frame.dpi(bw, bh)))
+                arrs.append(_Arrangement(rd, max(band.values()) + 1, band, bw, bh, frame.dpi(bw, bh), crossed))
         limit = rows_below.get(c.spec)
         return [a for a in arrs if (c.spec, a.rankdir, a.bands) not in bad
                 and not (a.bands > 1 and limit is not None and a.bands >= limit)]
@@ -268,10 +270,14 @@ def _search(key, candidates: Iterator[Candidate], formats, frame: Frame, rankdir
                 if best.dpi >= min_dpi * margin:
                     return last
             i += 1
+        if last is None and limit is None and seen and seen[-1][1] is None:
+            # every candidate has more nodes than the frame can hold legibly: draw the last anyway
+            seen[-1] = (seen[-1][0], _Reader(seen[-1][0]))
+            return choose(margin=margin, rows=rows)
         return last if limit is None else None
 
     def attempt(i: int, arr: _Arrangement) -> _Tried:
-        c, reader, _ = candidate(i)  # type: ignore[misc]
+        c, reader = candidate(i)  # type: ignore[misc]
         base = reader.source(arr.rankdir)  # type: ignore[union-attr]
         source = _rows(base, arr.band) if arr.bands > 1 else base
         out = _run(source, formats, (*_frame_args(frame), *extra_args), timeout)
@@ -327,7 +333,7 @@ def _search(key, candidates: Iterator[Candidate], formats, frame: Frame, rankdir
         raise RuntimeError("no arrangement of this drawing read in order within the engine runs allowed")
     if good:
         # among legible attempts, the most detailed (earliest candidate) wins
-        order = {id(c): n for n, (c, _r, _x) in enumerate(seen)}
+        order = {id(c): n for n, (c, _r) in enumerate(seen)}
         pick = min(good, key=lambda t: order.get(id(t.cand), 0))
     _DECISIONS.put(key, pick.decision)
     return Planned(pick.out, pick.decision, pick.cand, runs, _padded(pick.out, frame.aspect))
@@ -361,7 +367,8 @@ def _best(arrs: list[_Arrangement]) -> _Arrangement:
     window, then top-down (the rules the viewing PNG always had)."""
     top = max(a.dpi for a in arrs)
     near = [a for a in arrs if a.dpi >= top / 1.15]
-    near.sort(key=lambda a: (a.bands > 1, a.aspect > VIEW_ASPECT * 1.02, a.rankdir != "TB", -a.dpi))
+    # rows that break between blocks before rows that cut through layers (those seldom read in order)
+    near.sort(key=lambda a: (a.bands > 1, a.crossed, a.aspect > VIEW_ASPECT * 1.02, a.rankdir != "TB", -a.dpi))
     return near[0]
 
 
@@ -371,8 +378,9 @@ def _band_counts(w: float, h: float, frame: Frame) -> list[int]:
     return list(range(2, max(3, min(12, math.ceil(ideal * 2))) + 1))
 
 
-def _bands(sizes: DotSizes, k: int) -> dict[str, int] | None:
-    """Each node's row when the rank axis is cut into ``k`` rows; None when no cut is allowed.
+def _bands(sizes: DotSizes, k: int) -> tuple[dict[str, int], int] | None:
+    """Each node's row when the rank axis is cut into ``k`` rows, and how many layers the
+    most crossing cut goes through; None when no cut is allowed.
 
     Cuts go between ranks, near the even places, never through one layer's
     own ops (an innermost cluster) or a layer that fits in one row (a
@@ -402,6 +410,7 @@ def _bands(sizes: DotSizes, k: int) -> dict[str, int] | None:
     # the cuts through the fewest layers that still give rows of about even length
     # (at most 1.5x the even length): between blocks where the blocks allow it
     cuts: list[float] | None = None
+    level = 0
     for level in sorted({n for _c, n in allowed}):
         cuts = _partition([c for c, n in allowed if n <= level], lo, hi, k)
         if cuts is not None:
@@ -414,7 +423,7 @@ def _bands(sizes: DotSizes, k: int) -> dict[str, int] | None:
     for t, h, *_ in sizes.edges:
         if h in band and t in band and h not in has_succ:
             band[h] = band[t]
-    return band
+    return band, level
 
 
 def _partition(places: list[float], lo: float, hi: float, k: int) -> list[float] | None:
