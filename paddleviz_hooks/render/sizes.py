@@ -10,7 +10,8 @@ balancing); each rank is as long as its tallest node, each gap between
 ranks as long as ``ranksep`` plus its tallest edge label, and the drawing
 as wide as its widest rank. Two factors calibrated once against ``dot``
 2.43 on backward graphs of LeNet, a small CNN, resnet18 and 2- and 6-layer
-encoders (``docs/graphviz.md``) turn that into inches. The planner corrects
+encoders at every collapse depth, both directions (48 layouts; ``docs/graphviz.md``)
+turn that into inches. The planner corrects
 them per structure with what each engine run measures.
 """
 
