@@ -17,13 +17,14 @@ import math
 import re
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable
+from typing import Any, Iterable, NamedTuple
 
 __all__ = [
     "BackwardGraph",
     "Edge",
     "GradMeta",
     "Node",
+    "SourceFrame",
     "float_from_json",
     "float_to_json",
     "is_communication",
@@ -86,6 +87,26 @@ def is_communication(op: str) -> bool:
         (True, False)
     """
     return op in COMMUNICATION_OPS
+
+
+class SourceFrame(NamedTuple):
+    """One frame of the user's code on the way to a forward op call.
+
+    ``code`` is the source line as Paddle recorded it (stripped; ``""`` when
+    the file could not be read).
+    """
+
+    file: str
+    line: int
+    function: str
+    code: str = ""
+
+
+#: Why an op node has no :attr:`Node.source` (worded in ``paddleviz_hooks.text``):
+#: ``"static"`` an op inside a to_static program; ``"internal"`` made by Paddle
+#: with no Python caller of the user's; ``"unrecorded"`` its forward ran before
+#: the capture was armed or decided (or with Paddle's own dump path in use).
+SOURCE_NOTES = ("static", "internal", "unrecorded")
 
 
 @dataclass
@@ -201,6 +222,12 @@ class Node:
         local_grad: under multi-process data parallel, the gradient this
             rank's own backward produced for the parameter, before
             synchronisation (see ``meta["grad_sync"]``); None otherwise.
+        source: for an op, where its forward op was called: the frames of
+            the user's code (:class:`SourceFrame`; Paddle, the standard
+            library and this package left out), outermost first; None when
+            not recorded.
+        source_note: for an op without ``source``, why (one of
+            :data:`SOURCE_NOTES`); None otherwise.
     """
 
     id: int
@@ -225,9 +252,12 @@ class Node:
     grad: GradMeta | None = None
     saved_bytes: int = 0
     local_grad: GradMeta | None = None
+    source: tuple[SourceFrame, ...] | None = None
+    source_note: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        d["source"] = [list(f) for f in self.source] if self.source is not None else None
         d["shape"] = list(self.shape) if self.shape is not None else None
         d["grad"] = self.grad.to_dict() if self.grad is not None else None
         d["local_grad"] = self.local_grad.to_dict() if self.local_grad is not None else None
@@ -251,11 +281,13 @@ class Node:
             d["grad"] = GradMeta.from_dict(d["grad"])
         if d.get("local_grad") is not None:
             d["local_grad"] = GradMeta.from_dict(d["local_grad"])
+        if d.get("source") is not None:
+            d["source"] = tuple(SourceFrame(str(f[0]), int(f[1]), str(f[2]), str(f[3])) for f in d["source"])
         return cls(**d)
 
 
 _NODE_BOX_DEFAULTS = {"count": 1, "calls": 1, "ops": 0, "unhooked": 0, "params": 0, "norm": None, "nonfinite": 0,
-                      "grad": None, "saved_bytes": 0, "local_grad": None}
+                      "grad": None, "saved_bytes": 0, "local_grad": None, "source": None, "source_note": None}
 
 
 @dataclass
@@ -642,6 +674,9 @@ class BackwardGraph:
         }
         if self.calls:  # written only when known, like the box fields
             d["calls"] = self.calls
+        frames = _frame_table(d["nodes"])
+        if frames:
+            d["frames"] = frames
         return d
 
     def to_json(self, indent: int | None = None) -> str:
@@ -661,14 +696,15 @@ class BackwardGraph:
                 f"paddleviz-hooks understands ({FORMAT_VERSION}); upgrade paddleviz-hooks"
             )
         try:
+            table = d.get("frames") or []
             return cls(
-                nodes=[Node.from_dict(n) for n in d["nodes"]],
+                nodes=[Node.from_dict(_frames_of(n, table)) for n in d["nodes"]],
                 edges=[Edge.from_dict(e) for e in d["edges"]],
                 layers=dict(d.get("layers", {})),
                 meta=_meta_from_json(dict(d.get("meta", {}))),
                 calls=dict(d.get("calls", {})),
             )
-        except (KeyError, TypeError) as exc:
+        except (KeyError, TypeError, IndexError) as exc:
             raise ValueError(f"malformed backward graph JSON: {exc!r}") from None
 
     @classmethod
@@ -685,6 +721,36 @@ class BackwardGraph:
             f"BackwardGraph({len(self.nodes)} nodes, {len(self.edges)} edges, "
             f"step={self.meta.get('step')})"
         )
+
+
+def _frame_table(nodes: list[dict[str, Any]]) -> list[list[Any]]:
+    """Replace each node dict's ``source`` frames by indices into one table of
+    unique frames (a frame shared by many ops, such as the training loop's
+    line, is written once); returns the table."""
+    index: dict[tuple, int] = {}
+    table: list[list[Any]] = []
+    for n in nodes:
+        src = n.get("source")
+        if src is None:
+            continue
+        ids = []
+        for f in src:
+            k = tuple(f)
+            i = index.get(k)
+            if i is None:
+                i = index[k] = len(table)
+                table.append(list(f))
+            ids.append(i)
+        n["source"] = ids
+    return table
+
+
+def _frames_of(node: dict[str, Any], table: list[list[Any]]) -> dict[str, Any]:
+    """A node dict of the JSON with its ``source`` indices turned back into frames."""
+    src = node.get("source")
+    if src is None:
+        return node
+    return {**node, "source": [table[i] for i in src]}
 
 
 _SIGNED_KEY = re.compile(r"#[0-9a-f]{6}(\.\d+)?$")

@@ -81,6 +81,7 @@ class RecorderOptions:
     max_captures: int | None = None
     grad_stats: bool = True
     saved_memory: bool = False
+    sources: bool = True
     color_by: str | None = None
     view_max_nodes: int | None = None
     view_max_px: int = 2000
@@ -172,6 +173,7 @@ class RecorderOptions:
             max_captures=_int("max_captures", max_captures, 1),
             grad_stats=_bool("grad_stats", grad_stats),
             saved_memory=_bool("saved_memory", saved_memory),
+            sources=_bool("sources", o["sources"]),
             color_by=color_by,
             view_max_nodes=_int("view_max_nodes", view_max_nodes, 2),
             view_max_px=_int("view_max_px", view_max_px, 64, allow_none=False),

@@ -18,7 +18,7 @@ from typing import Any, Iterable
 
 from .diff import GraphDiff
 from .ranks import RankView
-from .graph import BackwardGraph, GradMeta, Node, is_communication
+from .graph import BackwardGraph, GradMeta, Node, SourceFrame, is_communication
 from .hazards import PROGRAM_OP_NOTE, RECOMPUTE_INPUT_NOTE
 
 __all__ = [
@@ -42,6 +42,11 @@ __all__ = [
     "rank_view_lines",
     "ranks_title",
     "shard_line",
+    "source_frame",
+    "source_short",
+    "source_lines",
+    "source_attrs",
+    "SOURCE_NOTES_TEXT",
     "call_name",
     "capture_title",
     "graph_title",
@@ -534,6 +539,89 @@ def box_lines(node: Node) -> list[str]:
     return lines
 
 
+#: Why an op has no forward source line (``Node.source_note``), as people read it.
+SOURCE_NOTES_TEXT = {
+    "static": "no Python line: a to_static program (its ops run compiled)",
+    "internal": "no Python line: made inside Paddle, not called from your code",
+    "unrecorded": "forward line not recorded: its forward ran before the capture was armed or decided "
+                  "(or Paddle kept no stack for this op)",
+}
+_SOURCE_SHOWN = 4  # outer frames named after the innermost one
+
+
+def source_frame(frame: SourceFrame, full: bool = True) -> str:
+    """One frame of a forward call stack: ``file:line in function: code``.
+
+    Example:
+        >>> f = SourceFrame("/src/model.py", 16, "forward", "h = paddle.sqrt(h)")
+        >>> source_frame(f), source_frame(f, full=False)
+        ('/src/model.py:16 in forward: h = paddle.sqrt(h)', 'model.py:16 in forward')
+    """
+    if not full:
+        return f"{os.path.basename(frame.file) or frame.file}:{frame.line} in {frame.function}"
+    return f"{frame.file}:{frame.line} in {frame.function}" + (f": {frame.code}" if frame.code else "")
+
+
+def source_short(node: Node) -> str | None:
+    """Where an op's forward was called, short (``model.py:16: h = paddle.sqrt(h)``);
+    the reason when that is not known; None for nodes that are no op.
+
+    Example:
+        >>> source_short(Node(1, "op", "SqrtGradNode", "Sqrt",
+        ...                   source=(SourceFrame("/src/model.py", 16, "forward", "h = paddle.sqrt(h)"),)))
+        'model.py:16: h = paddle.sqrt(h)'
+    """
+    if node.source:
+        f = node.source[-1]
+        return f"{os.path.basename(f.file) or f.file}:{f.line}" + (f": {f.code}" if f.code else "")
+    return SOURCE_NOTES_TEXT.get(node.source_note or "")
+
+
+def source_lines(node: Node) -> list[str]:
+    """The forward call stack of an op, innermost first: ``line: ...`` then
+    ``called from: ...`` (the outermost beyond a few are counted); the reason
+    when it is not known; nothing when it was not recorded at all.
+
+    Example:
+        >>> n = Node(1, "op", "TanhGradNode", "Tanh", source=(
+        ...     SourceFrame("train.py", 40, "<module>", "loss = net(x).mean()"),
+        ...     SourceFrame("model.py", 19, "squash", "h = paddle.tanh(h)")))
+        >>> source_lines(n)
+        ['line: model.py:19 in squash: h = paddle.tanh(h)', 'called from: train.py:40 in <module>: loss = net(x).mean()']
+    """
+    if not node.source:
+        text = SOURCE_NOTES_TEXT.get(node.source_note or "")
+        return [text] if text else []
+    frames = list(reversed(node.source))
+    lines = ["line: " + source_frame(frames[0])]
+    lines += ["called from: " + source_frame(f) for f in frames[1:1 + _SOURCE_SHOWN]]
+    if len(frames) > 1 + _SOURCE_SHOWN:
+        lines.append(f"called from: {plural(len(frames) - 1 - _SOURCE_SHOWN, 'more frame')}")
+    return lines
+
+
+def source_attrs(node: Node) -> dict[str, str]:
+    """Attributes of a node for viewers that list them (Model Explorer, VisualDL's
+    Graphs tab): where its forward was called, in full.
+
+    Example:
+        >>> source_attrs(Node(1, "op", "TanhGradNode", "Tanh", source=(
+        ...     SourceFrame("/src/train.py", 40, "<module>", "loss = net(x).mean()"),
+        ...     SourceFrame("/src/model.py", 19, "squash", "h = paddle.tanh(h)"))))
+        {'source': 'model.py:19: h = paddle.tanh(h)', 'source file': '/src/model.py:19 in squash', 'called from': '/src/train.py:40 in <module>: loss = net(x).mean()'}
+    """
+    if node.kind != "op":
+        return {}
+    if not node.source:
+        text = source_short(node)
+        return {"source": text} if text else {}
+    f = node.source[-1]
+    out = {"source": source_short(node) or "", "source file": f"{f.file}:{f.line} in {f.function}"}
+    if len(node.source) > 1:
+        out["called from"] = " < ".join(source_frame(x) for x in reversed(node.source[:-1]))
+    return out
+
+
 def node_tooltip(node: Node) -> str:
     """Hover text: Paddle's grad node name, the layer (call), the key, why unhooked,
     what it saved for backward."""
@@ -542,6 +630,7 @@ def node_tooltip(node: Node) -> str:
                                    if node.layer is not None else OUTSIDE_MODEL), f"key: {node.key}"]
     if node.note:
         tip.append(node.note)
+    tip.extend(source_lines(node))
     if node.saved_bytes:
         tip.append(f"saved for backward: {fmt_bytes(node.saved_bytes)}")
     if node.kind == "layer" and node.unhooked:
@@ -823,7 +912,9 @@ def graph_summary(graph: BackwardGraph, top: int = 5, previous: BackwardGraph | 
     acc_differs = isinstance(acc, float) and (gn is None or not math.isclose(acc, gn, rel_tol=1e-6))
     if gn is not None:
         lines.append(f"global grad norm {gn:.4g}" + (" (this backward);" if acc_differs else ";"))
-    if acc_differs:
+    if acc_differs and isinstance(graph.meta.get("applied_grad_norm"), float):
+        lines.append(f"applied gradient norm {fmt_num(acc, 4)} (param.grad as the update applied it);")
+    elif acc_differs:
         lines.append(f"accumulated param.grad norm {fmt_num(acc, 4)} (what the optimizer applies);")
     sync_line = grad_sync_line(graph)
     if sync_line:
@@ -844,7 +935,9 @@ def graph_summary(graph: BackwardGraph, top: int = 5, previous: BackwardGraph | 
             lines.append("graph replayed from the step's inputs before the update (param.grad untouched);")
     if sites:
         first = sites[0]
-        lines.append(f"NaN/Inf gradients at {plural(len(sites), 'node')}, first at {describe_node(first)};")
+        at = source_short(first)
+        lines.append(f"NaN/Inf gradients at {plural(len(sites), 'node')}, first at {describe_node(first)}"
+                     + (f" ({at})" if first.source else "") + ";")
     elif graph.nonfinite_count():
         lines.append(f"NaN/Inf in the gradients of {plural(len(bad_params), 'parameter')}: {_names(bad_params)};")
     elif graph.meta.get("grad_stats"):

@@ -2,8 +2,8 @@
 
 * ``--runslow`` runs the tests marked ``@pytest.mark.slow`` (skipped otherwise).
 * Every test is checked for leaking Paddle state: a backward patch still
-  installed after the test is a capture that did not clean up, which fails
-  the test; grad mode left off (what a raising node hook does to Paddle) is
+  installed after the test, or Paddle's call-stack flag left changed, is a
+  capture that did not clean up, which fails the test; grad mode left off (what a raising node hook does to Paddle) is
   restored so one broken test cannot break every later one, with a warning.
 """
 
@@ -29,8 +29,10 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def _paddle_state_guard():
-    yield
     import paddle
+
+    stack_flag = paddle.get_flags("FLAGS_call_stack_level")["FLAGS_call_stack_level"]
+    yield
     from paddleviz_hooks.capture import dispatcher_installed
     from paddleviz_hooks.capture.dispatch import DISPATCHER
 
@@ -42,6 +44,10 @@ def _paddle_state_guard():
         warnings.warn("a test left Paddle's grad mode disabled; re-enabled", RuntimeWarning)
     if leaked:
         pytest.fail("the backward patch was still installed after the test: a capture leaked")
+    now = paddle.get_flags("FLAGS_call_stack_level")["FLAGS_call_stack_level"]
+    if now != stack_flag:  # source lines are recorded with it on, for captured forwards only
+        paddle.set_flags({"FLAGS_call_stack_level": stack_flag})
+        pytest.fail(f"FLAGS_call_stack_level was left at {now} (was {stack_flag}): a capture leaked it")
 
 
 @pytest.fixture()

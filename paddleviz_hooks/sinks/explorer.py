@@ -36,7 +36,8 @@ from ..collapse import call_paths
 from ..diff import GraphDiff, diff_graphs, node_norms
 from ..escape import safe_filename
 from ..graph import BackwardGraph, GradMeta, Node, merge_grad_metas
-from ..text import NOT_OBSERVED, backward_role, box_name, call_of, capture_title, describe_node, fmt_shape, graph_summary, layer_name
+from ..text import (NOT_OBSERVED, backward_role, box_name, call_of, capture_title, describe_node, fmt_shape,
+                    graph_summary, layer_name, source_attrs)
 
 __all__ = ["ExplorerExport", "explorer_graph", "explorer_overlays", "export_explorer", "GRAPHS_FILE"]
 
@@ -169,6 +170,7 @@ def explorer_graph(graph: BackwardGraph, graph_id: str) -> dict[str, Any]:
             attrs.append(_kv("NaN/Inf origin", "yes: the first node that turned finite gradients non-finite"))
         if n.note:
             attrs.append(_kv("note", n.note))
+        attrs += [_kv(k, v) for k, v in source_attrs(n).items()]
         if saved_recorded:
             attrs.append(_kv("saved for backward (bytes)", n.saved_bytes))
         attrs.append(_kv("key", n.key))

@@ -43,7 +43,7 @@ from .._fileio import atomic_write
 from ..collapse import call_paths
 from ..escape import vdl_graph_name
 from ..graph import BackwardGraph, GradMeta, Node
-from ..text import NOT_OBSERVED, edge_lines, fmt_num, layer_name
+from ..text import NOT_OBSERVED, edge_lines, fmt_num, layer_name, source_attrs
 
 __all__ = ["vdl_graph", "write_vdl_graph", "VDL_GRAPH_VERSION"]
 
@@ -261,6 +261,8 @@ def vdl_graph(graph: BackwardGraph) -> dict[str, Any]:
             _grad_attrs(node, [n.grad])  # what this backward added to param.grad
         elif n.kind != "root":
             _grad_attrs(node, inn.get(n.id, []))
+        for k, v in source_attrs(n).items():
+            _set(node, k, v)
     for box, values in norms.items():
         _set(tree.nodes[box], "param |g|", _exact(math.sqrt(sum(v * v for v in values))))
 
