@@ -537,7 +537,8 @@ def _collapse_once(
         grad = merge_grad_metas(metas) if metas else None
         if grad is not None:
             grad = replace(grad)  # never share a GradMeta with the input graph
-        new_edges.append(Edge(s, d, min(e.slot for e in es), grad))
+        new_edges.append(Edge(s, d, min(e.slot for e in es), grad,
+                              next((e.note for e in es if e.note is not None), None)))
 
     # box summaries
     param_meta = graph.params()

@@ -296,26 +296,32 @@ class Edge:
 
     ``slot`` is the position of ``dst`` among ``src``'s next functions;
     ``grad`` is None when the gradient could not be observed (the producing
-    node cannot be hooked safely, see ``paddleviz_hooks.hazards``).
+    node cannot be hooked safely, see ``paddleviz_hooks.hazards``); ``note``
+    then says why, when known.
     """
 
     src: int
     dst: int
     slot: int = 0
     grad: GradMeta | None = None
+    note: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        d = {
             "src": self.src,
             "dst": self.dst,
             "slot": self.slot,
             "grad": self.grad.to_dict() if self.grad is not None else None,
         }
+        if self.note is not None:  # written only when there is one
+            d["note"] = self.note
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Edge":
         g = d.get("grad")
-        return cls(d["src"], d["dst"], d.get("slot", 0), GradMeta.from_dict(g) if g else None)
+        return cls(d["src"], d["dst"], d.get("slot", 0), GradMeta.from_dict(g) if g else None,
+                   d.get("note") if isinstance(d.get("note"), str) else None)
 
 
 @dataclass

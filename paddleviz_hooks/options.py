@@ -91,6 +91,7 @@ class RecorderOptions:
     sinks: tuple[Any, ...] = DEFAULT_SINKS  # checked: names and sink objects ("visualdl" dropped by visualdl=False)
     visualdl_graphs: bool = True
     visualdl_diagnostics: bool = False
+    scalar_depth: int | None = None
     run_name: str = "backward_graph"
     ranks: frozenset[int] | str | int = 0  # checked: a frozenset of ints, or "all"
     on_nonfinite: bool = False
@@ -183,6 +184,7 @@ class RecorderOptions:
             sinks=tuple(s for s in sinks if visualdl or s != "visualdl"),
             visualdl_graphs=_bool("visualdl_graphs", visualdl_graphs),
             visualdl_diagnostics=_bool("visualdl_diagnostics", visualdl_diagnostics),
+            scalar_depth=_int("scalar_depth", o["scalar_depth"], 1),
             run_name=run_name,
             ranks=rank_set,
             on_nonfinite=_bool("on_nonfinite", on_nonfinite),

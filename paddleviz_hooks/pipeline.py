@@ -485,7 +485,8 @@ class CapturePipeline:
             text = f"trigger: {trigger}" + (f" ({note})" if note else "") + ";\n" + text
         if diff is not None:
             text += "\n" + diff_summary(diff)  # starts "step B vs step A:"
-        scalars = capture_scalars(graph, suffix, diagnostics=self.options.visualdl_diagnostics)
+        scalars = capture_scalars(graph, suffix, diagnostics=self.options.visualdl_diagnostics,
+                                  depth=self.options.scalar_depth)
         changed = diff if (diff is not None and diff.structure_changed) else None
         self.sinks.data(CaptureData(step, trigger, suffix, graph, changed, text, scalars, paths))
 

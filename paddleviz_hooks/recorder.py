@@ -102,6 +102,10 @@ class BackwardGraphRecorder:
         visualdl_diagnostics: also log the recorder's own scalars (node and
             edge counts, capture time, accumulated ``param.grad`` norm).
             Default False: only gradient norms and the NaN/Inf count.
+        scalar_depth: the per-layer gradient norm scalars (``~grad_norm/<layer>``)
+            go this many components down the dotted layer path (1: top-level
+            layers, 2: ``encoder.layers``, ...; a shallower layer keeps its own
+            name). Default None: the deepest level with at most about 30 scalars.
         run_name: folder (and dashboard run name) under ``log_dir``.
             Default ``"backward_graph"``.
         ranks: which ranks capture under data parallel: an int, a list of
@@ -188,6 +192,7 @@ class BackwardGraphRecorder:
         sinks: Any = ("visualdl",),
         visualdl_graphs: bool = True,
         visualdl_diagnostics: bool = False,
+        scalar_depth: int | None = None,
         run_name: str = "backward_graph",
         ranks: int | Sequence[int] | str = 0,
         on_nonfinite: bool = False,
@@ -207,7 +212,7 @@ class BackwardGraphRecorder:
             view_max_px=view_max_px,
             viewer_px=viewer_px,
             formats=formats, visualdl=visualdl, sinks=sinks, visualdl_graphs=visualdl_graphs,
-            visualdl_diagnostics=visualdl_diagnostics, run_name=run_name, ranks=ranks,
+            visualdl_diagnostics=visualdl_diagnostics, scalar_depth=scalar_depth, run_name=run_name, ranks=ranks,
             on_nonfinite=on_nonfinite, on_grad_spike=on_grad_spike,
             on_structure_change=on_structure_change, cooldown=cooldown, queue_size=queue_size,
             render_timeout=render_timeout, close_timeout=close_timeout, verbose=verbose,

@@ -401,7 +401,7 @@ def origin_mark(origin: dict[str, Any]) -> str:
 # --------------------------------------------------------------------------
 # drawing labels
 # --------------------------------------------------------------------------
-def edge_lines(meta: GradMeta | None, stats: bool, observed: bool = True) -> list[str]:
+def edge_lines(meta: GradMeta | None, stats: bool, observed: bool = True, why: str | None = None) -> list[str]:
     """Label lines for one gradient: shape and dtype, then norm (and NaN/Inf).
 
     Args:
@@ -409,16 +409,20 @@ def edge_lines(meta: GradMeta | None, stats: bool, observed: bool = True) -> lis
         stats: show the norm.
         observed: False for a gradient whose shape is known but whose
             values could not be seen (inside a compiled program).
+        why: why it was not observed (``Edge.note``), shown under "not observed".
 
     Example:
         >>> edge_lines(GradMeta((2, 16), "float32"), True, observed=False)
         ['[2, 16] f32', 'not observed']
+        >>> edge_lines(None, True, why="Einsum takes no hook")
+        ['not observed', '(Einsum takes no hook)']
     """
+    unseen = [NOT_OBSERVED] + ([f"({why})"] if why else [])
     if meta is None:
-        return [NOT_OBSERVED]
+        return unseen
     lines = [f"{fmt_shape(meta.shape)} {_DTYPE_SHORT.get(meta.dtype or '', meta.dtype or '')}".strip()]
     if not observed:
-        return lines + [NOT_OBSERVED]
+        return lines + unseen
     if meta.local_shape is not None:  # auto-parallel: this rank's shard
         lines.append(shard_line(meta))
     if stats and meta.norm is not None:

@@ -39,6 +39,7 @@ from ..warn import WarnOnce
 from .attribution import LayerAttribution, frame_name
 from .dispatch import DISPATCHER
 from .gradnode import Walk, forget_saved, grad_fn, parameter_names, walk_graph
+from .joins import Joins, explain
 from .static import ProgramRuns
 from .nested import place, pylayer_context, stitch
 from .saved import SavedMemory
@@ -102,6 +103,7 @@ class _Session:
         self.leaf_sums: dict[int, Any] | None = None
         self.handles: list[Any] = []  # node post-hooks and parameter hooks, removed in _end
         self.in_meta: dict[int, GradMeta] = {}
+        self.joins: Joins | None = None  # Concat/AddN nodes: their gradients read from what they received
         self.errors: list[BaseException] = []
         self.interrupt: BaseException | None = None
         self.returned: list[list[Any]] = []  # what the hooks returned; emptied in _end
@@ -389,6 +391,8 @@ class BackwardCapture:
             if reason is not None:
                 node.note = reason
                 needs_in.update(e.dst for e in w.out_edges.get(nid, ()))
+        joins = Joins(w.nodes, w.edges, w.out_edges, w.wrappers, s.in_meta, self.grad_stats, s.stats)
+        s.joins = joins if joins else None
         for nid, node in enumerate(w.nodes):
             if node.kind == "param":
                 self._hook_param(s, nid)
@@ -443,6 +447,8 @@ class BackwardCapture:
         sums = s.leaf_sums
         to_leaf = ([i for i, e in enumerate(out_edges) if s.walk.nodes[e.dst].kind == "input"]
                    if sums is not None else [])
+        joins = s.joins
+        to_join = [i for i, e in enumerate(out_edges) if joins.wants(e.dst)] if joins is not None else []
 
         def hook(outs, ins):
             t = time.perf_counter()
@@ -454,6 +460,9 @@ class BackwardCapture:
                     if i < len(produced):
                         prev = sums.get(out_edges[i].dst)
                         sums[out_edges[i].dst] = produced[i] if prev is None else prev + produced[i]
+                for i in to_join:  # a Concat/AddN cuts or copies it (joins.py)
+                    if i < len(produced):
+                        joins.arrive(out_edges[i].dst, produced[i])
                 if root_edge is not None or want_in:
                     received = stats.flat_tensors(ins)
                     if len(received) == 1:
@@ -461,6 +470,8 @@ class BackwardCapture:
                         if root_edge is not None:
                             root_edge.grad = m
                         s.in_meta[nid] = m
+                        if joins is not None:
+                            joins.reported(nid)
             except Exception as exc:  # a raising hook would abort backward
                 s.errors.append(exc)
             except BaseException as exc:  # Ctrl-C: re-raised when the backward returns
@@ -504,6 +515,8 @@ class BackwardCapture:
             for ret in s.returned:  # see _make_hook: drop the gradients Paddle leaks
                 ret.clear()
             s.returned.clear()
+            if s.joins is not None:
+                s.joins.finish()  # before _fill_received: a cut slice is exact
             if s.wants_stacks or self.sources:
                 sources_.apply_stacks(s.walk.nodes, s.ptrs, s.stacks if s.wants_stacks else None,
                                       PROGRAM_OP_NOTE, nested=s.parent is not None)
@@ -547,6 +560,7 @@ class BackwardCapture:
         self._fill_received(s)
         self._leaf_totals(s)
         self._merge_children(s)
+        explain(s.walk.nodes, s.walk.edges, s.joins)  # after stitching: it may fill the PyLayer's edge
         if s.at is not None:
             s.parent.children.append((s.at, s))
             s.parent.hook_seconds += s.prepare_seconds + s.hook_seconds  # the step's capture cost
@@ -603,6 +617,7 @@ class BackwardCapture:
                 s.walk.nodes[nid].saved_bytes = nbytes
         stitched = len(s.children)
         self._merge_children(s)
+        explain(s.walk.nodes, s.walk.edges, s.joins)  # after stitching: it may fill the PyLayer's edge
         sync = self._read_applied(s)
         s.stats.resolve()  # every statistic of this backward, in one read
         graph = self._graph(s, s.walk.nodes, s.walk.edges, s.ptrs)

@@ -191,7 +191,7 @@ def dot_parts(
     for e in graph.edges:
         attrs: dict[str, str] = {}
         seen = _observed(graph, e)
-        text = edge_lines(e.grad, stats, seen)
+        text = edge_lines(e.grad, stats, seen, e.note)
         if text:
             attrs["label"] = "\n".join(text)
         if e.grad is None or not seen:

@@ -182,7 +182,8 @@ def explorer_graph(graph: BackwardGraph, graph_id: str) -> dict[str, Any]:
             "incomingEdges": [{"sourceNodeId": str(e.src), "sourceNodeOutputId": str(e.slot),
                                "targetNodeInputId": str(k)} for k, e in enumerate(inn)],
             "outputsMetadata": [{"id": str(e.slot), "attrs": [_kv("to", describe_node(graph.nodes[e.dst]))]
-                                 + _grad_attrs(e.grad)} for e in out],
+                                 + _grad_attrs(e.grad)
+                                 + ([_kv("why not observed", e.note)] if e.note else [])} for e in out],
         })
     return {"id": graph_id, "nodes": nodes, "groupNodeAttributes": _group_attrs(graph, paths, spaces),
             "layoutConfigs": {"keepLayersWithASingleChild": True}}
