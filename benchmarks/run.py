@@ -334,7 +334,7 @@ def bench_render(table: Table, name: str, graph, repeats: int) -> dict[str, floa
         if info.get("collapsed_depth") is not None and key == "view":
             how += f", auto-collapsed to depth {info['collapsed_depth']}"
         if info.get("bands", 1) > 1:
-            how += f", {info['bands']} columns"
+            how += f", {info['bands']} rows"
         table.add(name, label, fmt_s(v), how, seconds=v, width=w, height=h, **{f"info_{k}": x for k, x in info.items()})
     # steady state: the same structure captured again reuses the plan
     first_runs = _count_engine_runs(lambda: render_png(graph))  # also primes the plan

@@ -28,7 +28,7 @@ from .diff import GraphDiff, diff_graphs
 from .findings import record_of
 from .graph import BackwardGraph
 from .options import RecorderOptions
-from .render import (EngineNotFound, RenderTimeout, png_size, render_diff_views, render_png, render_svg,
+from .render import (EngineNotFound, RenderTimeout, render_diff_views, render_png, render_svg,
                      render_views, to_dot)
 from .sinks.base import CaptureData, CapturePictures, SinkContext, capture_scalars, suffixed
 from .sinks.files import StepFiles
@@ -78,21 +78,15 @@ def viewer_png(graph: BackwardGraph, options: RecorderOptions, title: str, *, ti
     16:9 when it is a strip, with node labels at least ``VIEWER_LABEL_PX``
     high, collapsing layers into boxes as far as that needs. The same
     structure gets the same layout at every step (the drawing plan is
-    cached), so flipping steps compares like with like.
+    cached), so flipping steps compares like with like. ``render/plan.py``
+    plans it with the other pictures.
     """
     assert options.viewer_px is not None
     width = options.viewer_px
-    height = width * 9 // 16
-    max_px = width
-    for _ in range(4):  # a drawing taller than 16:9 is drawn again, narrower, until it fits
-        png = render_png(graph, max_px=max_px, max_nodes=options.view_max_nodes, rankdir="LR",
-                         min_dpi=VIEWER_LABEL_PX * 72 / 11, timeout=timeout, title=title, info=info,
-                         **_shading(options, graph))
-        w, h = png_size(png)
-        if h <= height or max_px <= 64:
-            break
-        max_px = max(64, min(max_px - 1, int(max(w, h) * height / h)))
-    return png
+    return render_png(graph, max_px=width, max_height_px=max(64, width * 9 // 16), max_nodes=options.view_max_nodes,
+                      rankdir="LR", min_dpi=VIEWER_LABEL_PX * 72 / 11, timeout=timeout, title=title, info=info,
+                      **_shading(options, graph))
+
 
 _STOP = object()
 

@@ -48,3 +48,23 @@ def _paddle_state_guard():
     if now != stack_flag:  # source lines are recorded with it on, for captured forwards only
         paddle.set_flags({"FLAGS_call_stack_level": stack_flag})
         pytest.fail(f"FLAGS_call_stack_level was left at {now} (was {stack_flag}): a capture leaked it")
+
+
+@pytest.fixture()
+def engine_run_count(tmp_path, monkeypatch):
+    """Layout-engine runs so far, counted by a ``dot`` shim first on ``PATH`` (each run
+    appends a line to a file, then hands over to the real ``dot``); skips without ``dot``."""
+    import os
+    import shutil
+
+    real = shutil.which("dot")
+    if real is None:
+        pytest.skip("needs Graphviz dot")
+    shim_dir, counter = tmp_path / "dot-shim", tmp_path / "dot-runs.txt"
+    shim_dir.mkdir()
+    shim = shim_dir / "dot"
+    shim.write_text(f"#!/bin/sh\necho run >> {counter}\nexec {real} \"$@\"\n")
+    shim.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{shim_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("PADDLEVIZ_ENGINE", "dot")
+    return lambda: len(counter.read_text().splitlines()) if counter.exists() else 0
