@@ -32,6 +32,7 @@ __all__ = [
     "dot_quote",
     "html_escape",
     "json_for_script",
+    "markdown_literal",
     "safe_filename",
     "shorten",
     "vdl_graph_name",
@@ -88,6 +89,11 @@ def visible_data(data: Any) -> Any:
     return data
 
 
+#: Hover text holds a node's forward call stack (a few frames with their code lines)
+MAX_TOOLTIP = 1500
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
+
+
 def shorten(text: str, limit: int = MAX_TEXT) -> str:
     """Cut very long text to ``limit`` characters with an ellipsis in the middle."""
     text = str(text)
@@ -101,7 +107,7 @@ def _clean_line(text: str) -> str:
     return visible(str(text).replace("\t", " ").replace("\r", " ").replace("\n", " "))
 
 
-def dot_quote(text: str) -> str:
+def dot_quote(text: str, limit: int = MAX_TEXT) -> str:
     """A DOT double-quoted string holding ``text`` literally (one line).
 
     Backslashes are doubled so Graphviz escapes such as ``\\N`` or ``\\l``
@@ -111,7 +117,7 @@ def dot_quote(text: str) -> str:
         >>> dot_quote('a"b')
         '"a\\\\"b"'
     """
-    text = _clean_line(shorten(text))
+    text = _clean_line(shorten(text, limit))
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
@@ -125,13 +131,14 @@ def dot_label(*lines: str) -> str:
 
 
 def dot_attrs(attrs: Mapping[str, Any]) -> str:
-    """``key="value", ...`` for a DOT attribute list, every value quoted.
+    """``key="value", ...`` for a DOT attribute list, every value quoted
+    (a ``tooltip`` may be longer than other text, up to ``MAX_TOOLTIP``).
 
     Example:
         >>> print(dot_attrs({"label": 'say "hi"', "color": "red"}))
         label="say \\"hi\\"", color="red"
     """
-    return ", ".join(f"{k}={dot_quote(v)}" for k, v in attrs.items())
+    return ", ".join(f"{k}={dot_quote(v, MAX_TOOLTIP if k == 'tooltip' else MAX_TEXT)}" for k, v in attrs.items())
 
 
 def dot_html_table(title: str, rows: Iterable[tuple[Mapping[str, str], str]], *, spacing: int = 1) -> str:
@@ -168,6 +175,17 @@ def html_escape(text: Any) -> str:
         '&lt;a href=&quot;x&quot;&gt;'
     """
     return html.escape(visible(text, lines=True), quote=True)
+
+
+def markdown_literal(text: Any) -> str:
+    """Text shown as it is by a Markdown renderer (TensorBoard's text tab): an indented
+    code block, so line breaks stay and nothing in it is read as markup or HTML.
+
+    Example:
+        >>> markdown_literal("a <b>\\n*c*")
+        '    a <b>\\n    *c*'
+    """
+    return "\n".join("    " + line for line in visible(_CONTROL.sub(" ", str(text)), lines=True).splitlines())
 
 
 def json_for_script(data: Any) -> str:

@@ -26,6 +26,7 @@ from typing import Any, Iterable
 from .argcheck import check_path, reject_unknown
 from .escape import safe_filename
 from .render.dot import check_color_by
+from .sinks.hub import DEFAULT_SINKS, check_sinks
 
 __all__ = ["RecorderOptions", "FORMATS"]
 
@@ -99,14 +100,17 @@ class RecorderOptions:
     max_captures: int | None = None
     grad_stats: bool = True
     saved_memory: bool = False
+    sources: bool = True
     color_by: str | None = None
     view_max_nodes: int | None = None
     view_max_px: int = 2000
     viewer_px: int | None = 1280
     formats: tuple[str, ...] = FORMATS
     visualdl: bool = True
+    sinks: tuple[Any, ...] = DEFAULT_SINKS  # checked: names and sink objects ("visualdl" dropped by visualdl=False)
     visualdl_graphs: bool = True
     visualdl_diagnostics: bool = False
+    scalar_depth: int | None = None
     run_name: str = "backward_graph"
     ranks: frozenset[int] | str | int = 0  # checked: a frozenset of ints, or "all"
     on_nonfinite: bool = False
@@ -137,6 +141,7 @@ class RecorderOptions:
         saved_memory, color_by = o["saved_memory"], o["color_by"]
         view_max_nodes, view_max_px, formats, visualdl = o["view_max_nodes"], o["view_max_px"], o["formats"], o["visualdl"]
         visualdl_graphs, visualdl_diagnostics = o["visualdl_graphs"], o["visualdl_diagnostics"]
+        sinks = check_sinks(o["sinks"], require_installed=True)
         viewer_px = o["viewer_px"]
         run_name, ranks, on_nonfinite, on_grad_spike = o["run_name"], o["ranks"], o["on_nonfinite"], o["on_grad_spike"]
         on_structure_change, cooldown, queue_size = o["on_structure_change"], o["cooldown"], o["queue_size"]
@@ -187,14 +192,17 @@ class RecorderOptions:
             max_captures=_int("max_captures", max_captures, 1),
             grad_stats=_bool("grad_stats", grad_stats),
             saved_memory=_bool("saved_memory", saved_memory),
+            sources=_bool("sources", o["sources"]),
             color_by=color_by,
             view_max_nodes=_int("view_max_nodes", view_max_nodes, 2),
             view_max_px=_px("view_max_px", view_max_px, allow_none=False),
             viewer_px=_px("viewer_px", viewer_px),
             formats=formats,
             visualdl=_bool("visualdl", visualdl),
+            sinks=tuple(s for s in sinks if visualdl or s != "visualdl"),
             visualdl_graphs=_bool("visualdl_graphs", visualdl_graphs),
             visualdl_diagnostics=_bool("visualdl_diagnostics", visualdl_diagnostics),
+            scalar_depth=_int("scalar_depth", o["scalar_depth"], 1),
             run_name=run_name,
             ranks=rank_set,
             on_nonfinite=_bool("on_nonfinite", on_nonfinite),

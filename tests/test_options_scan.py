@@ -30,7 +30,8 @@ ACCEPTED = {
     "log_dir": set(),
     "every": {"None", "1", "2", "2**70"},
     "steps": {"None"},
-    "capture_first": BOOL, "grad_stats": BOOL, "saved_memory": BOOL, "visualdl": BOOL, "visualdl_graphs": BOOL,
+    "capture_first": BOOL, "grad_stats": BOOL, "saved_memory": BOOL, "sources": BOOL, "visualdl": BOOL,
+    "visualdl_graphs": BOOL,
     "visualdl_diagnostics": BOOL, "on_nonfinite": BOOL, "on_structure_change": BOOL,
     "max_captures": {"None", "1", "2", "2**70"},
     "color_by": {"None"},
@@ -205,7 +206,7 @@ def test_command_line_hostile_values(tmp_path, capsys, monkeypatch):
 
 
 @pytest.mark.parametrize("option,accepted", [("layer", {"None"}), ("grad_stats", BOOL), ("saved_memory", BOOL),
-                                             ("params", {"None", "{}"})])
+                                             ("sources", BOOL), ("params", {"None", "{}"})])
 def test_capture_backward_options_against_hostile_values(option, accepted):
     wrong = []
     for label, value in HOSTILE.items():
