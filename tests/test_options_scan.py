@@ -47,6 +47,8 @@ ACCEPTED = {
     "render_timeout": {"1", "2", "1.5"},
     "close_timeout": {"0", "1", "2", "1.5"},
     "verbose": {"0", "1", "True", "False"},
+    "scalar_depth": {"None", "1", "2", "2**70"},
+    "sinks": {"[]"},  # no dashboard: files only
 }
 
 
@@ -83,7 +85,9 @@ def _right_type(option: str, value) -> bool:
     """Whether ``value`` has the type ``option`` takes (so a refusal must be ValueError)."""
     if option == "log_dir":
         return isinstance(value, str)
-    if option in ("every", "max_captures", "view_max_nodes", "view_max_px", "viewer_px", "cooldown", "queue_size",
+    if option == "sinks":
+        return isinstance(value, str) or isinstance(value, list) and all(isinstance(v, str) for v in value)
+    if option in ("every", "max_captures", "scalar_depth", "view_max_nodes", "view_max_px", "viewer_px", "cooldown", "queue_size",
                   "verbose", "ranks"):
         ok = isinstance(value, int) and (option == "verbose" or not isinstance(value, bool))
         many = isinstance(value, (list, dict)) and all(isinstance(v, int) for v in value)
