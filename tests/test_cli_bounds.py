@@ -12,7 +12,6 @@ The 1-million-node run is ``--runslow``.
 from __future__ import annotations
 
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -103,13 +102,20 @@ def test_a_graph_bigger_than_the_drawing_bound_is_drawn_collapsed(tmp_path, caps
     assert code == 0 and f"{nodes:,} nodes: drawn collapsed to at most {DRAW_MAX_NODES}" in out, (out, err)
 
 
-def _peak_rss_mb(argv: list[str]) -> tuple[int, float, float, str]:
-    """(exit status, seconds, peak RSS in MB, stderr) of the CLI in a child process."""
+def _peak_rss_mb(argv: list[str]) -> tuple[int, float, float | None, str]:
+    """(exit status, seconds, peak RSS in MB or None, stderr) of the CLI in a child process.
+
+    The peak comes from GNU time when it is installed (a forked child's own rusage would
+    count the pages it shared with this test process before exec).
+    """
+    gnu_time = "/usr/bin/time" if os.path.exists("/usr/bin/time") else None
+    cmd = [sys.executable, "-m", "paddleviz_hooks.cli", *argv]
     t0 = time.monotonic()
-    r = subprocess.run([sys.executable, "-m", "paddleviz_hooks.cli", *argv], capture_output=True, text=True,
+    r = subprocess.run(([gnu_time, "-f", "PEAK_KB %M"] if gnu_time else []) + cmd, capture_output=True, text=True,
                        timeout=600)
     took = time.monotonic() - t0
-    return r.returncode, took, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024, r.stderr
+    peaks = [int(x.split()[1]) for x in r.stderr.splitlines() if x.startswith("PEAK_KB ")]
+    return r.returncode, took, peaks[0] / 1024 if peaks else None, r.stderr
 
 
 @pytest.mark.slow
@@ -124,5 +130,5 @@ def test_one_million_nodes_stay_within_the_bound(tmp_path):
                  ["report", str(run), "-o", str(tmp_path / "r.html")]):
         code, took, rss, err = _peak_rss_mb(argv)
         print(f"{argv[0]} on {nodes:,} nodes ({path.stat().st_size / 2**20:.0f} MiB): exit {code}, {took:.1f} s, "
-              f"peak RSS so far {rss:.0f} MB")
-        assert code == 1 and "limit" in err and took < 60 and rss < 500, (argv[0], code, took, rss, err)
+              f"peak RSS {'?' if rss is None else f'{rss:.0f}'} MB")
+        assert code == 1 and "limit" in err and took < 60 and (rss is None or rss < 200), (argv[0], took, rss, err)
