@@ -25,9 +25,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .diff import GraphDiff, diff_graphs
+from .findings import record_of
 from .graph import BackwardGraph
 from .options import RecorderOptions
-from .render import (EngineNotFound, RenderTimeout, png_size, render_diff_views, render_png, render_svg,
+from .render import (EngineNotFound, RenderTimeout, render_diff_views, render_png, render_svg,
                      render_views, to_dot)
 from .sinks.base import CaptureData, CapturePictures, SinkContext, capture_scalars, suffixed
 from .sinks.files import StepFiles
@@ -77,21 +78,15 @@ def viewer_png(graph: BackwardGraph, options: RecorderOptions, title: str, *, ti
     16:9 when it is a strip, with node labels at least ``VIEWER_LABEL_PX``
     high, collapsing layers into boxes as far as that needs. The same
     structure gets the same layout at every step (the drawing plan is
-    cached), so flipping steps compares like with like.
+    cached), so flipping steps compares like with like. ``render/plan.py``
+    plans it with the other pictures.
     """
     assert options.viewer_px is not None
     width = options.viewer_px
-    height = width * 9 // 16
-    max_px = width
-    for _ in range(4):  # a drawing taller than 16:9 is drawn again, narrower, until it fits
-        png = render_png(graph, max_px=max_px, max_nodes=options.view_max_nodes, rankdir="LR",
-                         min_dpi=VIEWER_LABEL_PX * 72 / 11, timeout=timeout, title=title, info=info,
-                         **_shading(options, graph))
-        w, h = png_size(png)
-        if h <= height or max_px <= 64:
-            break
-        max_px = max(64, min(max_px - 1, int(max(w, h) * height / h)))
-    return png
+    return render_png(graph, max_px=width, max_height_px=max(64, width * 9 // 16), max_nodes=options.view_max_nodes,
+                      rankdir="LR", min_dpi=VIEWER_LABEL_PX * 72 / 11, timeout=timeout, title=title, info=info,
+                      **_shading(options, graph))
+
 
 _STOP = object()
 
@@ -168,6 +163,18 @@ class BackgroundWorker:
             )
             return False
 
+    def wait(self, timeout: float) -> bool:
+        """Wait (at most ``timeout`` s) until every job handed over so far is handled."""
+        q = self._queue
+        deadline = time.monotonic() + timeout
+        with q.all_tasks_done:
+            while q.unfinished_tasks and self.alive:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                q.all_tasks_done.wait(min(left, 0.5))
+        return not q.unfinished_tasks
+
     def close(self, timeout: float | None = 300.0) -> bool:
         """Finish queued jobs (waiting at most ``timeout`` s) and stop the thread.
 
@@ -193,6 +200,7 @@ class BackgroundWorker:
         while True:
             job = self._queue.get()
             if job is _STOP:
+                self._queue.task_done()
                 return
             try:
                 self._handler(job)
@@ -200,6 +208,8 @@ class BackgroundWorker:
             except Exception as exc:  # keep serving later jobs
                 self.failed += 1
                 self._warn(f"job-{type(exc).__name__}", f"a capture could not be written: {exc}")
+            finally:
+                self._queue.task_done()
 
 
 @dataclass
@@ -279,6 +289,15 @@ class CapturePipeline:
         with self._lock:
             return not self._backlog and not self._drawing and self.worker.pending == 0
 
+    def settle(self, timeout: float) -> bool:
+        """Wait until every capture handed over is written and drawn (at most ``timeout``
+        s; the sinks flush after each record); True when nothing was left waiting."""
+        deadline = time.monotonic() + timeout
+        done = self.worker.wait(timeout)
+        while not self.idle and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return done and self.idle
+
     @property
     def undrawn(self) -> list[int]:
         """Captured steps whose pictures are still waiting."""
@@ -329,19 +348,17 @@ class CapturePipeline:
         opts, files = self.options, self.files
         graph, step, trigger, suffix = job.graph, job.step, job.trigger, job.suffix
         prev = self._prev.get(suffix)  # the same backward of an earlier step
-        # a replayed step (the NaN origin's replay) is rooted at the model output, not the loss:
-        # compared with ordinary captures it would report its missing loss ops as a structure change
-        replayed = bool(graph.meta.get("replayed"))
+        # a replayed step (rooted at the model output) is compared too: diff_graphs leaves the
+        # loss ops of the other graph out (GraphDiff.replayed)
         diff = None
-        if prev is not None and not replayed:
+        if prev is not None:
             try:
                 diff = diff_graphs(prev[0], graph)
             except Exception as exc:
                 self._warn("diff", f"comparing with the previous capture failed: {exc!r}")
         path = self._json_path(graph, step, suffix)
         paths = {"json": path} if "json" in opts.formats else {}
-        if not replayed:
-            self._prev[suffix] = (graph, path)
+        self._prev[suffix] = (graph, path)
         if "dot" in opts.formats:
             paths["dot"] = files.write(step, "dot", to_dot(graph, title=_title(step, trigger, graph),
                                                            **_shading(opts, graph)), suffix=suffix)
@@ -467,7 +484,8 @@ class CapturePipeline:
             text = f"trigger: {trigger}" + (f" ({note})" if note else "") + ";\n" + text
         if diff is not None:
             text += "\n" + diff_summary(diff)  # starts "step B vs step A:"
-        scalars = capture_scalars(graph, suffix, diagnostics=self.options.visualdl_diagnostics)
+        scalars = capture_scalars(graph, suffix, diagnostics=self.options.visualdl_diagnostics,
+                                  depth=self.options.scalar_depth)
         changed = diff if (diff is not None and diff.structure_changed) else None
         self.sinks.data(CaptureData(step, trigger, suffix, graph, changed, text, scalars, paths))
 
@@ -482,4 +500,4 @@ def _shading(options: RecorderOptions, graph: BackwardGraph) -> dict[str, Any]:
 
 def _title(step: int, trigger: str, graph: BackwardGraph) -> str:
     meta = graph.meta
-    return capture_title(step, trigger, backward_role(meta.get("backward")), origin=meta.get("nonfinite_origin"))
+    return capture_title(step, trigger, backward_role(meta.get("backward")), origin=record_of(graph).origin)

@@ -10,24 +10,32 @@ the same recorder from ``Model.fit``.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 import os
 from typing import Any, Iterable, Iterator, Sequence
 
 import paddle
 
+from .argcheck import reject_unknown
 from .capture import BackwardCapture
 from .capture.gradnode import strip_wrapper_prefix
 from .capture.nan_origin import StepInputs, locate, replay_step
-from .graph import BackwardGraph
+from .escape import visible
+from .findings import nonfinite_record
+from .graph import BackwardGraph, NonfiniteOrigin
 from .options import FORMATS, RecorderOptions
 from .pipeline import CaptureJob, CapturePipeline
 from .sinks.files import StepFiles
-from .text import MODEL_OUTPUT, backward_role, describe_node, describe_origin
+from .text import MODEL_OUTPUT, backward_role, nonfinite_lines
+from .capture.stats import local_value, sum_of_squares
 from .triggers import Triggers, global_grad_norm, weights_nonfinite
 from .warn import WarnOnce
 
 __all__ = ["BackwardGraphRecorder"]
+
+#: ``begin_step(micro_batches=COUNTED)``: every backward of the step is a micro-batch, counted at its end
+COUNTED = "counted"
 
 
 class BackwardGraphRecorder:
@@ -58,6 +66,10 @@ class BackwardGraphRecorder:
             at :meth:`begin_step` of a selected step, so run the forward
             inside the step; steps captured by a trigger are not covered.
             Default False.
+        sources: on captured steps, record the line of the user's code that
+            called each op's forward (``Node.source``, shown in every view),
+            armed the same way as ``saved_memory``; ops of steps captured by a
+            trigger say it was not recorded. Default True.
         color_by: ``"saved_memory"`` shades ops and layer boxes of the
             pictures by the bytes they saved for backward, with the range of
             each shade in the legend (needs ``saved_memory=True``; a capture
@@ -94,6 +106,10 @@ class BackwardGraphRecorder:
         visualdl_diagnostics: also log the recorder's own scalars (node and
             edge counts, capture time, accumulated ``param.grad`` norm).
             Default False: only gradient norms and the NaN/Inf count.
+        scalar_depth: the per-layer gradient norm scalars (``~grad_norm/<layer>``)
+            go this many components down the dotted layer path (1: top-level
+            layers, 2: ``encoder.layers``, ...; a shallower layer keeps its own
+            name). Default None: the deepest level with at most about 30 scalars.
         run_name: folder (and dashboard run name) under ``log_dir``.
             Default ``"backward_graph"``.
         ranks: which ranks capture under data parallel: an int, a list of
@@ -170,6 +186,7 @@ class BackwardGraphRecorder:
         max_captures: int | None = None,
         grad_stats: bool = True,
         saved_memory: bool = False,
+        sources: bool = True,
         color_by: str | None = None,
         view_max_nodes: int | None = None,
         view_max_px: int = 2000,
@@ -179,6 +196,7 @@ class BackwardGraphRecorder:
         sinks: Any = ("visualdl",),
         visualdl_graphs: bool = True,
         visualdl_diagnostics: bool = False,
+        scalar_depth: int | None = None,
         run_name: str = "backward_graph",
         ranks: int | Sequence[int] | str = 0,
         on_nonfinite: bool = False,
@@ -189,16 +207,19 @@ class BackwardGraphRecorder:
         render_timeout: float = 60.0,
         close_timeout: float = 120.0,
         verbose: int = 1,
+        **unknown: Any,
     ) -> None:
+        if unknown:  # a typo: name this class and the closest option
+            reject_unknown(type(self).__name__, unknown, option_names())
         if model is not None and not isinstance(model, paddle.nn.Layer):
             raise TypeError(f"model must be a paddle.nn.Layer or None, got {type(model).__name__}")
         self.options = RecorderOptions.check(
             log_dir, every, steps, capture_first=capture_first, max_captures=max_captures,
-            grad_stats=grad_stats, saved_memory=saved_memory, color_by=color_by, view_max_nodes=view_max_nodes,
+            grad_stats=grad_stats, saved_memory=saved_memory, sources=sources, color_by=color_by, view_max_nodes=view_max_nodes,
             view_max_px=view_max_px,
             viewer_px=viewer_px,
             formats=formats, visualdl=visualdl, sinks=sinks, visualdl_graphs=visualdl_graphs,
-            visualdl_diagnostics=visualdl_diagnostics, run_name=run_name, ranks=ranks,
+            visualdl_diagnostics=visualdl_diagnostics, scalar_depth=scalar_depth, run_name=run_name, ranks=ranks,
             on_nonfinite=on_nonfinite, on_grad_spike=on_grad_spike,
             on_structure_change=on_structure_change, cooldown=cooldown, queue_size=queue_size,
             render_timeout=render_timeout, close_timeout=close_timeout, verbose=verbose,
@@ -230,6 +251,8 @@ class BackwardGraphRecorder:
         self._seen: list[str] = []
         self._micro_batches: int | None = None
         self._applied_norm: float | None = None
+        self._applied: dict[str, Any] | None = None  # read_applied_gradients() of this step
+        self._reads_applied = False  # the loop says when its gradients are final (spike watch then)
         self._triggers = Triggers(self.options, self._budget_left, self._notice)
 
     @property
@@ -329,15 +352,17 @@ class BackwardGraphRecorder:
         self.close()
 
     # ----------------------------------------------------------------- steps
-    def begin_step(self, step: int | None = None, *, micro_batches: int | None = None) -> bool:
+    def begin_step(self, step: int | None = None, *, micro_batches: int | str | None = None) -> bool:
         """A training step starts; arms a capture when it is selected.
 
         Args:
             step: the step number (default: the previous one + 1, from 1).
             micro_batches: how many gradient-accumulation micro-batches the
                 step runs, one ``backward()`` each; their graphs are labelled
-                "micro-batch i of k". Default None: backwards are labelled
-                "backward i of n".
+                "micro-batch i of k". ``"counted"``: the loop does not say
+                beforehand; every ``backward()`` of the step is a micro-batch,
+                counted when the step ends. Default None: backwards are
+                labelled "backward i of n".
 
         Returns:
             True when a capture is armed for this step.
@@ -350,9 +375,10 @@ class BackwardGraphRecorder:
             step = self.global_step + 1
         elif isinstance(step, bool) or not isinstance(step, int):
             raise TypeError(f"step must be an int or None, got {step!r}")
-        if micro_batches is not None and (isinstance(micro_batches, bool) or not isinstance(micro_batches, int)):
-            raise TypeError(f"micro_batches must be an int or None, got {micro_batches!r}")
-        if micro_batches is not None and micro_batches < 1:
+        if micro_batches is not None and micro_batches != COUNTED and (
+                isinstance(micro_batches, bool) or not isinstance(micro_batches, int)):
+            raise TypeError(f"micro_batches must be an int, 'counted' or None, got {micro_batches!r}")
+        if isinstance(micro_batches, int) and micro_batches < 1:
             raise ValueError(f"micro_batches must be >= 1 or None, got {micro_batches!r}")
         self._flush()  # a step that was never ended
         self.global_step = step
@@ -375,8 +401,11 @@ class BackwardGraphRecorder:
             except Exception as exc:
                 self._step_capture = None
                 self._warn("arm", f"capture could not start: {exc!r}")
-        elif scheduled and self.options.saved_memory and self._watch is not None:
-            self._watch.observe_saved(True)  # this step's forward only
+        elif scheduled and self._watch is not None:
+            if self.options.saved_memory:
+                self._watch.observe_saved(True)  # this step's forward only
+            if self.options.sources:
+                self._watch.observe_sources(True)
         return scheduled
 
     def end_step(self) -> None:
@@ -389,7 +418,46 @@ class BackwardGraphRecorder:
             cap.__exit__(None, None, None)
         if self._watch is not None:
             self._watch.observe_saved(False)
+            self._watch.observe_sources(False)
         self._flush()
+
+    def read_applied_gradients(self) -> None:
+        """Read ``param.grad`` now as the gradients this step's update applies.
+
+        Call it right before the optimizer step, after the loop has done
+        whatever it does to the accumulated gradients (PaddleFormers' Trainer
+        divides them by the number of micro-batches, a ``GradScaler`` unscales
+        them). The step's graphs then carry the norm of each applied gradient
+        (``graph.meta["applied_grads"]``, by parameter name) and their global
+        norm (``"applied_grad_norm"``, also ``"accumulated_grad_norm"``); the
+        gradients drawn in each micro-batch's graph stay that backward's own.
+        Without this call the accumulated norm is read after the step's last
+        backward. ``on_grad_spike`` then watches this norm, once per step
+        (else the sum in ``param.grad`` after every backward), from the first
+        call on: call :meth:`expect_applied_gradients` before the first step
+        to have it so from the start.
+        """
+        self._reads_applied = True
+        if self.model is None or not self._active or not (self._pending or self.options.on_grad_spike):
+            return
+        try:
+            total = global_grad_norm(self.model.parameters())
+            self._triggers.applied_norm(self.global_step, total)
+            if not self._pending:
+                return
+            norms: dict[str, float] = {}
+            for name, p in self.model.named_parameters():
+                g = local_value(p.grad) if p.grad is not None else None
+                if g is not None and g._is_initialized():
+                    norms[strip_wrapper_prefix(name)] = math.sqrt(sum_of_squares([g]))
+        except Exception as exc:
+            self._warn("applied", f"reading the applied gradients failed: {exc!r}")
+            return
+        self._applied = {"norms": norms, "norm": total}
+
+    def expect_applied_gradients(self) -> None:
+        """The loop will call :meth:`read_applied_gradients` on every step (adapters say so first)."""
+        self._reads_applied = True
 
     def disarm(self) -> None:
         """Let the rest of this step's backwards (e.g. evaluation) run uncaptured."""
@@ -421,7 +489,7 @@ class BackwardGraphRecorder:
 
     def _notice(self, text: str) -> None:
         if self.options.verbose:
-            print(f"[paddleviz-hooks] {text}")
+            print(f"[paddleviz-hooks] {visible(text, lines=True)}")
 
     @property
     def _watch_names_layers(self) -> bool:
@@ -438,7 +506,7 @@ class BackwardGraphRecorder:
     def _new_capture(self, watch: bool = False, saved_memory: bool = False) -> BackwardCapture:
         """The trigger watch (``watch=True``) or a scheduled step's capture."""
         names = not watch or self._watch_names_layers
-        return BackwardCapture(
+        cap = BackwardCapture(
             self.model if names else None,
             params=None if names else self.model,
             grad_stats=self.options.grad_stats,
@@ -449,7 +517,11 @@ class BackwardGraphRecorder:
             else None,
             warn=self._warn,  # one warning per cause for the whole run
             saved_memory=saved_memory,
+            sources=self.options.sources,
         )
+        # the watch is active on every step: it records sources only for the steps begin_step selects
+        cap.sources_from_enter = not watch
+        return cap
 
     def _decide(self, roots: list[Any], walk: Any) -> str | None:
         if self._replaying:
@@ -472,6 +544,12 @@ class BackwardGraphRecorder:
     def _after_backward(self, ok: bool) -> None:
         if self._replaying:
             return
+        try:
+            self._check_backward(ok)
+        finally:
+            self._write_if_doomed()
+
+    def _check_backward(self, ok: bool) -> None:
         pending, self._replay_trigger = self._replay_trigger, None
         if not ok or self.model is None:
             return
@@ -480,12 +558,14 @@ class BackwardGraphRecorder:
             return
         kept = self._kept
         can_replay = kept is not None and kept.seen and bool(kept.out_grads)
-        if self._triggers.after_backward(self.global_step, self.model.parameters(), can_replay):
+        if self._triggers.after_backward(self.global_step, self.model.parameters(), can_replay,
+                                         spike=not self._reads_applied):
             self._capture_replayed("nonfinite_grad")
 
     def _capture_replayed(self, trigger: str) -> None:
         """Capture this step by replaying its forward and backward (param.grad untouched)."""
-        cap = BackwardCapture(self.model, grad_stats=self.options.grad_stats, warn=self._warn)
+        cap = BackwardCapture(self.model, grad_stats=self.options.grad_stats, warn=self._warn,
+                              sources=self.options.sources)
         self._replaying = True
         try:
             with cap:
@@ -518,19 +598,20 @@ class BackwardGraphRecorder:
         graph.meta.update(trigger=trigger, replayed=True)
         self._on_graph(graph)
 
-    def _locate(self, graph: BackwardGraph, trigger: str) -> None:
-        """Name where this step's NaN/Inf started (``graph.meta["nonfinite_origin"]``)."""
+    def _locate(self, graph: BackwardGraph, trigger: str) -> NonfiniteOrigin | None:
+        """Where this step's NaN/Inf started (a replay of its forward), or None when not located."""
         kept = self._kept
         loss = graph.meta.get("loss")
         loss_bad = isinstance(loss, float) and not math.isfinite(loss)
         if kept is None or not kept.seen or not (trigger.startswith("nonfinite") or loss_bad
                                                  or graph.nonfinite_count()):
-            return
+            return None
         self._replaying = True
         try:
-            graph.meta["nonfinite_origin"] = locate(self.model, kept, graph, loss_nonfinite=loss_bad)
+            return locate(self.model, kept, graph, loss_nonfinite=loss_bad)
         except Exception as exc:
             self._warn("locate", f"locating where the NaN/Inf started failed: {exc!r}")
+            return None
         finally:
             self._replaying = False
 
@@ -545,6 +626,8 @@ class BackwardGraphRecorder:
             if self._micro_batches:
                 info["micro_batch"] = self._seen.count("backward") + (info.get("entry") == "grad")
                 info["micro_batches"] = self._micro_batches
+        weights: list[str] = []
+        buffers: list[str] = []
         if self.model is not None:
             # what param.grad holds now (accumulated over this step's backwards and any
             # earlier ones not yet applied); after the step's last backward it is the
@@ -554,9 +637,7 @@ class BackwardGraphRecorder:
             except Exception as exc:
                 self._warn("accumulated", f"reading param.grad failed: {exc!r}")
             try:  # an earlier update may have written NaN/Inf into the weights themselves
-                bad = weights_nonfinite(self.model.named_parameters())
-                if bad:
-                    graph.meta["nonfinite_weights"] = [strip_wrapper_prefix(n) for n in bad]
+                weights, buffers = self._nonfinite_values()
             except Exception as exc:
                 self._warn("weights", f"checking the weights for NaN/Inf failed: {exc!r}")
         if trigger == "scheduled" and self.options.on_nonfinite:
@@ -568,23 +649,65 @@ class BackwardGraphRecorder:
                 trigger = "nonfinite_grad"
             if trigger != "scheduled":
                 graph.meta["trigger"] = trigger
-        self._locate(graph, trigger)
+        # the NaN/Inf story of the capture, computed once here; every view reads it (a capture
+        # with nothing non-finite keeps none in its JSON: findings.record_of gives it empty)
+        record = nonfinite_record(graph, self._locate(graph, trigger), weights, buffers)
+        graph.nonfinite = record if record.any else None
         if self._triggers.note is not None:
             graph.meta["trigger_note"], self._triggers.note = self._triggers.note, None
         if trigger != "scheduled":
-            sites = graph.nonfinite_sites()
-            origin = f"; first non-finite gradient at {describe_node(sites[0])}" if sites else ""
-            found = graph.meta.get("nonfinite_origin")
-            if found is not None:
-                origin = f"; {describe_origin(found)}" + (origin if found["kind"] in ("forward", "input") else "")
-            self._notice(f"captured step {step} (trigger: {trigger}){origin}")
+            story = " ".join(nonfinite_lines(record)).rstrip(";")
+            self._notice(f"captured step {step} (trigger: {trigger})" + (f"; {story}" if story else ""))
         self._pending.append(graph)
+        self._write_if_doomed()
+
+    def _write_if_doomed(self) -> None:
+        """After the step's last backward, a step with a NaN/Inf loss is written at once."""
+        if any(self._nonfinite_loss(g) for g in self._pending) and self._last_backward():
+            self._write_now()
+
+    @staticmethod
+    def _nonfinite_loss(graph: BackwardGraph) -> bool:
+        loss = graph.meta.get("loss")
+        return isinstance(loss, float) and not math.isfinite(loss)
+
+    def _last_backward(self) -> bool:
+        """Whether the step has run every backward it announced (unknown: yes)."""
+        k = self._micro_batches
+        return not isinstance(k, int) or self._seen.count("backward") >= k
+
+    def _write_now(self) -> None:
+        """Write this step's graphs and wait until their files and records are out.
+
+        Loops commonly raise on a NaN/Inf loss right after the step's last
+        backward (PaddleFormers' Trainer does), so neither :meth:`end_step` nor
+        :meth:`close` may follow; the capture must not wait for them.
+        """
+        self._flush()
+        if self._pipeline is not None:
+            self._pipeline.settle(self.options.close_timeout)
+
+    def _nonfinite_values(self) -> tuple[list[str], list[str]]:
+        """Trainable parameters, and non-trainable tensors (buffers, BatchNorm running statistics:
+        the forward writes them, no update does), whose values hold NaN/Inf."""
+        named = list(self.model.named_parameters())
+        trainable = {name for name, p in named if not p.stop_gradient}
+        bad = weights_nonfinite(named)
+        weights = [strip_wrapper_prefix(n) for n in bad if n in trainable]
+        buffers = [strip_wrapper_prefix(n) for n in bad if n not in trainable]
+        buffers += [strip_wrapper_prefix(n) for n in weights_nonfinite(
+            (name, b) for name, b in self.model.named_buffers() if b is not None and b._is_initialized())]
+        return weights, buffers
 
     def _flush(self) -> None:
         """The step is over: label its graphs (now that their number is known) and write them."""
         pending, self._pending = self._pending, []
-        seen, self._seen = len(self._seen), []
+        seen_entries, self._seen = self._seen, []
+        seen = len(seen_entries)
         applied, self._applied_norm = self._applied_norm, None
+        read, self._applied = self._applied, None
+        if read is not None and read["norm"] is not None:
+            applied = read["norm"]
         if not pending:
             return
         step = pending[0].meta["step"]
@@ -594,9 +717,14 @@ class BackwardGraphRecorder:
             if isinstance(info, dict):
                 if info.get("index") is not None:
                     info["of"] = seen
+                if info.get("micro_batches") == COUNTED:
+                    info["micro_batches"] = seen_entries.count("backward")
                 info["role"] = backward_role(info)
             if applied is not None:
                 graph.meta["accumulated_grad_norm"] = applied
+            if read is not None:
+                graph.meta["applied_grad_norm"] = read["norm"]
+                graph.meta["applied_grads"] = dict(read["norms"])
             trigger = graph.meta.get("trigger") or "scheduled"
             index = info.get("index") if isinstance(info, dict) else None
             suffix = f"b{index}" if isinstance(index, int) and index > 1 else (
@@ -614,3 +742,9 @@ class BackwardGraphRecorder:
             self.captured_steps.append(step)
         else:
             self.triggers.pop(step, None)
+
+
+def option_names() -> tuple[str, ...]:
+    """The keyword arguments :class:`BackwardGraphRecorder` takes (for "did you mean" errors)."""
+    params = inspect.signature(BackwardGraphRecorder.__init__).parameters.values()
+    return tuple(p.name for p in params if p.name != "self" and p.kind is not p.VAR_KEYWORD)

@@ -213,7 +213,7 @@ def test_nan_origin_change_and_new_overlays(tmp_path):
     assert red == [str(origin.id)]
     assert nan[str(origin.id)]["value"] == sum(e.grad.nonfinite for e in new.edges if e.src == origin.id) > 0
     me_origin = collection["graphs"][1]["nodes"][origin.id]
-    assert attrs(me_origin)["NaN/Inf origin"].startswith("yes")
+    assert attrs(me_origin)["first non-finite gradient"].startswith("yes")  # no replay: no origin
     assert not any(r.get("bgColor") for r in overlays[ex.NONFINITE][first]["results"].values())
 
     d = diff_graphs(old, new)
@@ -492,7 +492,10 @@ def test_explore_a_nan_run_in_chromium(tmp_path):
                 browser.close()
     finally:
         _stop(proc)
-    assert all("fonts." in u for u in outside), outside  # only the page's web font was asked for
+    assert outside == []  # not even the page's web font: nothing leaves the machine
+    printed = open(tmp_path / "server.log").read()
+    assert printed.count("http://") == 1 and url in printed  # one address, the one that opens the NaN step
+    assert not (tmp_path / "me").exists() or sorted(os.listdir(tmp_path / "me"))  # --out is the user's: kept
     out = Path(__file__).resolve().parents[1] / "test-output"
     out.mkdir(exist_ok=True)
     for shot in shots:

@@ -11,6 +11,10 @@ recompute's PyLayer runs a second backward inside its grad node. The
 dispatcher keeps, per thread, the sessions of the backwards under way, so
 each capture learns that a backward is nested and inside which of its own
 sessions (``BackwardCapture._begin(..., nested=True, parent=...)``).
+
+When a session's forward ran with call stacks recorded, the backward is
+given a temporary dump folder, whose stacks the sessions read when it is over
+(``source.py``); the folder is removed on every exit path.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from typing import Any, Callable
 
 import paddle
 from paddle.base import core
+
+from .source import StackDump
 
 __all__ = ["DISPATCHER", "dispatcher_installed"]
 
@@ -89,6 +95,7 @@ class Dispatcher:
         frame = _Frame()
         grad_was = paddle.is_grad_enabled()
         sessions: list = []
+        dump: StackDump | None = None
         pushed = ok = False
         try:
             # inside the try: an interrupt while walking still unhooks what was hooked
@@ -99,6 +106,9 @@ class Dispatcher:
                     s = cap._begin(list(roots), entry, nested=True, parent=outer.sessions.get(cap))
                 sessions.append((cap, s))
                 frame.sessions[cap] = s
+            if any(s is not None and s.wants_stacks for _, s in sessions):
+                dump = StackDump()
+                args = dump.inject(entry, args)
             frames.append(frame)
             pushed = True
             result = original(*args)
@@ -126,6 +136,11 @@ class Dispatcher:
             # Paddle's grad mode off for the rest of the process: restore it.
             if paddle.is_grad_enabled() != grad_was:
                 paddle.set_grad_enabled(grad_was)
+            if dump is not None:
+                stacks = dump.collect()
+                for _, s in sessions:
+                    if s is not None:
+                        s.stacks = stacks
             for cap, s in sessions:
                 cap._end(s, ok=ok, retain_graph=bool(retain_graph))
 

@@ -15,12 +15,21 @@
 * A backward run inside another (reentrant recompute) is captured as a child
   session and stitched into the enclosing graph at the PyLayer node that ran
   it (``nested.py``); the step then has one graph with every op and parameter.
+* Every number is the gradient that flowed (``docs/paddle-autograd.md``, "What an
+  edge holds"): the root edge is read by a tensor hook on the root, before its
+  node's kernel can rewrite it in place; an edge filled from its receiver says
+  "overwritten" when that receiver's kernel rewrote it; ``paddle.grad`` graphs
+  hold only what it computed, its inputs' numbers from what it returned; a node
+  used several times keeps the exact sum it received (``Node.received``).
 * Every graph says which backward of its block (or step) it is:
   ``meta["backward"] = {"index": i, "of": n or None, "entry": ...}``.
 * With ``saved_memory=True``, the tensors saved for backward during the
   forward are recorded (``saved.py``) and put on the graph: ``Node.saved_bytes``
   and ``meta["saved_memory"]``. Observing starts when the block is entered and
   again after each backward, and stops when a backward starts.
+* With ``sources=True`` (the default), each op node gets the lines of the
+  user's code that called its forward op (``Node.source``, ``source.py``): the
+  forward call stacks Paddle records while its flag is on, armed the same way.
 """
 
 from __future__ import annotations
@@ -32,15 +41,17 @@ from typing import Any, Callable
 import paddle
 
 from ..graph import BackwardGraph, GradMeta
-from ..hazards import SHARES_RECEIVED_UNCHANGED, hook_hazard
+from ..hazards import PROGRAM_OP_NOTE, SHARES_RECEIVED_UNCHANGED, hook_hazard
 from ..warn import WarnOnce
 from .attribution import LayerAttribution, frame_name
 from .dispatch import DISPATCHER
 from .gradnode import Walk, forget_saved, grad_fn, grad_node_ptr, parameter_names, prune_to_inputs, walk_graph
+from .joins import Joins, explain
 from .static import ProgramRuns
 from .cut import CUT_KINDS, cut
 from .nested import place, pylayer_context, stitch
 from .saved import SavedMemory
+from . import source as sources_
 from .sync import AppliedGrads, data_parallel_world, local_scalar
 from . import stats
 
@@ -100,6 +111,7 @@ class _Session:
         self.leaf_sums: dict[int, Any] | None = None
         self.handles: list[Any] = []  # node post-hooks and parameter hooks, removed in _end
         self.in_meta: dict[int, GradMeta] = {}
+        self.joins: Joins | None = None  # Concat/AddN nodes: their gradients read from what they received
         self.errors: list[BaseException] = []
         self.interrupt: BaseException | None = None
         self.returned: list[list[Any]] = []  # what the hooks returned; emptied in _end
@@ -117,6 +129,8 @@ class _Session:
         self.in_count: dict[int, int] = {}  # incoming edges per node
         # parameter used once -> (address, in-place version, statistics) of what its one producer sent it
         self.sent: dict[int, tuple[int, int, GradMeta]] = {}
+        self.wants_stacks = False  # its forward ran with call stacks recorded (source.py)
+        self.stacks: dict[int, Any] | None = None  # node address -> stack, set by the dispatcher
 
 
 def _observe(s: _Session, record: Callable[[Any], None], grad: Any) -> None:
@@ -156,6 +170,7 @@ class BackwardCapture:
         after_backward: Callable[[bool], None] | None = None,
         warn: Callable[[str, str], None] | None = None,
         saved_memory: bool = False,
+        sources: bool = True,
     ) -> None:
         if layer is not None and not isinstance(layer, paddle.nn.Layer):
             raise TypeError(
@@ -166,6 +181,8 @@ class BackwardCapture:
             raise TypeError(f"grad_stats must be True or False, got {grad_stats!r}")
         if not isinstance(saved_memory, bool):
             raise TypeError(f"saved_memory must be True or False, got {saved_memory!r}")
+        if not isinstance(sources, bool):
+            raise TypeError(f"sources must be True or False, got {sources!r}")
         if params is not None and not isinstance(params, (dict, paddle.nn.Layer)):
             raise TypeError(
                 f"params must be a paddle.nn.Layer or a dict of name -> Tensor, got {type(params).__name__}"
@@ -204,6 +221,13 @@ class BackwardCapture:
         #: set to a list to keep, per graph, the grad node address of every node (None: no
         #: grad node); for checks against hooks on the forward's tensors (tests/truth)
         self.node_ptrs: list[list[int | None]] | None = None
+        #: record the forward source line of each op (``Node.source``)
+        self.sources = sources
+        #: arm source recording when the block is entered (the recorder's trigger
+        #: watch, active on every step, arms it only for captured steps instead)
+        self.sources_from_enter = True
+        self._sources_on = False  # arm the forwards of this block (again after each backward)
+        self._sources_held = False  # this capture holds Paddle's call-stack flag on now
 
     # -- context protocol ---------------------------------------------------
     def __enter__(self) -> "BackwardCapture":
@@ -220,6 +244,8 @@ class BackwardCapture:
             self._active = True
             if self.saved_memory:
                 self.observe_saved(True)
+            if self.sources and self.sources_from_enter:
+                self.observe_sources(True)
         except BaseException:
             self._teardown()
             raise
@@ -235,6 +261,7 @@ class BackwardCapture:
     def _teardown(self) -> None:
         self._active = False
         self.observe_saved(False)
+        self.observe_sources(False)
         self._saved = None
         DISPATCHER.deactivate(self)
         self._programs.remove()
@@ -267,6 +294,26 @@ class BackwardCapture:
             self._saved_on = False
             self._warn("saved", f"saved-tensor memory is not observed: {exc!r}")
 
+    def observe_sources(self, on: bool) -> None:
+        """Start (or stop) recording where the forwards call their ops.
+
+        Like :meth:`observe_saved`: on at the start of a captured step (or
+        block) until its backward starts, again after each backward while on.
+        """
+        self._sources_on = on and self._active
+        self._hold_sources(self._sources_on)
+
+    def _hold_sources(self, on: bool) -> None:
+        """Hold (or let go of) Paddle's call-stack flag for this capture."""
+        if on and not self._sources_held:
+            self._sources_held = sources_.arm()
+            if not self._sources_held:
+                self._warn("sources", "forward source lines are not recorded: Paddle's call-stack flag "
+                                      "could not be set")
+        elif not on and self._sources_held:
+            self._sources_held = False
+            sources_.disarm()
+
     @property
     def errors(self) -> list[str]:
         """Every capture problem met so far (each also warned once per cause)."""
@@ -292,6 +339,8 @@ class BackwardCapture:
         t0 = time.perf_counter()
         self._backwards += 1
         saved = self._saved if self._saved is not None and self._saved.armed else None
+        stacks = self._sources_held  # this backward's forward ran with call stacks on
+        keep_stacks = False  # on through a backward that recomputes a block
         try:
             if saved is not None:
                 saved.disarm()  # the forward is over: the backward saves nothing of the step's
@@ -323,6 +372,8 @@ class BackwardCapture:
             s = _Session(self, w, entry, t0)
             s.roots, s.inputs = list(roots), inputs
             s.trigger = trigger
+            s.wants_stacks = stacks
+            keep_stacks = stacks and any(n.name.startswith("GradNodePyLayer_") for n in s.walk.nodes)
             self._snapshot_calls(s)
             s.index = self.backwards_seen
             if saved is not None:
@@ -342,6 +393,8 @@ class BackwardCapture:
         finally:
             if saved is not None:
                 saved.release()  # the saves' grad node wrappers go now
+            if stacks and not nested and not keep_stacks:
+                self._hold_sources(False)  # the forward is over
 
     def _snapshot_calls(self, s: _Session) -> None:
         """The layer-call tree of the walked nodes, taken now: attribution is
@@ -355,6 +408,7 @@ class BackwardCapture:
         layer_of = self._attribution.lookup if self._attribution is not None else None
         s = _Session(self, walk_graph(roots, self._param_names, layer_of), entry, t0, parent=parent)
         s.roots = list(roots)
+        s.wants_stacks = parent.wants_stacks and self._sources_held  # the recomputed forward ran with them
         for node in s.walk.nodes:  # its roots are activations (recompute's block outputs), not a loss
             if node.kind == "root":
                 node.name = node.op = "activation" if len(roots) == 1 else node.name
@@ -377,6 +431,8 @@ class BackwardCapture:
             if reason is not None:
                 node.note = reason
                 needs_in.update(e.dst for e in w.out_edges.get(nid, ()))
+        joins = Joins(w.nodes, w.edges, w.out_edges, w.wrappers, s.in_meta, self.grad_stats, s.stats)
+        s.joins = joins if joins else None
         into: dict[int, int] = {}  # incoming edges per node (plain ints: this runs every captured step)
         for e in w.edges:
             into[e.dst] = into.get(e.dst, 0) + 1
@@ -462,6 +518,8 @@ class BackwardCapture:
             e.grad = stats.grad_meta(grad, with_stats, s.stats)
             if e.dst in s.cuts:
                 s.cuts[e.dst][1] = grad
+            if s.joins is not None and s.joins.wants(e.dst):
+                s.joins.arrive(e.dst, grad)
 
         def hook(grad):
             _observe(s, record, grad)
@@ -482,12 +540,15 @@ class BackwardCapture:
         sent = s.sent
         once = {i for i, e in enumerate(out_edges)  # edges into a parameter used once: its leaf hook reuses them
                 if nodes[e.dst].kind == "param" and s.in_count.get(e.dst) == 1}
+        joins = s.joins
+        to_join = [i for i, e in enumerate(out_edges) if joins.wants(e.dst)] if joins is not None else []
 
         def hook(outs, ins):
             t = time.perf_counter()
             try:
                 produced = stats.flat_tensors(outs)
-                if len(produced) == len(out_edges):
+                paired = len(produced) == len(out_edges)
+                if paired:
                     for i, (e, g) in enumerate(zip(out_edges, produced)):
                         e.grad = stats.grad_meta(g, with_stats, queue)
                         if i in once:
@@ -501,6 +562,9 @@ class BackwardCapture:
                     if i < len(produced):
                         prev = sums.get(out_edges[i].dst)
                         sums[out_edges[i].dst] = produced[i] if prev is None else prev + produced[i]
+                if to_join and paired:
+                    for i in to_join:  # a Concat/AddN cuts or copies it (joins.py)
+                        joins.arrive(out_edges[i].dst, produced[i])
                 if want_in or want_sum:
                     received = stats.flat_tensors(ins)  # several: several forward outputs
                     if len(received) == 1:
@@ -513,6 +577,8 @@ class BackwardCapture:
                             m = stats.grad_meta(r, with_stats, queue)
                         if want_in:
                             s.in_meta[nid] = m
+                            if joins is not None:
+                                joins.reported(nid)
                         if want_sum and m.note is None:
                             nodes[nid].received = m
             except Exception as exc:  # a raising hook would abort backward
@@ -536,12 +602,15 @@ class BackwardCapture:
         self._backwards = max(0, self._backwards - 1)
         if self._saved_on and self._active and not self._backwards:
             self.observe_saved(True)  # the next forward of the block
+        if not self._backwards:
+            self._hold_sources(self._sources_on and self._active)  # the next forward of the block
         if not retain_graph:
             self._programs.reset()  # that forward's program runs are consumed
         if s is None:
             if not retain_graph and self._attribution is not None:
                 self._attribution.reset()
-            self._after(ok)
+            if not self._backwards:  # a backward run inside another (recompute) is checked with it
+                self._after(ok)
             return
         t0 = time.perf_counter()
         try:
@@ -556,6 +625,11 @@ class BackwardCapture:
             for ret in s.returned:  # see _make_hook: drop the gradients Paddle leaks
                 ret.clear()
             s.returned.clear()
+            if s.joins is not None:
+                s.joins.finish()  # before _fill_received: a cut slice is exact
+            if s.wants_stacks or self.sources:
+                sources_.apply_stacks(s.walk.nodes, s.ptrs, s.stacks if s.wants_stacks else None,
+                                      PROGRAM_OP_NOTE, nested=s.parent is not None)
             s.walk.release()
             if not retain_graph and self._attribution is not None:
                 # that forward's graph is consumed (a nested one: the recomputed forward's);
@@ -596,6 +670,7 @@ class BackwardCapture:
         self._fill_received(s)
         self._leaf_totals(s)
         self._merge_children(s)
+        explain(s.walk.nodes, s.walk.edges, s.joins)  # after stitching: it may fill the PyLayer's edge
         if s.at is not None:
             s.parent.children.append((s.at, s))
             s.parent.hook_seconds += s.prepare_seconds + s.hook_seconds  # the step's capture cost
@@ -618,30 +693,19 @@ class BackwardCapture:
     @staticmethod
     def _fill_received(s: _Session) -> None:
         """An unhooked producer's edge: the receiver saw the same tensor when it is its only input
-        (unless the receiver's kernel rewrote it first: then the edge says so); an ``add_n``
-        passes on what it received, unchanged, to each of its inputs."""
+        (unless the receiver's kernel rewrote it first: then the edge says so)."""
         w = s.walk
         in_count: dict[int, int] = {}
-        last_in: dict[int, Any] = {}
         for e in w.edges:
             in_count[e.dst] = in_count.get(e.dst, 0) + 1
-            last_in[e.dst] = e
         BackwardCapture._cut(s)
         for e in w.edges:
             if e.grad is None and in_count[e.dst] == 1 and e.dst in s.in_meta:
                 e.grad = s.in_meta[e.dst]
-        for nid, node in enumerate(w.nodes):
-            if node.name != "AddNGradNodeFinal" or in_count.get(nid) != 1:
-                continue
-            got = last_in[nid].grad
-            if got is not None and got.note is None and (got.norm is not None or not s.cap.grad_stats):
-                for e in w.out_edges.get(nid, []):
-                    if e.grad is None:
-                        e.grad = replace(got)
 
     @staticmethod
     def _cut(s: _Session) -> None:
-        """A Concat's or Stack's outgoing edges, cut from the gradient it received (``cut.py``)."""
+        """A Stack's outgoing edges, cut from the gradient it received (``cut.py``)."""
         cuts, s.cuts = s.cuts, {}
         w = s.walk
         for nid, (slots, received) in cuts.items():
@@ -673,6 +737,7 @@ class BackwardCapture:
         """Stitch the nested backwards (already merged with theirs) into this session's graph."""
         for at, child in s.children:
             s.calls.update({k: v for k, v in child.calls.items() if k not in s.calls})
+            sources_.prefix_recomputed(s.walk.nodes[at], child.walk.nodes)
             stitch(s.walk.nodes, s.walk.edges, s.ptrs, at, child.walk.nodes, child.walk.edges, child.ptrs)
         s.children.clear()
 
@@ -684,6 +749,7 @@ class BackwardCapture:
                 s.walk.nodes[nid].saved_bytes = nbytes
         stitched = len(s.children)
         self._merge_children(s)
+        explain(s.walk.nodes, s.walk.edges, s.joins)  # after stitching: it may fill the PyLayer's edge
         sync = self._read_applied(s)
         s.stats.resolve()  # every statistic of this backward, in one read
         graph = self._graph(s, s.walk.nodes, s.walk.edges, s.ptrs)
@@ -790,6 +856,8 @@ def capture_backward(
     grad_stats: bool = True,
     params: Any = None,
     saved_memory: bool = False,
+    sources: bool = True,
+    **unknown: Any,
 ) -> BackwardCapture:
     """Capture the backward graph of every backward call inside a ``with`` block.
 
@@ -811,6 +879,12 @@ def capture_backward(
             its backward (activation memory): bytes per grad node
             (``Node.saved_bytes``), per layer call and per op in
             ``graph.meta["saved_memory"]``. Run the forward inside the block.
+        sources: record where the user's code called each op's forward
+            (``Node.source``: file, line, function and code of each frame),
+            from the call stacks Paddle keeps while
+            ``FLAGS_call_stack_level`` is 3; the flag is on from the start of
+            the block (and again after each backward) until a backward
+            starts. Run the forward inside the block.
 
     Returns:
         A :class:`BackwardCapture`; ``cap.graphs`` holds one graph per backward,
@@ -831,5 +905,10 @@ def capture_backward(
         >>> cap.graph.count_ops()["Matmul"]
         2
     """
-    return BackwardCapture(layer, grad_stats=grad_stats, params=params, saved_memory=saved_memory)
+    if unknown:  # a typo: the closest option is named
+        from ..argcheck import reject_unknown
+
+        reject_unknown("capture_backward", unknown, ("layer", "grad_stats", "params", "saved_memory", "sources"))
+    return BackwardCapture(layer, grad_stats=grad_stats, params=params, saved_memory=saved_memory,
+                           sources=sources)
 
