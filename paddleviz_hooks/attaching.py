@@ -23,16 +23,22 @@ mode) opens nothing new and captures nothing. ``handle.detach()``, or leaving
 from __future__ import annotations
 
 import os
+import weakref
 from typing import Any, Callable, Sequence
 
 import paddle
 
-from .recorder import COUNTED, BackwardGraphRecorder
+from .argcheck import reject_unknown
+from .recorder import COUNTED, BackwardGraphRecorder, option_names
 from .warn import WarnOnce
 
 __all__ = ["attach", "AttachHandle"]
 
 UPDATE_METHODS = ("step", "minimize")  # what an optimizer, or a GradScaler, updates by
+
+# id(model) -> the handle attached to it, until its detach(). Weak: the model's own forward
+# hook holds the handle, so an entry goes with its model and never keeps one alive.
+_ATTACHED: "weakref.WeakValueDictionary[int, AttachHandle]" = weakref.WeakValueDictionary()
 
 
 class AttachHandle:
@@ -55,6 +61,7 @@ class AttachHandle:
         self._patched: list[tuple[Any, str, bool, Any]] = []  # (object, method, had own, own value)
         self._hook = None
         try:
+            _ATTACHED[id(model)] = self
             self._hook = model.register_forward_pre_hook(self._on_forward)
             for obj, reads in updaters:
                 for name in UPDATE_METHODS:
@@ -115,6 +122,8 @@ class AttachHandle:
 
         Calling it twice is harmless.
         """
+        if _ATTACHED.get(id(self.model)) is self:
+            del _ATTACHED[id(self.model)]
         hook, self._hook = self._hook, None
         if hook is not None:
             hook.remove()
@@ -161,6 +170,11 @@ def attach(model: paddle.nn.Layer, optimizer: Any, log_dir: str | os.PathLike = 
         An :class:`AttachHandle`; ``handle.detach()`` or ``with attach(...):``
         removes everything.
 
+    Raises:
+        RuntimeError: ``model`` is already attached (a notebook cell run again):
+            call the first handle's ``detach()`` before attaching again.
+        TypeError: an unknown option (the message names ``attach()``).
+
     Example:
         >>> import paddle, paddleviz_hooks, tempfile
         >>> net = paddle.nn.Linear(2, 1)
@@ -175,6 +189,11 @@ def attach(model: paddle.nn.Layer, optimizer: Any, log_dir: str | os.PathLike = 
     """
     if not isinstance(model, paddle.nn.Layer):
         raise TypeError(f"model must be a paddle.nn.Layer, got {type(model).__name__}")
+    reject_unknown("attach", options, set(option_names()) - {"log_dir", "model"})
+    if id(model) in _ATTACHED:
+        raise RuntimeError(f"attach(): this {type(model).__name__} is already attached (attach() was called "
+                           "twice on it, e.g. a notebook cell run again); call handle.detach() on the first "
+                           "handle before attaching again, or reuse that handle")
     optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
     if not optimizers or not all(any(callable(getattr(o, m, None)) for m in UPDATE_METHODS) for o in optimizers):
         raise TypeError("optimizer must be an optimizer (with step() or minimize()) or a list of them, "

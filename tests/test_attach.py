@@ -192,3 +192,21 @@ def test_grad_spikes_are_judged_on_the_applied_gradients_once_per_update(tmp_pat
             opt.step()
             opt.clear_grad()
     assert h.recorder.triggers == {9: "grad_spike"}
+
+
+def test_attaching_twice_is_refused_at_attach_time_and_training_goes_on(tmp_path):
+    """A notebook cell run again: the second attach() names the fix; the first stays working."""
+    net, (opt,) = _setup()
+    first = attach(net, opt, str(tmp_path / "a"), **QUIET)
+    try:
+        with pytest.raises(RuntimeError, match=r"already attached.*handle\.detach\(\)"):
+            attach(net, opt, str(tmp_path / "b"), **QUIET)
+        assert not (tmp_path / "b").exists()  # refused before anything was made
+        seg_loop(net, opt)  # training untouched: the first handle still captures every update
+    finally:
+        first.detach()
+    assert first.recorder.captured_steps == [1, 2, 3, 4]
+    assert not net._forward_pre_hooks and "step" not in opt.__dict__
+    with attach(net, opt, str(tmp_path / "c"), **QUIET) as again:  # after detach() it attaches again
+        seg_loop(net, opt)
+    assert again.recorder.captured_steps == [1, 2, 3, 4]

@@ -12,9 +12,10 @@ from __future__ import annotations
 import math
 import os
 
+import paddle
 import pytest
 
-from paddleviz_hooks import BackwardGraphCallback, BackwardGraphRecorder, capture_backward
+from paddleviz_hooks import BackwardGraphCallback, BackwardGraphRecorder, attach, capture_backward
 from paddleviz_hooks.cli import main
 from paddleviz_hooks.graph import BackwardGraph, Edge, Node
 from paddleviz_hooks.recorder import option_names
@@ -121,22 +122,27 @@ def test_refused_at_construction(tmp_path, kwargs, exc, words):
             assert w in str(info.value), info.value
 
 
-@pytest.mark.parametrize("call,typo,fix", [
-    (lambda: BackwardGraphCallback("x", evry=5), "evry", "every"),
-    (lambda: BackwardGraphRecorder("x", evry=5), "evry", "every"),
-    (lambda: BackwardGraphCallback("x", on_nan=True), "on_nan", None),
-    (lambda: BackwardGraphRecorder("x", colour_by="grad_norm"), "colour_by", "color_by"),
-    (lambda: capture_backward(None, grad_stat=False), "grad_stat", "grad_stats"),
-], ids=["callback evry", "recorder evry", "callback on_nan", "recorder colour_by", "capture_backward grad_stat"])
-def test_wrong_keywords_name_the_class_called_and_the_closest_option(call, typo, fix):
+def _attach_typo():
+    net = paddle.nn.Linear(2, 1)
+    return attach(net, paddle.optimizer.SGD(parameters=net.parameters()), "x", evry=3)
+
+
+@pytest.mark.parametrize("call,called,typo,fix", [
+    (lambda: BackwardGraphCallback("x", evry=5), "BackwardGraphCallback", "evry", "every"),
+    (lambda: BackwardGraphRecorder("x", evry=5), "BackwardGraphRecorder", "evry", "every"),
+    (lambda: BackwardGraphCallback("x", on_nan=True), "BackwardGraphCallback", "on_nan", None),
+    (lambda: BackwardGraphRecorder("x", colour_by="grad_norm"), "BackwardGraphRecorder", "colour_by", "color_by"),
+    (lambda: capture_backward(None, grad_stat=False), "capture_backward", "grad_stat", "grad_stats"),
+    (lambda: _attach_typo(), "attach", "evry", "every"),
+], ids=["callback evry", "recorder evry", "callback on_nan", "recorder colour_by", "capture_backward grad_stat",
+        "attach evry"])
+def test_wrong_keywords_name_the_class_called_and_the_closest_option(call, called, typo, fix):
     with pytest.raises(TypeError) as info:
         call()
     msg = str(info.value)
-    called = {"BackwardGraphCallback", "BackwardGraphRecorder", "capture_backward"}
-    named = [c for c in called if msg.startswith(c + "()")]
-    assert len(named) == 1, msg
+    assert msg.startswith(called + "()"), msg  # what the user called, not what it calls inside
     assert repr(typo) in msg and (f"did you mean {fix!r}?" in msg if fix else "on_nonfinite" in msg), msg
-    if "Callback" in named[0]:
+    if called != "BackwardGraphRecorder":
         assert "BackwardGraphRecorder" not in msg
 
 
