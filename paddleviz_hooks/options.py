@@ -80,9 +80,13 @@ def _int_list(name: str, value: Any, minimum: int, nonempty: bool = False) -> li
     items = list(value)
     if nonempty and not items:
         raise ValueError(f"{name} must be a non-empty list of ints >= {minimum}, got {value!r}")
-    for v in items:
-        _int(f"each of {name}", v, minimum, allow_none=False,
-             what=f"{name} must be a list of ints >= {minimum}; each of {name}")
+    ordered = isinstance(value, (list, tuple, range))  # an index means something only there
+    for i, v in enumerate(items):
+        where = f"{name}[{i}] = {v!r}" if ordered else f"{v!r} in {name}={value!r}"
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(f"{name} must be a list of ints >= {minimum}, got {where}")
+        if v < minimum:
+            raise ValueError(f"{name} must be a list of ints >= {minimum}, got {where}")
     return items
 
 
@@ -168,7 +172,11 @@ class RecorderOptions:
         elif isinstance(ranks, str):
             raise ValueError(f"ranks must be an int, a list of ints or 'all', got {ranks!r}")
         else:
-            rank_set = frozenset(_int_list("ranks", [ranks] if isinstance(ranks, int) else ranks, 0, nonempty=True))
+            if isinstance(ranks, int) and not isinstance(ranks, bool):
+                rank_set = frozenset([_int("ranks", ranks, 0, allow_none=False,
+                                           what="ranks must be an int >= 0, a list of them or 'all'")])
+            else:
+                rank_set = frozenset(_int_list("ranks", ranks, 0, nonempty=True))
         if not isinstance(run_name, str):
             raise TypeError(f"run_name must be a str, got {run_name!r}")
         if safe_filename(run_name) != run_name:

@@ -27,7 +27,7 @@ from .graph import BackwardGraph, NonfiniteOrigin
 from .options import FORMATS, RecorderOptions
 from .pipeline import CaptureJob, CapturePipeline
 from .sinks.files import StepFiles
-from .text import MODEL_OUTPUT, backward_role, nonfinite_lines
+from .text import MODEL_OUTPUT, backward_role, closing_line, nonfinite_lines
 from .capture.stats import local_value, sum_of_squares
 from .triggers import Triggers, global_grad_norm, weights_nonfinite
 from .warn import WarnOnce
@@ -338,11 +338,8 @@ class BackwardGraphRecorder:
             pipeline.close()
             self.undrawn_steps = pipeline.undrawn_at_close
             if self.options.verbose and self.captured_steps:
-                graphs = len(pipeline.written)  # a step may have several backwards
-                steps = len(set(pipeline.written))
-                more = f" ({graphs} graphs)" if graphs != steps else ""
-                print(f"[paddleviz-hooks] {steps} steps captured{more}, {len(pipeline.drawn)} drawn, "
-                      f"{len(self.undrawn_steps)} left undrawn (data saved in {os.path.abspath(self.run_dir)})")
+                print(closing_line(len(set(pipeline.written)), len(pipeline.written), len(pipeline.drawn),
+                                   len(self.undrawn_steps), os.path.abspath(self.run_dir)))
         self._open = self._active = False
 
     def __enter__(self) -> "BackwardGraphRecorder":

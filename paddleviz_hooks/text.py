@@ -37,6 +37,7 @@ __all__ = [
     "backward_role",
     "svg_file_note",
     "box_lines",
+    "closing_line",
     "grad_sync_line",
     "rank_comparison_lines",
     "RANKS_DIFFER_LEGEND",
@@ -183,6 +184,20 @@ def call_name(name: str, inclusive: bool = False) -> str:
     if not sep or not index.isdigit():
         return OUTSIDE_MODEL
     return (box_name(path) if inclusive else layer_name(path)) + _call_suffix(int(index))
+
+
+def closing_line(steps: int, graphs: int, drawn: int, undrawn: int, run_dir: str) -> str:
+    """The one line a recorder prints when it closes.
+
+    Example:
+        >>> closing_line(1, 1, 1, 0, "/tmp/run")
+        '[paddleviz-hooks] 1 step captured, 1 drawn, 0 left undrawn (data saved in /tmp/run)'
+        >>> closing_line(2, 3, 3, 0, "/tmp/run")
+        '[paddleviz-hooks] 2 steps captured (3 graphs), 3 drawn, 0 left undrawn (data saved in /tmp/run)'
+    """
+    more = f" ({plural(graphs, 'graph')})" if graphs != steps else ""  # a step may have several backwards
+    return (f"[paddleviz-hooks] {plural(steps, 'step')} captured{more}, {drawn} drawn, "
+            f"{undrawn} left undrawn (data saved in {run_dir})")
 
 
 def fmt_ratio(r: float) -> str:

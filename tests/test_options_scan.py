@@ -111,8 +111,12 @@ def _right_type(option: str, value) -> bool:
     (dict(verbose=2), ValueError, ["verbose", "0 (silent) or 1", "2"]),
     (dict(close_timeout=1e300), ValueError, ["close_timeout", "1e+300"]),
     (dict(view_max_px=10 ** 9), ValueError, ["view_max_px", "32767", "1000000000"]),
+    (dict(steps=[5, 0]), ValueError, ["steps must be a list of ints >= 1, got steps[1] = 0"]),
+    (dict(steps=[1, "2"]), TypeError, ["steps must be a list of ints >= 1, got steps[1] = '2'"]),
+    (dict(steps={0}), ValueError, ["steps must be a list of ints >= 1, got 0 in steps={0}"]),
+    (dict(ranks=-1), ValueError, ["ranks must be an int >= 0, a list of them or 'all', got -1"]),
 ], ids=["empty log_dir", "NUL in log_dir", "ranks=[]", "verbose=2", "huge close_timeout",
-        "huge view_max_px"])
+        "huge view_max_px", "steps=[5, 0]", "steps=[1, '2']", "steps={0}", "ranks=-1"])
 def test_refused_at_construction(tmp_path, kwargs, exc, words):
     log_dir = kwargs.pop("log_dir", str(tmp_path))
     for make in (BackwardGraphRecorder, BackwardGraphCallback):

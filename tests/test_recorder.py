@@ -136,3 +136,14 @@ def test_bad_arguments_fail_when_the_recorder_is_made():
     rec = BackwardGraphRecorder("logs", verbose=0)
     with pytest.raises(TypeError, match="step must be an int"):
         rec.begin_step("3")
+
+
+def test_the_closing_line_counts_in_words(tmp_path, capsys):
+    """One capture: '1 step captured', not '1 steps captured'."""
+    net = nn.Linear(2, 1)
+    with BackwardGraphRecorder(str(tmp_path), net, steps=[1], verbose=1, formats=("json",), visualdl=False) as rec:
+        with rec.step(1):
+            net(paddle.ones([1, 2])).sum().backward()
+    out = capsys.readouterr().out
+    assert rec.captured_steps == [1]
+    assert re.search(r"\[paddleviz-hooks\] 1 step captured, \d+ drawn, 0 left undrawn", out), out
