@@ -146,6 +146,9 @@ class RecorderOptions:
         view_max_nodes, view_max_px, formats, visualdl = o["view_max_nodes"], o["view_max_px"], o["formats"], o["visualdl"]
         visualdl_graphs, visualdl_diagnostics = o["visualdl_graphs"], o["visualdl_diagnostics"]
         sinks = check_sinks(o["sinks"], require_installed=True)
+        if _bool("visualdl", visualdl) is False and "visualdl" in sinks and o["sinks"] is not DEFAULT_SINKS:
+            raise ValueError(f"visualdl=False contradicts sinks={o['sinks']!r}: leave 'visualdl' out of sinks, "
+                             "or pass visualdl=True")
         viewer_px = o["viewer_px"]
         run_name, ranks, on_nonfinite, on_grad_spike = o["run_name"], o["ranks"], o["on_nonfinite"], o["on_grad_spike"]
         on_structure_change, cooldown, queue_size = o["on_structure_change"], o["cooldown"], o["queue_size"]

@@ -27,6 +27,7 @@ from .graph import BackwardGraph, NonfiniteOrigin
 from .options import FORMATS, RecorderOptions
 from .pipeline import CaptureJob, CapturePipeline
 from .sinks.files import StepFiles
+from .sinks.hub import DEFAULT_SINKS
 from .text import MODEL_OUTPUT, backward_role, closing_line, nonfinite_lines
 from .capture.stats import local_value, sum_of_squares
 from .triggers import Triggers, global_grad_norm, weights_nonfinite
@@ -99,6 +100,8 @@ class BackwardGraphRecorder:
             an offline run of its own under ``run_name/wandb``). Each needs its pip
             extra (``pip install 'paddleviz-hooks[swanlab]'``...), imported
             when the first capture reaches it. Default ``("visualdl",)``.
+            ``"visualdl"`` named here with ``visualdl=False`` is refused
+            (``ValueError``): the two contradict.
         visualdl_graphs: with ``visualdl``, also write every capture as an
             interactive graph for VisualDL's Graphs tab (collapsible layers,
             click a node for its gradient), one folder per capture under
@@ -193,7 +196,7 @@ class BackwardGraphRecorder:
         viewer_px: int | None = 1280,
         formats: Sequence[str] = FORMATS,
         visualdl: bool = True,
-        sinks: Any = ("visualdl",),
+        sinks: Any = DEFAULT_SINKS,
         visualdl_graphs: bool = True,
         visualdl_diagnostics: bool = False,
         scalar_depth: int | None = None,

@@ -115,8 +115,11 @@ def _right_type(option: str, value) -> bool:
     (dict(steps=[1, "2"]), TypeError, ["steps must be a list of ints >= 1, got steps[1] = '2'"]),
     (dict(steps={0}), ValueError, ["steps must be a list of ints >= 1, got 0 in steps={0}"]),
     (dict(ranks=-1), ValueError, ["ranks must be an int >= 0, a list of them or 'all', got -1"]),
+    (dict(visualdl=False, sinks=["visualdl"]), ValueError, ["visualdl=False contradicts sinks=['visualdl']"]),
+    (dict(visualdl=False, sinks="visualdl"), ValueError, ["visualdl=False contradicts sinks='visualdl'"]),
 ], ids=["empty log_dir", "NUL in log_dir", "ranks=[]", "verbose=2", "huge close_timeout",
-        "huge view_max_px", "steps=[5, 0]", "steps=[1, '2']", "steps={0}", "ranks=-1"])
+        "huge view_max_px", "steps=[5, 0]", "steps=[1, '2']", "steps={0}", "ranks=-1",
+        "visualdl=False with sinks=['visualdl']", "visualdl=False with sinks='visualdl'"])
 def test_refused_at_construction(tmp_path, kwargs, exc, words):
     log_dir = kwargs.pop("log_dir", str(tmp_path))
     for make in (BackwardGraphRecorder, BackwardGraphCallback):
