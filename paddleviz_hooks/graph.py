@@ -680,6 +680,16 @@ class BackwardGraph:
         origin = (to_op or fresh or order)[0]
         return [self.nodes[origin]] + [self.nodes[i] for i in order if i != origin]
 
+    def nonfinite_nodes(self) -> set[int]:
+        """Ids of the nodes a view marks as non-finite: those that passed a NaN/Inf
+        gradient on, parameters whose recorded gradient (``node.grad``) holds
+        NaN/Inf, and layer boxes holding some."""
+        bad = {e.src for e in self.edges if e.grad is not None and e.grad.nonfinite}
+        bad.update(n.id for n in self.nodes
+                   if (n.kind == "param" and n.grad is not None and n.grad.nonfinite)
+                   or (n.kind == "layer" and n.nonfinite))
+        return bad
+
     def nonfinite_count(self) -> int:
         """Non-finite gradient elements over every observed gradient: the edges,
         plus parameter totals whose incoming edges were not all observed."""

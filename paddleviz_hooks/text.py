@@ -27,6 +27,7 @@ __all__ = [
     "NOT_OBSERVED",
     "UNOBSERVED_WHY",
     "DASHED_LEGEND",
+    "NONFINITE_LEGEND",
     "combined_norm",
     "MODEL_OUTPUT",
     "REPLAYED_FROM_OUTPUT",
@@ -112,6 +113,8 @@ MODEL_OUTPUT = "model output"
 REPLAYED_FROM_OUTPUT = "replayed from the model output"
 #: A gradient that flowed but could not be seen (its producer takes no hook).
 NOT_OBSERVED = "not observed"
+#: Legend row of the red nodes (``BackwardGraph.nonfinite_nodes``).
+NONFINITE_LEGEND = "NaN/Inf gradient (passed on, or a parameter's)"
 #: Legend row of dashed edges.
 DASHED_LEGEND = f"dashed: gradient {NOT_OBSERVED} (the node takes no hook, or as its label says)"
 #: Why a gradient's values were not observed (``GradMeta.note`` codes, see ``graph.UNOBSERVED_REASONS``).

@@ -456,3 +456,33 @@ def to_dot_title(g: BackwardGraph) -> str:
 
     dot = to_dot(g, title=graph_title(g))
     return re.search(r'^  label="(.*)"$', dot, re.M).group(1).replace("\\n", " ")
+
+
+def test_a_parameter_whose_gradient_is_nan_is_red_in_every_view(tmp_path):
+    """A NaN input makes the weights' gradients NaN, not the biases': the weight nodes are red
+    like the ops that passed NaN on (DOT, the SVG the report shows, the explorer's overlay)."""
+    from paddleviz_hooks import capture_backward
+    from paddleviz_hooks.render import render_svg
+    from paddleviz_hooks.render.dot import STYLE, to_dot
+    paddle.seed(0)
+    net = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    x = paddle.to_tensor(np.array([[1.0, np.nan, 2.0]], "float32"))
+    with capture_backward(net) as cap:
+        net(x).sum().backward()
+    truth = {name: not np.isfinite(p.grad.numpy().astype("float64")).all() for name, p in net.named_parameters()}
+    assert truth == {"0.weight": True, "0.bias": False, "1.weight": True, "1.bias": False}
+    g = cap.graph
+    ids = {n.param: n.id for n in g.nodes if n.kind == "param"}
+    assert set(ids) == set(truth)
+    red, green = STYLE["nonfinite"]["fillcolor"], STYLE["param"]["fillcolor"]
+    dot = to_dot(g)
+    svg = render_svg(g).decode()
+    overlay = ex.export_explorer(g, str(tmp_path / "me"))
+    results = next(iter(json.loads(Path(overlay.overlays[ex.NONFINITE]).read_text()).values()))["results"]
+    for name, bad in truth.items():
+        nid = ids[name]
+        stmt = re.search(rf"^\s*n{nid} \[.*$", dot, re.M).group(0)
+        assert f'fillcolor="{red if bad else green}"' in stmt, stmt
+        node_svg = re.search(rf"<title>n{nid}</title>.*?</g>", svg, re.S).group(0)
+        assert f'fill="{red if bad else green}"' in node_svg, node_svg
+        assert (results.get(str(nid), {"value": 0})["value"] > 0) == bad, (name, results.get(str(nid)))

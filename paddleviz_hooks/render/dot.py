@@ -12,8 +12,8 @@ from ..escape import dot_attrs, dot_html_table, dot_label, dot_quote
 from ..findings import marks, record_of
 from ..graph import BackwardGraph, Edge, Node, is_communication
 from ..hazards import PROGRAM_OP_NOTE
-from ..text import (COMMUNICATION_LEGEND, DASHED_LEGEND, FIRST_GRADIENT, NOT_OBSERVED, ORIGIN_LEGEND, SAVED_SHADE_NONE,
-                    SAVED_SHADE_TITLE, box_name, call_of, edge_lines, node_lines, node_tooltip, origin_mark,
+from ..text import (COMMUNICATION_LEGEND, DASHED_LEGEND, FIRST_GRADIENT, NONFINITE_LEGEND, NOT_OBSERVED, ORIGIN_LEGEND,
+                    SAVED_SHADE_NONE, SAVED_SHADE_TITLE, box_name, call_of, edge_lines, node_lines, node_tooltip, origin_mark,
                     origin_node_lines, saved_shade_line)
 
 __all__ = ["to_dot", "dot_parts", "STYLE", "COLOR_BY", "SAVED_SHADES", "ORIGIN_NODE_ID", "check_color_by", "saved_shades",
@@ -144,7 +144,7 @@ def dot_parts(
         f"node [{dot_attrs({'fontname': 'Helvetica', 'fontsize': '11', 'margin': '0.08,0.03', 'height': '0.3'})}]",
         f"edge [{dot_attrs({'fontname': 'Helvetica', 'fontsize': '9', 'color': '#555555', 'arrowsize': '0.6'})}]",
     ]
-    bad_src = {e.src for e in graph.edges if e.grad is not None and e.grad.nonfinite}
+    bad = graph.nonfinite_nodes()
     found = record_of(graph).origin
     mark = marks(graph)
 
@@ -159,7 +159,7 @@ def dot_parts(
             attrs.update(fillcolor=SAVED_SHADES[shades[n.id]], **({"fontcolor": "white"} if shades[n.id] < 2 else {}))
         elif shades is not None and n.kind in ("op", "layer"):
             attrs["fillcolor"] = "white"
-        if n.id in bad_src or (n.kind == "layer" and n.nonfinite):
+        if n.id in bad:
             attrs.pop("fontcolor", None)
             attrs.update(STYLE["nonfinite"])
         if n.id == mark.first_gradient and n.id != mark.origin:
@@ -335,7 +335,7 @@ def _legend(stats: bool, compiled: bool = False, origin: bool = False, communica
         ("#dae8fc", "op (grad node)"),
         ("#c9ecc4", "parameter"),
         ("#e6e6e6", "input leaf"),
-        ("#ff6b6b", "NaN/Inf gradient"),
+        (STYLE["nonfinite"]["fillcolor"], NONFINITE_LEGEND),
     ) if not (shade_rows and c == STYLE["op"]["fillcolor"])]  # shaded: ops are blue by bytes or white
     if origin:
         rows.append(({"BGCOLOR": STYLE["origin"]["color"]}, ORIGIN_LEGEND))
