@@ -205,9 +205,11 @@ def test_every_dashboard_gets_one_picture_text_and_scalars_per_capture(all_four)
     assert sorted(k for k, (kind, _) in keys.items() if kind == "line") == scalar_names
     assert [(s, pytest.approx(graphs[s].global_grad_norm(), rel=1e-6)) for s in CAPTURED] == keys[NORM][1]
 
-    # W&B: an offline run of its own under the run folder
+    # W&B: an offline run of its own under the run folder, one row per capture at its step
     (wrun,) = glob.glob(str(run / "wandb" / "offline-run-*"))
     rows = wandb_history(wrun)
+    assert sorted(r["backward_graph/step"] for r in rows) == CAPTURED, rows
+    assert all({"backward_graph/graph/path", "backward_graph/summary/path", NORM} <= set(r) for r in rows), rows
     files = Path(wrun) / "files"
     pictures = _wandb_media(rows, "backward_graph/graph")
     assert sorted(pictures) == CAPTURED
@@ -275,6 +277,9 @@ def test_into_the_users_active_swanlab_and_wandb_runs(tmp_path):
     assert [r["_step"] for r in losses] == [0, 1, 2, 3, 4]  # our records never moved the user's step
     assert sorted(_wandb_media(rows, "backward_graph/graph")) == CAPTURED
     assert sorted(r["backward_graph/step"] for r in rows if NORM in r) == CAPTURED
+    ours = [r for r in rows if "backward_graph/step" in r]  # one row per capture, data and pictures together
+    assert sorted(r["backward_graph/step"] for r in ours) == CAPTURED, ours
+    assert all("backward_graph/graph/path" in r and NORM in r for r in ours), ours
 
 
 def test_sinks_are_checked_when_the_recorder_is_made(monkeypatch):

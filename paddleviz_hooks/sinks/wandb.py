@@ -9,7 +9,10 @@ of the full-detail SVG, every op, zoomable in the browser), ``summary`` (a
 ``wandb.Html`` of the summary text), ``structure_change`` (the diff picture),
 and the scalars under the names every sink uses. Their x axis is
 ``backward_graph/step``, the training step, declared with
-``define_metric``. In a run of our own they are logged as they come. In the
+``define_metric``. Each capture is one row: its data waits for its
+pictures (which always follow, None when drawing failed), and what is still
+waiting at close goes alone. In a run of our own a row is logged when its
+pictures come. In the
 user's run they are logged when the recorder closes (the end of training),
 each a row of its own after the user's: W&B keeps one row counter per run and
 its history is not safe to write from two threads (a record logged from our
@@ -57,6 +60,8 @@ class WandbSink(Sink):
         self._defined: set[str] = set()
         # records waiting: in the user's run until close() (see the module's docstring)
         self._queue: list[tuple[int, Callable[[], dict]]] = []
+        # (step, suffix) -> a capture's data, waiting for its pictures: one row per capture
+        self._waiting: dict[tuple[int, str], Callable[[], dict]] = {}
         self.run.define_metric(STEP_KEY, hidden=True)
 
     def _log(self, step: int, values: Callable[[], dict]) -> None:
@@ -78,20 +83,21 @@ class WandbSink(Sink):
 
     def data(self, record: CaptureData) -> None:
         base, text, scalars = suffixed("backward_graph", record.suffix), record.text, finite_scalars(record.scalars)
-        self._log(record.step, lambda: {
-            **scalars, f"{base}/summary": self._wandb.Html(f"<pre>{html_escape(text)}</pre>", inject=False)})
+        self._waiting[(record.step, record.suffix)] = lambda: {
+            **scalars, f"{base}/summary": self._wandb.Html(f"<pre>{html_escape(text)}</pre>", inject=False)}
 
     def pictures(self, record: CapturePictures) -> None:
         base, title = suffixed("backward_graph", record.suffix), record.title
         picture, svg, diff_picture = record.picture, record.svg, record.diff_picture
-        if picture is None and svg is None and diff_picture is None:
+        data = self._waiting.pop((record.step, record.suffix), None)
+        if data is None and picture is None and svg is None and diff_picture is None:
             return
         svg_file = record.paths.get("svg")
         if svg_file is not None:
             svg = None  # read from its file when logged: a waiting record keeps no copy of it
 
         def values() -> dict:
-            wandb, out = self._wandb, {}
+            wandb, out = self._wandb, data() if data is not None else {}
             if picture is not None:
                 out[f"{base}/graph"] = wandb.Image(png_to_array(picture), caption=title)
             if svg is not None or svg_file is not None:
@@ -104,6 +110,9 @@ class WandbSink(Sink):
         self._log(record.step, values)
 
     def close(self) -> None:
+        waiting, self._waiting = self._waiting, {}
+        for (step, _), build in sorted(waiting.items()):  # data whose pictures never came (close_timeout)
+            self._queue.append((step, build))
         self._drain()
         if self.own:
             self.run.finish()
