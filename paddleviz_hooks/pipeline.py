@@ -318,6 +318,7 @@ class CapturePipeline:
                 sink.close()
             except Exception as exc:
                 self._warn("vdl-close", f"closing the VisualDL writer failed: {exc!r}")
+        self.files.close()
 
     # ------------------------------------------------------- worker thread
     def _spool_dir(self) -> str:

@@ -22,8 +22,9 @@ from .capture.nan_origin import StepInputs, locate, replay_step
 from .graph import BackwardGraph
 from .options import FORMATS, RecorderOptions
 from .pipeline import CaptureJob, CapturePipeline
-from .sinks.files import StepFiles
-from .text import MODEL_OUTPUT, backward_role, describe_node, describe_origin
+from ._interrupts import as_interrupt, held_interrupts, is_wrapped_interrupt, run_all
+from .sinks.files import StepFiles, claim_run_dir
+from .text import MODEL_OUTPUT, run_folder_note, backward_role, describe_node, describe_origin
 from .triggers import Triggers, global_grad_norm, weights_nonfinite
 from .warn import WarnOnce
 
@@ -205,6 +206,10 @@ class BackwardGraphRecorder:
         self.run_dir: str | None = None
         self._warn = WarnOnce()
         self._open = False
+        self._closed = False  # close() was called (a later step warns: use after close)
+        self._installed = False  # the recorder's hooks are in place (removed after an exception)
+        self._in_block = False  # inside `with rec.step():`
+        self._last_step = 0
         self._active = False
         self._armed: str | None = None
         self._step_capture: BackwardCapture | None = None
@@ -254,34 +259,85 @@ class BackwardGraphRecorder:
             run_dir = os.path.join(run_dir, f"rank_{rank}")
         self.run_dir = run_dir
         try:
-            files = StepFiles(run_dir)
+            claimed, lock = claim_run_dir(run_dir)
+            try:
+                files = StepFiles(claimed, lock)
+            except BaseException:
+                lock.close()
+                raise
         except OSError as exc:
             self._warn("dir", f"cannot write to {run_dir!r} ({exc.strerror or exc}); backward graphs "
                               "will not be saved or logged. Pass a writable log_dir")
         else:
-            # named "<log dir>/<run_name>" in the dashboard: two experiments sharing a
+            self.run_dir = files.directory
+            # named "<log dir>/<run folder>" in the dashboard: two experiments sharing a
             # --logdir with the default run_name stay two runs
-            display = "/".join(x for x in (os.path.basename(os.path.abspath(opts.log_dir)), opts.run_name,
-                                           f"rank_{rank}" if rank else "") if x)
+            folder = os.path.basename(files.directory) if rank == 0 else os.path.basename(
+                os.path.dirname(files.directory))
+            display = "/".join(x for x in (os.path.basename(os.path.abspath(opts.log_dir)), folder,
+                                           os.path.basename(files.directory) if rank else "") if x)
             self._pipeline = CapturePipeline(opts, files, display, self._warn)
             if opts.verbose:
-                print(f"[paddleviz-hooks] backward graphs -> {os.path.abspath(run_dir)}")
-        # a replay runs on one rank only: under data parallel its collectives (SyncBatchNorm,
-        # gradient all-reduce) would wait for ranks that do not replay, so none is made there
-        if opts.on_nonfinite and self.model is not None and paddle.distributed.get_world_size() == 1:
-            try:
-                self._kept = StepInputs(self.model).install()
-            except Exception as exc:
-                self._kept = None
-                self._warn("keep-inputs", f"NaN/Inf origins will not be located: {exc!r}")
-        if opts.watching:
-            self._watch = self._new_capture(watch=True)
-            try:
-                self._watch.__enter__()
-            except Exception as exc:
-                self._watch = None
-                self._warn("watch", f"triggers are off: {exc!r}")
+                print(f"[paddleviz-hooks] backward graphs -> {files.directory}"
+                      + run_folder_note(os.path.abspath(run_dir), files.directory))
+        self._install()
         return self
+
+    def _install(self) -> None:
+        """The hooks kept while open: the step inputs for replays and the trigger watch.
+        Whatever raises (Ctrl-C included), nothing of them stays half-installed."""
+        opts = self.options
+        with held_interrupts():
+            try:
+                # a replay runs on one rank only: under data parallel its collectives (SyncBatchNorm,
+                # gradient all-reduce) would wait for ranks that do not replay, so none is made there
+                if opts.on_nonfinite and self.model is not None and paddle.distributed.get_world_size() == 1:
+                    self._kept = StepInputs(self.model)
+                    try:
+                        self._kept.install()
+                    except Exception as exc:
+                        self._kept.remove()
+                        self._kept = None
+                        self._warn("keep-inputs", f"NaN/Inf origins will not be located: {exc!r}")
+                if opts.watching:
+                    self._watch = self._new_capture(watch=True)
+                    try:
+                        self._watch.__enter__()
+                    except Exception as exc:
+                        self._watch = None
+                        self._warn("watch", f"triggers are off: {exc!r}")
+                self._installed = True
+            except BaseException:
+                self._uninstall()
+                raise
+
+    def _uninstall(self) -> None:
+        """Remove every hook and patch of the recorder (idempotent; each part whatever
+        another raises). The files and VisualDL records stay open."""
+        with held_interrupts():
+            self._armed = None
+            self._installed = False
+            run_all(self._end_step_capture, self._end_watch, self._remove_kept)
+
+    def _end_step_capture(self) -> None:
+        cap = self._step_capture
+        if cap is not None:
+            cap._teardown()  # idempotent; __exit__ below numbers the step's graphs
+            self._step_capture = None
+            cap.__exit__(None, None, None)
+
+    def _end_watch(self) -> None:
+        cap = self._watch
+        if cap is not None:
+            cap._teardown()
+            self._watch = None
+            cap.__exit__(None, None, None)
+
+    def _remove_kept(self) -> None:
+        kept = self._kept
+        if kept is not None:
+            kept.remove()
+            self._kept = None
 
     def close(self) -> None:
         """Remove every hook, finish pending drawings and close the VisualDL writer.
@@ -289,15 +345,13 @@ class BackwardGraphRecorder:
         Calling it twice is harmless; :meth:`open` (or the next
         :meth:`begin_step`) starts recording again.
         """
-        self._armed = None
-        for cap in (self._step_capture, self._watch):
-            if cap is not None:
-                cap.__exit__(None, None, None)
-        self._step_capture = self._watch = None
+        try:
+            self._uninstall()
+        finally:
+            self._open = self._active = False
+            self._closed = True
+            self._last_step = 0  # opened again, it writes a new run folder: steps may start again
         self._flush()
-        kept, self._kept = self._kept, None
-        if kept is not None:
-            kept.remove()
         pipeline, self._pipeline = self._pipeline, None
         if pipeline is not None:
             pipeline.close()
@@ -342,11 +396,29 @@ class BackwardGraphRecorder:
             raise TypeError(f"micro_batches must be an int or None, got {micro_batches!r}")
         if micro_batches is not None and micro_batches < 1:
             raise ValueError(f"micro_batches must be >= 1 or None, got {micro_batches!r}")
+        if step < 1:
+            raise ValueError(f"step must be >= 1 (steps are counted from 1, as in steps=[...]), got {step}; "
+                             "pass rec.step(step + 1) for a 0-based loop counter")
+        if self._in_block:
+            raise RuntimeError("rec.step() blocks cannot be nested: this step's block is still open. "
+                               "Put one `with rec.step(n):` around each training step, not inside another")
+        if self._closed and not self._open:
+            self._closed = False
+            self._warn("after-close", "the recorder was used after close(): it records again, into a new "
+                                      "run folder beside the first (call rec.open() to resume on purpose, "
+                                      "or make a new BackwardGraphRecorder)")
         self._flush()  # a step that was never ended
-        self.global_step = step
+        last = self._last_step
+        if step <= last:
+            raise ValueError(f"steps must increase: step {step} came after step {last}; "
+                             "pass increasing step numbers (or none, to count from 1), or close() this "
+                             "recorder and make a new one for a new run")
+        self.global_step = self._last_step = step
         self._micro_batches = micro_batches
         if not self._open:
             self.open()
+        elif self._active and not self._installed:
+            self._install()  # the hooks removed after an exception left a step
         if not self._active:
             return False
         self._triggers.new_step()
@@ -357,27 +429,38 @@ class BackwardGraphRecorder:
             self._armed = "scheduled"
         # a capture of this step's own backward needs layer hooks during its forward
         if (scheduled or self._triggers.pending) and (self._watch is None or not self._watch_names_layers):
-            self._step_capture = self._new_capture(saved_memory=scheduled and self.options.saved_memory)
-            try:
-                self._step_capture.__enter__()
-            except Exception as exc:
-                self._step_capture = None
-                self._warn("arm", f"capture could not start: {exc!r}")
+            with held_interrupts():
+                cap = self._step_capture = self._new_capture(saved_memory=scheduled and self.options.saved_memory)
+                try:
+                    cap.__enter__()
+                except Exception as exc:
+                    self._step_capture = None
+                    self._warn("arm", f"capture could not start: {exc!r}")
+                except BaseException:
+                    self._step_capture = None
+                    raise
         elif scheduled and self.options.saved_memory and self._watch is not None:
             self._watch.observe_saved(True)  # this step's forward only
         return scheduled
 
     def end_step(self) -> None:
-        """The training step is over: remove what :meth:`begin_step` armed."""
-        self._armed = None
+        """The training step is over: remove what :meth:`begin_step` armed.
+
+        Everything is removed whatever raises where (a Ctrl-C is delivered
+        after); then the step's graphs go to the writer.
+        """
+        with held_interrupts():
+            self._armed = None
+            run_all(self._reset_kept, self._end_step_capture, self._unobserve)
+        self._flush()
+
+    def _reset_kept(self) -> None:
         if self._kept is not None:
             self._kept.reset()  # no reference to the step's tensors outlives it
-        cap, self._step_capture = self._step_capture, None
-        if cap is not None:
-            cap.__exit__(None, None, None)
+
+    def _unobserve(self) -> None:
         if self._watch is not None:
             self._watch.observe_saved(False)
-        self._flush()
 
     def disarm(self) -> None:
         """Let the rest of this step's backwards (e.g. evaluation) run uncaptured."""
@@ -390,16 +473,35 @@ class BackwardGraphRecorder:
 
         With gradient accumulation, put all of the step's micro-batches
         inside and say how many (``micro_batches``, see :meth:`begin_step`).
-        An exception leaving the block (Ctrl-C, an error in the model) closes
-        the recorder, so no hook or patch stays behind, and propagates.
+        An exception leaving the block (an error in the model) removes every
+        hook and patch of the recorder and propagates; the next step puts
+        them back and the files and VisualDL records go on in the same run.
+        Ctrl-C (``KeyboardInterrupt``) and ``SystemExit`` close the recorder.
+
+        Raises:
+            ValueError: a step number below 1, or not above the previous one.
+            RuntimeError: a ``rec.step()`` block inside another.
         """
         self.begin_step(step, micro_batches=micro_batches)
+        self._in_block = True
         try:
             yield self
-        except BaseException:
-            self.end_step()
-            self.close()
+        except BaseException as exc:
+            self._in_block = False
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)) or is_wrapped_interrupt(exc):
+                try:
+                    self.end_step()
+                finally:
+                    self.close()
+                if is_wrapped_interrupt(exc):  # Paddle's OSError around a Ctrl-C: the Ctrl-C it was
+                    raise as_interrupt(exc) from exc
+                raise
+            try:
+                self.end_step()
+            finally:
+                self._uninstall()
             raise
+        self._in_block = False
         self.end_step()
 
     # --------------------------------------------------------------- helpers

@@ -551,6 +551,21 @@ def node_tooltip(node: Node) -> str:
     return " | ".join(tip)
 
 
+def run_folder_note(asked: str, used: str) -> str:
+    """Said once, when a recorder writes beside the run folder it was given.
+
+    Example:
+        >>> run_folder_note("/logs/backward_graph", "/logs/backward_graph_2")
+        ' (backward_graph holds an earlier run or another writer: kept as it is, this run writes beside it)'
+        >>> run_folder_note("/logs/a", "/logs/a")
+        ''
+    """
+    if asked == used:
+        return ""
+    return (f" ({os.path.basename(asked)} holds an earlier run or another writer: kept as it is, "
+            "this run writes beside it)")
+
+
 def capture_title(step: Any, trigger: str | None = None, role: Any = None, index: int | None = None,
                   origin: dict[str, Any] | None = None) -> str:
     """The name of one capture (in a list of captures, on its picture): step, backward role,

@@ -6,6 +6,7 @@ from typing import Any
 
 import paddle
 
+from .._interrupts import pop_each, run_all
 from .gradnode import grad_fn, strip_wrapper_prefix
 
 __all__ = ["LayerAttribution", "frame_name", "tensors_in"]
@@ -65,10 +66,8 @@ class LayerAttribution:
             )
 
     def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-        self.reset()
+        """Remove every hook (all of them, whatever one removal raises) and forget the records."""
+        run_all(lambda: pop_each(self._handles, lambda h: h.remove()), self.reset)
 
     def reset(self) -> None:
         self.owner.clear()

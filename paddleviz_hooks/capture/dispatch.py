@@ -15,11 +15,14 @@ sessions (``BackwardCapture._begin(..., nested=True, parent=...)``).
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import Any, Callable
 
 import paddle
 from paddle.base import core
+
+from .._interrupts import as_interrupt, held_interrupts, is_wrapped_interrupt, run_all
 
 __all__ = ["DISPATCHER", "dispatcher_installed"]
 
@@ -43,7 +46,7 @@ class Dispatcher:
         self._local = threading.local()  # .frames: the backwards under way on this thread
 
     def activate(self, cap: Any) -> None:
-        with self._lock:
+        with self._lock, held_interrupts():
             if not self._active:
                 self._orig_backward = core.eager.run_backward
                 self._orig_grad = core.eager.run_partial_grad
@@ -52,7 +55,8 @@ class Dispatcher:
             self._active.append(cap)
 
     def deactivate(self, cap: Any) -> None:
-        with self._lock:
+        """Stop ``cap``; the last one puts Paddle's functions back (idempotent)."""
+        with self._lock, held_interrupts():
             if cap in self._active:
                 self._active.remove(cap)
             if not self._active and self._orig_backward is not None:
@@ -82,6 +86,19 @@ class Dispatcher:
                          (outputs, inputs, grad_outputs, retain_graph, *rest))
 
     def _run(self, original, entry, roots, retain_graph, args):
+        # Ctrl-C during a captured backward: held until it is over and every hook of it
+        # removed, then raised as KeyboardInterrupt, as Paddle does without hooks (a
+        # KeyboardInterrupt raised inside a hook would reach the user as Paddle's
+        # OSError, and cut the hooks' removal short)
+        with held_interrupts():
+            try:
+                return self._run_held(original, entry, roots, retain_graph, args)
+            except OSError as exc:
+                if is_wrapped_interrupt(exc):  # another thread's, or a user's hook's, interrupt
+                    raise as_interrupt(exc) from exc
+                raise
+
+    def _run_held(self, original, entry, roots, retain_graph, args):
         with self._lock:
             caps = list(self._active)
         frames = self._local.__dict__.setdefault("frames", [])
@@ -120,10 +137,9 @@ class Dispatcher:
                 frames.pop()
             # A hook that raised (or a KeyboardInterrupt inside one) leaves
             # Paddle's grad mode off for the rest of the process: restore it.
-            if paddle.is_grad_enabled() != grad_was:
-                paddle.set_grad_enabled(grad_was)
-            for cap, s in sessions:
-                cap._end(s, ok=ok, retain_graph=bool(retain_graph))
+            ends = [lambda: paddle.is_grad_enabled() != grad_was and paddle.set_grad_enabled(grad_was)]
+            ends += [functools.partial(cap._end, s, ok=ok, retain_graph=bool(retain_graph)) for cap, s in sessions]
+            run_all(*ends)  # every capture unhooks, whatever another raises
 
 
 DISPATCHER = Dispatcher()

@@ -31,6 +31,7 @@ from typing import Any, Callable
 import paddle
 
 from ..graph import BackwardGraph, GradMeta
+from .._interrupts import held_interrupts, pop_each, run_all
 from ..hazards import hook_hazard
 from ..warn import WarnOnce
 from .attribution import LayerAttribution, frame_name
@@ -182,20 +183,21 @@ class BackwardCapture:
     def __enter__(self) -> "BackwardCapture":
         if self._active:
             raise RuntimeError("this capture is already active; create a new capture_backward() per block")
-        try:
-            source = self.params if self.params is not None else self.layer
-            self._param_names = parameter_names(source) if source is not None else {}
-            if self.layer is not None:
-                self._attribution = LayerAttribution(self.layer)
-                self._attribution.install()
-            self._programs.install()
-            DISPATCHER.activate(self)
-            self._active = True
-            if self.saved_memory:
-                self.observe_saved(True)
-        except BaseException:
-            self._teardown()
-            raise
+        with held_interrupts():  # a Ctrl-C now is delivered once set-up (or its undo) is over
+            try:
+                source = self.params if self.params is not None else self.layer
+                self._param_names = parameter_names(source) if source is not None else {}
+                if self.layer is not None:
+                    self._attribution = LayerAttribution(self.layer)
+                    self._attribution.install()
+                self._programs.install()
+                DISPATCHER.activate(self)
+                self._active = True
+                if self.saved_memory:
+                    self.observe_saved(True)
+            except BaseException:
+                self._teardown()
+                raise
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -206,15 +208,21 @@ class BackwardCapture:
                 info["of"] = self.backwards_seen
 
     def _teardown(self) -> None:
-        self._active = False
-        self.observe_saved(False)
+        """Remove everything ``__enter__`` installed; every part is removed whatever
+        another part raises (the first exception is raised after)."""
+        with held_interrupts():
+            self._active = False
+            run_all(lambda: self.observe_saved(False), self._drop_saved, lambda: DISPATCHER.deactivate(self),
+                    self._programs.remove, self._drop_attribution)
+            self._param_names = {}
+
+    def _drop_saved(self) -> None:
         self._saved = None
-        DISPATCHER.deactivate(self)
-        self._programs.remove()
+
+    def _drop_attribution(self) -> None:
         if self._attribution is not None:
             self._attribution.remove()
             self._attribution = None
-        self._param_names = {}
 
     def observe_saved(self, on: bool) -> None:
         """Start (or stop) recording what the forwards save for backward.
@@ -433,6 +441,8 @@ class BackwardCapture:
         return hook
 
     def _end(self, s: _Session | None, ok: bool, retain_graph: bool) -> None:
+        if s is not None:
+            run_all(lambda: self._unhook(s))  # first: nothing of this backward's stays hooked
         self._backwards = max(0, self._backwards - 1)
         if self._saved_on and self._active and not self._backwards:
             self.observe_saved(True)  # the next forward of the block
@@ -445,16 +455,6 @@ class BackwardCapture:
             return
         t0 = time.perf_counter()
         try:
-            for h in s.handles:
-                try:
-                    h.remove()
-                except Exception:
-                    pass
-            s.handles.clear()
-            s.totals.hooked.difference_update(s.param_hooks)
-            for ret in s.returned:  # see _make_hook: drop the gradients Paddle leaks
-                ret.clear()
-            s.returned.clear()
             s.walk.release()
             if not retain_graph and self._attribution is not None:
                 # that forward's graph is consumed (a nested one: the recomputed forward's);
@@ -477,6 +477,15 @@ class BackwardCapture:
         except Exception as exc:
             self._warn("finish", f"backward graph capture failed and was skipped: {exc!r}")
         self._after(ok)
+
+    @staticmethod
+    def _unhook(s: _Session) -> None:
+        """Remove the session's hooks (idempotent: a second call finishes an interrupted one)."""
+        pop_each(s.handles, _remove_quietly)
+        s.totals.hooked.difference_update(s.param_hooks)
+        for ret in s.returned:  # see _make_hook: drop the gradients Paddle leaks
+            ret.clear()
+        s.returned.clear()
 
     def _deliver(self, graph: BackwardGraph) -> None:
         if self.keep_graphs:
@@ -625,6 +634,13 @@ class BackwardCapture:
         graph.assign_keys()
         return graph
 
+
+
+def _remove_quietly(handle: Any) -> None:
+    try:
+        handle.remove()
+    except Exception:  # a hook whose node is gone already
+        pass
 
 
 def capture_backward(
