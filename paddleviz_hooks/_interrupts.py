@@ -116,16 +116,20 @@ def run_all(*steps: Callable[[], Any]) -> None:
 def pop_each(items: list[Any], undo: Callable[[Any], Any]) -> None:
     """Undo every item of ``items`` (emptied as it goes), whatever one of them raises.
 
-    An item is taken off the list only once it is undone, so a second call
-    after an interrupt finishes the job; the first exception is raised at the end.
+    An item is taken off the list only once it is undone (undoing one twice
+    must be harmless), so a second call after an interrupt finishes the job;
+    the first exception is raised at the end.
     """
     first: BaseException | None = None
-    while items:
+    i = len(items)
+    while i > 0:
+        i -= 1
         try:
-            undo(items[-1])
+            undo(items[i])
         except BaseException as exc:
             if first is None:
                 first = exc
-        items.pop()
+            continue
+        del items[i]
     if first is not None:
         raise as_interrupt(first)

@@ -24,7 +24,7 @@ from .options import FORMATS, RecorderOptions
 from .pipeline import CaptureJob, CapturePipeline
 from ._interrupts import as_interrupt, held_interrupts, is_wrapped_interrupt, run_all
 from .sinks.files import StepFiles, claim_run_dir
-from .text import MODEL_OUTPUT, run_folder_note, backward_role, describe_node, describe_origin
+from .text import MODEL_OUTPUT, end_line, run_folder_note, backward_role, describe_node, describe_origin
 from .triggers import Triggers, global_grad_norm, weights_nonfinite
 from .warn import WarnOnce
 
@@ -200,6 +200,8 @@ class BackwardGraphRecorder:
         self.dropped_steps: list[int] = []
         #: steps whose data is saved but whose pictures were not drawn by close()
         self.undrawn_steps: list[int] = []
+        #: captured steps whose data never reached disk -> why (set by close())
+        self.lost_steps: dict[int, str] = {}
         #: step -> what captured it (``"scheduled"`` or a trigger name)
         self.triggers: dict[int, str] = {}
         #: the folder this rank writes to (set when the recorder opens)
@@ -345,24 +347,32 @@ class BackwardGraphRecorder:
         Calling it twice is harmless; :meth:`open` (or the next
         :meth:`begin_step`) starts recording again.
         """
-        try:
-            self._uninstall()
-        finally:
-            self._open = self._active = False
-            self._closed = True
-            self._last_step = 0  # opened again, it writes a new run folder: steps may start again
-        self._flush()
-        pipeline, self._pipeline = self._pipeline, None
-        if pipeline is not None:
-            pipeline.close()
-            self.undrawn_steps = pipeline.undrawn_at_close
-            if self.options.verbose and self.captured_steps:
-                graphs = len(pipeline.written)  # a step may have several backwards
-                steps = len(set(pipeline.written))
-                more = f" ({graphs} graphs)" if graphs != steps else ""
-                print(f"[paddleviz-hooks] {steps} steps captured{more}, {len(pipeline.drawn)} drawn, "
-                      f"{len(self.undrawn_steps)} left undrawn (data saved in {os.path.abspath(self.run_dir)})")
+        # every part runs whatever another raises (a Ctrl-C is raised after); each is idempotent
+        run_all(self._uninstall, self._mark_closed, self._flush, self._close_pipeline)
+
+    def _mark_closed(self) -> None:
         self._open = self._active = False
+        self._closed = True
+        self._last_step = 0  # opened again, it writes a new run folder: steps may start again
+
+    def _close_pipeline(self) -> None:
+        """Write and draw what is left, close VisualDL, and say what was kept."""
+        pipeline = self._pipeline
+        if pipeline is None:
+            return
+        pipeline.close()
+        self._pipeline = None
+        self.undrawn_steps = pipeline.undrawn_at_close
+        written = set(pipeline.written)
+        self.lost_steps = {**{s: "the background writer stopped" for s in self.dropped_steps}, **pipeline.lost}
+        for step in set(self.captured_steps) - written - set(self.lost_steps):
+            self.lost_steps[step] = "not written before close() gave up"
+        if self.options.verbose and (self.captured_steps or self.lost_steps):
+            captured = written | set(self.lost_steps)
+            graphs = len(pipeline.written) + len(pipeline.lost)  # a step may have several backwards
+            print("[paddleviz-hooks] " + end_line(
+                len(captured), graphs, len(written), self.lost_steps, len(set(pipeline.drawn)),
+                len(self.undrawn_steps), self.run_dir))
 
     def __enter__(self) -> "BackwardGraphRecorder":
         return self.open()
@@ -402,17 +412,23 @@ class BackwardGraphRecorder:
         if self._in_block:
             raise RuntimeError("rec.step() blocks cannot be nested: this step's block is still open. "
                                "Put one `with rec.step(n):` around each training step, not inside another")
+        if step <= self._last_step:
+            raise ValueError(f"steps must increase: step {step} came after step {self._last_step}; "
+                             "pass increasing step numbers (or none, to count from 1), or close() this "
+                             "recorder and make a new one for a new run")
         if self._closed and not self._open:
             self._closed = False
             self._warn("after-close", "the recorder was used after close(): it records again, into a new "
                                       "run folder beside the first (call rec.open() to resume on purpose, "
                                       "or make a new BackwardGraphRecorder)")
+        try:
+            return self._start_step(step, micro_batches)
+        except BaseException:
+            run_all(self._end_step_capture)  # nothing of this step stays armed
+            raise
+
+    def _start_step(self, step: int, micro_batches: int | None) -> bool:
         self._flush()  # a step that was never ended
-        last = self._last_step
-        if step <= last:
-            raise ValueError(f"steps must increase: step {step} came after step {last}; "
-                             "pass increasing step numbers (or none, to count from 1), or close() this "
-                             "recorder and make a new one for a new run")
         self.global_step = self._last_step = step
         self._micro_batches = micro_batches
         if not self._open:
@@ -449,10 +465,12 @@ class BackwardGraphRecorder:
         Everything is removed whatever raises where (a Ctrl-C is delivered
         after); then the step's graphs go to the writer.
         """
+        run_all(self._disarm_step, self._flush)  # the step's graphs are written whatever the other raises
+
+    def _disarm_step(self) -> None:
         with held_interrupts():
             self._armed = None
             run_all(self._reset_kept, self._end_step_capture, self._unobserve)
-        self._flush()
 
     def _reset_kept(self) -> None:
         if self._kept is not None:
@@ -487,22 +505,25 @@ class BackwardGraphRecorder:
         try:
             yield self
         except BaseException as exc:
-            self._in_block = False
-            if isinstance(exc, (KeyboardInterrupt, SystemExit)) or is_wrapped_interrupt(exc):
-                try:
-                    self.end_step()
-                finally:
-                    self.close()
-                if is_wrapped_interrupt(exc):  # Paddle's OSError around a Ctrl-C: the Ctrl-C it was
-                    raise as_interrupt(exc) from exc
-                raise
-            try:
-                self.end_step()
-            finally:
-                self._uninstall()
+            self._step_failed(exc)
+            if is_wrapped_interrupt(exc):  # Paddle's OSError around a Ctrl-C: the Ctrl-C it was
+                raise as_interrupt(exc) from exc
             raise
+        self._step_done()
+
+    def _step_done(self) -> None:
+        run_all(self._leave_block, self.end_step)
+
+    def _step_failed(self, exc: BaseException) -> None:
+        """An exception left the step: every hook goes (each part whatever another raises);
+        Ctrl-C and SystemExit also close the recorder."""
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)) or is_wrapped_interrupt(exc):
+            run_all(self._leave_block, self.end_step, self.close)
+        else:
+            run_all(self._leave_block, self.end_step, self._uninstall)
+
+    def _leave_block(self) -> None:
         self._in_block = False
-        self.end_step()
 
     # --------------------------------------------------------------- helpers
     def _budget_left(self) -> bool:

@@ -60,10 +60,10 @@ class LayerAttribution:
             if _is_to_static(sub):
                 compiled.append(path)
             # with_kwargs: tensors passed by keyword are seen too
+            # one line each: a hook is registered and kept for removal with nothing in between
             self._handles.append(sub.register_forward_pre_hook(self._pre, with_kwargs=True))
-            self._handles.append(
-                sub.register_forward_post_hook(self._make_post(path), with_kwargs=True)
-            )
+            post = self._make_post(path)
+            self._handles.append(sub.register_forward_post_hook(post, with_kwargs=True))
 
     def remove(self) -> None:
         """Remove every hook (all of them, whatever one removal raises) and forget the records."""

@@ -201,7 +201,9 @@ class BackwardCapture:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self._teardown()
+        run_all(self._teardown, self._number_backwards)  # each part runs, whatever the other raises
+
+    def _number_backwards(self) -> None:
         for g in self.graphs:  # now the block's number of backwards is known
             info = g.meta.get("backward")
             if isinstance(info, dict) and info.get("of") is None:

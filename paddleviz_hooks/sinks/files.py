@@ -50,6 +50,15 @@ def _lock(directory: str):
     return f
 
 
+def _release(directory: str, lock) -> None:
+    """Give a held folder back: its lock file goes (the folder keeps the run's files only)."""
+    try:
+        os.unlink(os.path.join(directory, LOCK_NAME))
+    except OSError:
+        pass
+    lock.close()
+
+
 def _clean_temporaries(directory: str) -> list[str]:
     """Remove what a killed writer left half-written in ``directory`` and its ``graphs/``
     and ``.pending`` folders (never in the ``rank_K`` folders of other processes)."""
@@ -102,7 +111,7 @@ def claim_run_dir(directory: str, limit: int = 1000):
         _clean_temporaries(path)
         if not _holds_records(path):
             return path, lock
-        lock.close()
+        _release(path, lock)  # an earlier run's folder: left exactly as it was
     raise OSError(f"no free run folder next to {base!r} (tried {limit})")
 
 
@@ -136,8 +145,4 @@ class StepFiles:
         """Let the folder go (another writer may claim it; it keeps the files)."""
         lock, self._lock = self._lock, None
         if lock is not None:
-            try:  # the folder is left as it was, with the run's files only
-                os.unlink(os.path.join(self.directory, LOCK_NAME))
-            except OSError:
-                pass
-            lock.close()
+            _release(self.directory, lock)
