@@ -289,8 +289,8 @@ class BackwardGraphRecorder:
         """The hooks kept while open: the step inputs for replays and the trigger watch.
         Whatever raises (Ctrl-C included), nothing of them stays half-installed."""
         opts = self.options
-        with held_interrupts():
-            try:
+        try:
+            with held_interrupts():
                 # a replay runs on one rank only: under data parallel its collectives (SyncBatchNorm,
                 # gradient all-reduce) would wait for ranks that do not replay, so none is made there
                 if opts.on_nonfinite and self.model is not None and paddle.distributed.get_world_size() == 1:
@@ -309,9 +309,9 @@ class BackwardGraphRecorder:
                         self._watch = None
                         self._warn("watch", f"triggers are off: {exc!r}")
                 self._installed = True
-            except BaseException:
-                self._uninstall()
-                raise
+        except BaseException:
+            self._uninstall()
+            raise
 
     def _uninstall(self) -> None:
         """Remove every hook and patch of the recorder (idempotent; each part whatever

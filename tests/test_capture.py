@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pathlib
 import os
 from collections import Counter
 
@@ -319,7 +320,7 @@ def test_nan_is_rendered():
 def test_nan_graph_json_and_dot_files(tmp_path):
     g, _ = _nan_graph()
     p = render_to_file(g, str(tmp_path / "nan.json"))
-    back = BackwardGraph.from_json(open(p).read())
+    back = BackwardGraph.from_json(pathlib.Path(p).read_text(encoding="utf-8"))
     assert back.nonfinite_sites()[0].op == "Log"
     assert render_to_file(g, str(tmp_path / "nan.dot")).endswith("nan.dot")
 
@@ -563,7 +564,7 @@ def test_paddleviz_readme_example(tmp_path):
     dot = make_graph(y, dpi="600")
     out = dot.render(str(tmp_path / "viz-result.gv"), format="png")
     assert os.path.basename(out) == "viz-result.gv.png"
-    data = open(out, "rb").read()
+    data = pathlib.Path(out).read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     assert os.path.exists(tmp_path / "viz-result.gv")
     source = dot.source

@@ -7,6 +7,7 @@ so each test asserts the exact op, layer and line.
 
 from __future__ import annotations
 
+import pathlib
 import json
 import math
 import os
@@ -179,7 +180,7 @@ def test_sqrt_in_a_sublayer_is_named_everywhere_and_training_is_bit_identical(tm
 
     from paddleviz_hooks import build_report
 
-    html = open(build_report(str(tmp_path / "vdl"), str(tmp_path / "report.html"))).read()
+    html = pathlib.Path(build_report(str(tmp_path / "vdl"), str(tmp_path / "report.html"))).read_text(encoding="utf-8")
     assert "starts here</span> NaN/Inf first produced by op &#x27;sqrt&#x27; in layer &#x27;block&#x27;" in html
 
 

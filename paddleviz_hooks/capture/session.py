@@ -183,8 +183,8 @@ class BackwardCapture:
     def __enter__(self) -> "BackwardCapture":
         if self._active:
             raise RuntimeError("this capture is already active; create a new capture_backward() per block")
-        with held_interrupts():  # a Ctrl-C now is delivered once set-up (or its undo) is over
-            try:
+        try:  # whatever raises where (a Ctrl-C is held until set-up is over), nothing stays half-installed
+            with held_interrupts():
                 source = self.params if self.params is not None else self.layer
                 self._param_names = parameter_names(source) if source is not None else {}
                 if self.layer is not None:
@@ -195,10 +195,10 @@ class BackwardCapture:
                 self._active = True
                 if self.saved_memory:
                     self.observe_saved(True)
-            except BaseException:
-                self._teardown()
-                raise
-        return self
+            return self
+        except BaseException:
+            self._teardown()
+            raise
 
     def __exit__(self, *exc: Any) -> None:
         run_all(self._teardown, self._number_backwards)  # each part runs, whatever the other raises
