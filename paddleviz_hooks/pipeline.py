@@ -37,6 +37,7 @@ from .sinks.vdl_graph import write_vdl_graph
 from .sinks.visualdl import (LAYER_NORM_GROUP, SAVED_MEMORY_GROUP, SCALAR_GROUP, TagPages, VisualDLSink, encode_like_visualdl,
                              png_to_array)
 from .text import backward_role, capture_title, diff_summary, graph_summary, redraw_command, undrawn_line
+from ._interrupts import run_all
 from .warn import WarnOnce
 
 __all__ = ["BackgroundWorker", "CaptureJob", "CapturePipeline", "VIEWER_LABEL_PX", "viewer_png"]
@@ -317,14 +318,17 @@ class CapturePipeline:
             self._warn("undrawn", undrawn_line(dict(self.not_drawn), redraw_command(
                 json_path, self.files.path(left[0], formats[0] if formats else "png"))))
         shutil.rmtree(self._spool_dir(), ignore_errors=True)
+        run_all(self._close_sink, self.files.close)  # both, whatever the other raises
+
+    def _close_sink(self) -> None:
         with self._sink_lock:
-            sink, self._sink = self._sink, None
-        if sink is not None:
+            sink = self._sink
+        if sink is not None:  # forgotten only once closed: a second call finishes an interrupted one
             try:
                 sink.close()
             except Exception as exc:
                 self._warn("vdl-close", f"closing the VisualDL writer failed: {exc!r}")
-        self.files.close()
+            self._sink = None
 
     # ------------------------------------------------------- worker thread
     def _spool_dir(self) -> str:

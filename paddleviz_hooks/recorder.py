@@ -260,30 +260,32 @@ class BackwardGraphRecorder:
         if rank != 0:
             run_dir = os.path.join(run_dir, f"rank_{rank}")
         self.run_dir = run_dir
+        opened: list = []  # lock files opened on the way: closed if anything fails (Ctrl-C included)
         try:
-            claimed, lock = claim_run_dir(run_dir)
-            try:
-                files = StepFiles(claimed, lock)
-            except BaseException:
-                lock.close()
-                raise
+            claimed, lock = claim_run_dir(run_dir, opened=opened)
+            files = StepFiles(claimed, lock)
+            self._pipeline = CapturePipeline(opts, files, self._display_name(files.directory, rank), self._warn)
         except OSError as exc:
+            run_all(*(f.close for f in opened))
             self._warn("dir", f"cannot write to {run_dir!r} ({exc.strerror or exc}); backward graphs "
                               "will not be saved or logged. Pass a writable log_dir")
+        except BaseException:
+            run_all(*(f.close for f in opened))
+            raise
         else:
             self.run_dir = files.directory
-            # named "<log dir>/<run folder>" in the dashboard: two experiments sharing a
-            # --logdir with the default run_name stay two runs
-            folder = os.path.basename(files.directory) if rank == 0 else os.path.basename(
-                os.path.dirname(files.directory))
-            display = "/".join(x for x in (os.path.basename(os.path.abspath(opts.log_dir)), folder,
-                                           os.path.basename(files.directory) if rank else "") if x)
-            self._pipeline = CapturePipeline(opts, files, display, self._warn)
             if opts.verbose:
                 print(f"[paddleviz-hooks] backward graphs -> {files.directory}"
                       + run_folder_note(os.path.abspath(run_dir), files.directory))
         self._install()
         return self
+
+    def _display_name(self, directory: str, rank: int) -> str:
+        """The run's name in the dashboard: "<log dir>/<run folder>" (two experiments sharing a
+        --logdir with the default run_name stay two runs)."""
+        folder = os.path.basename(directory) if rank == 0 else os.path.basename(os.path.dirname(directory))
+        return "/".join(x for x in (os.path.basename(os.path.abspath(self.options.log_dir)), folder,
+                                    os.path.basename(directory) if rank else "") if x)
 
     def _install(self) -> None:
         """The hooks kept while open: the step inputs for replays and the trigger watch.

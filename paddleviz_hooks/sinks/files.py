@@ -32,10 +32,12 @@ def step_stem(step: int, suffix: str = "") -> str:
     return f"{stem}_{safe_filename(suffix)}" if suffix else stem
 
 
-def _lock(directory: str):
+def _lock(directory: str, opened: list):
     """An open, exclusively locked ``.writer.lock`` of ``directory``, or None when another
-    live process holds it. Where locks are not supported the folder counts as free."""
-    f = open(os.path.join(directory, LOCK_NAME), "a+b")
+    live process holds it. Where locks are not supported the folder counts as free.
+    The file is added to ``opened`` as it is opened (the caller closes them all on failure)."""
+    opened.append(open(os.path.join(directory, LOCK_NAME), "a+b"))  # one line: nothing in between
+    f = opened[-1]
     try:
         import fcntl
     except ImportError:  # not POSIX: no lock, the folder's contents still decide
@@ -88,11 +90,13 @@ def _holds_records(directory: str) -> bool:
     return False
 
 
-def claim_run_dir(directory: str, limit: int = 1000):
+def claim_run_dir(directory: str, limit: int = 1000, opened: list | None = None):
     """The folder this writer may write in: ``directory`` or the first free ``directory_N``.
 
     Args:
         directory: the folder asked for (created if missing).
+        opened: every lock file opened on the way is added to it (so a caller
+            interrupted anywhere can close them all).
 
     Returns:
         ``(path, lock)``: the folder claimed and the open lock file that
@@ -102,10 +106,11 @@ def claim_run_dir(directory: str, limit: int = 1000):
         OSError: no folder could be created or locked.
     """
     base = os.path.abspath(directory)
+    opened = [] if opened is None else opened
     for n in range(1, limit + 1):
         path = base if n == 1 else f"{base}_{n}"
         os.makedirs(path, exist_ok=True)
-        lock = _lock(path)
+        lock = _lock(path, opened)
         if lock is None:
             continue  # another live writer holds it
         _clean_temporaries(path)
@@ -143,6 +148,7 @@ class StepFiles:
 
     def close(self) -> None:
         """Let the folder go (another writer may claim it; it keeps the files)."""
-        lock, self._lock = self._lock, None
-        if lock is not None:
+        lock = self._lock
+        if lock is not None:  # forgotten only once released: a second call finishes an interrupted one
             _release(self.directory, lock)
+            self._lock = None
