@@ -324,17 +324,17 @@ class BackwardGraphRecorder:
             run_all(self._end_step_capture, self._end_watch, self._remove_kept)
 
     def _end_step_capture(self) -> None:
-        cap = self._step_capture
-        if cap is not None:
-            cap._teardown()  # idempotent; __exit__ below numbers the step's graphs
-            self._step_capture = None
-            cap.__exit__(None, None, None)
+        self._end_capture("_step_capture")
 
     def _end_watch(self) -> None:
-        cap = self._watch
+        self._end_capture("_watch")
+
+    def _end_capture(self, attr: str) -> None:
+        """End the capture held in ``attr``; it is forgotten only once its hooks are gone."""
+        cap = getattr(self, attr)
         if cap is not None:
-            cap._teardown()
-            self._watch = None
+            cap._teardown()  # idempotent; __exit__ below numbers the step's graphs
+            setattr(self, attr, None)
             cap.__exit__(None, None, None)
 
     def _remove_kept(self) -> None:

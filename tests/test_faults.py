@@ -45,6 +45,7 @@ from _fitkit import (
     step_files,
     vdl_records,
     image_steps,
+    without_engine,
 )
 
 STEPS = 12
@@ -105,13 +106,7 @@ def test_control_no_fault_is_bit_identical_and_silent(tmp_path):
 # no layout engine
 # --------------------------------------------------------------------------
 def test_no_layout_engine(tmp_path, monkeypatch):
-    empty_bin = tmp_path / "bin"
-    empty_bin.mkdir()
-    monkeypatch.setenv("PATH", str(empty_bin))
-    monkeypatch.delenv("PADDLEVIZ_ENGINE", raising=False)
-    # graphviz-pure is also looked for beside the interpreter (an unactivated venv)
-    monkeypatch.setattr(sys, "executable", str(empty_bin / "python"))
-    assert find_engine() is None
+    without_engine(tmp_path, monkeypatch)
 
     cb = cb_for(tmp_path)
     with recorded_warnings() as got:

@@ -41,7 +41,8 @@ from paddleviz_hooks import _interrupts
 from paddleviz_hooks import BackwardGraphCallback, BackwardGraphRecorder, capture_backward
 from paddleviz_hooks.capture.dispatch import DISPATCHER
 from paddleviz_hooks.render.engine import Engine, RenderTimeout, run_engine
-from _fitkit import files_under, no_leftover_hooks, ours, recorded_warnings, run_fit, step_files, vdl_records
+from _fitkit import (files_under, no_leftover_hooks, ours, recorded_warnings, run_fit, step_files, vdl_records,
+                     without_engine)
 
 PKG = os.path.dirname(os.path.abspath(paddleviz_hooks.__file__))
 NUMERICS_FLAGS = ["FLAGS_check_nan_inf", "FLAGS_check_nan_inf_level"]
@@ -442,14 +443,7 @@ def test_log_dir_deleted_mid_run_names_the_lost_steps(tmp_path):
 
 
 def test_no_layout_engine_counts_no_drawing_and_names_the_redraw_command(tmp_path, monkeypatch):
-    from paddleviz_hooks.render.engine import find_engine
-
-    empty = tmp_path / "bin"
-    empty.mkdir()
-    monkeypatch.setenv("PATH", str(empty))
-    monkeypatch.delenv("PADDLEVIZ_ENGINE", raising=False)
-    monkeypatch.setattr(sys, "executable", str(empty / "python"))
-    assert find_engine() is None
+    without_engine(tmp_path, monkeypatch)
     net = Net()
     out = io.StringIO()
     with recorded_warnings() as got, contextlib.redirect_stdout(out):
