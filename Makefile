@@ -6,14 +6,20 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 APT    := $(shell if [ "$$(id -u)" = 0 ]; then echo "apt-get"; elif command -v sudo >/dev/null && sudo -n true 2>/dev/null; then echo "sudo apt-get"; fi)
 
-.PHONY: setup engine browser demo test bench clean
+.PHONY: setup setup-demo engine browser demo test bench clean
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV) || { echo "python venv failed: install python3-venv (apt-get install -y python3-venv)"; exit 1; }
 	$(BIN)/pip install -q --upgrade pip
 
-$(VENV)/.installed: $(BIN)/activate pyproject.toml setup.cfg
-	$(BIN)/pip install -q -e '.[pure,test,explorer]'
+# Two stamps: the demo needs only the package (and the pip engine); the tests need their
+# extras too (pytest, playwright, notebooks, Model Explorer, SwanLab/TensorBoard/W&B and their readers).
+$(VENV)/.installed-demo: $(BIN)/activate pyproject.toml setup.cfg
+	$(BIN)/pip install -q -e '.[pure]'
+	touch $@
+
+$(VENV)/.installed-test: $(BIN)/activate pyproject.toml setup.cfg
+	$(BIN)/pip install -q -e '.[pure,test,explorer,dashboards-test]'
 	touch $@
 
 # Graphviz's `dot` through apt where we may; otherwise the graphviz-pure extra
@@ -31,9 +37,14 @@ browser:
 	    || echo "WARNING: apt-get could not install chromium; the browser tests will be skipped"; \
 	  else echo "no root/sudo: browser tests will be skipped (apt-get install chromium)"; fi; }
 
-setup: $(VENV)/.installed engine
+setup-demo: $(VENV)/.installed-demo engine
 
-demo: setup
+setup: $(VENV)/.installed-test engine
+
+# The demo starts from an empty vdl_log/ (a rerun would otherwise add a second run beside the
+# first, and a dashboard left open would show every step twice).
+demo: setup-demo
+	@if [ -d vdl_log ]; then echo "removing the previous demo's vdl_log/"; rm -rf vdl_log; fi
 	$(BIN)/python examples/train_lenet.py --log-dir vdl_log
 
 test: setup browser

@@ -55,6 +55,26 @@ class SyntheticDigits(paddle.io.Dataset):
         return len(self.labels)
 
 
+def describe_folder(folder: str) -> list[str]:
+    """One line per captured step (its files by suffix) and one per other entry: every file counted."""
+    per_step: dict[str, list[str]] = {}
+    others: list[str] = []
+    for name in sorted(os.listdir(folder)):
+        path = os.path.join(folder, name)
+        if name.startswith("step_") and os.path.isfile(path):
+            stem, _, ext = name.partition(".")
+            step, _, extra = stem.partition("_")[2].partition("_")
+            per_step.setdefault(f"step_{step}", []).append(f"{'_' + extra if extra else ''}.{ext}")
+        elif os.path.isdir(path):
+            n = sum(len(files) for _, _, files in os.walk(path))
+            others.append(f"{name}/ ({n} files)")
+        else:
+            others.append(name)
+    lines = [f"{stem}: {' '.join(exts)}" for stem, exts in per_step.items()]
+    total = sum(len(exts) for exts in per_step.values())
+    return lines + others + [f"{len(per_step)} steps, {total} step files, {len(others)} other entries"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--log-dir", default="vdl_log")
@@ -77,8 +97,8 @@ def main() -> None:
               callbacks=callbacks, verbose=1)
     out = os.path.join(args.log_dir, "backward_graph")
     print(f"\nbackward graphs of {len(callbacks[1].captured_steps)} steps in {out}:")
-    for name in sorted(os.listdir(out))[:8]:
-        print("  ", name)
+    for line in describe_folder(out):
+        print("  ", line)
     print(f"\nview them with:\n  .venv/bin/visualdl --logdir {args.log_dir} --host 127.0.0.1 --port 8040 --disable-telemetry\n"
           f"or offline:\n  .venv/bin/paddleviz-hooks report {args.log_dir} -o report.html")
 

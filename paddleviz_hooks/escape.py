@@ -28,6 +28,7 @@ __all__ = [
     "dot_quote",
     "html_escape",
     "json_for_script",
+    "markdown_literal",
     "safe_filename",
     "shorten",
     "vdl_graph_name",
@@ -118,6 +119,17 @@ def html_escape(text: Any) -> str:
         '&lt;a href=&quot;x&quot;&gt;'
     """
     return html.escape(str(text), quote=True)
+
+
+def markdown_literal(text: Any) -> str:
+    """Text shown as it is by a Markdown renderer (TensorBoard's text tab): an indented
+    code block, so line breaks stay and nothing in it is read as markup or HTML.
+
+    Example:
+        >>> markdown_literal("a <b>\\n*c*")
+        '    a <b>\\n    *c*'
+    """
+    return "\n".join("    " + line for line in _CONTROL.sub(" ", str(text)).splitlines())
 
 
 def json_for_script(data: Any) -> str:

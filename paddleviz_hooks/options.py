@@ -24,6 +24,7 @@ from typing import Any, Iterable
 
 from .escape import safe_filename
 from .render.dot import check_color_by
+from .sinks.hub import DEFAULT_SINKS, check_sinks
 
 __all__ = ["RecorderOptions", "FORMATS"]
 
@@ -86,6 +87,7 @@ class RecorderOptions:
     viewer_px: int | None = 1280
     formats: tuple[str, ...] = FORMATS
     visualdl: bool = True
+    sinks: tuple[Any, ...] = DEFAULT_SINKS  # checked: names and sink objects ("visualdl" dropped by visualdl=False)
     visualdl_graphs: bool = True
     visualdl_diagnostics: bool = False
     run_name: str = "backward_graph"
@@ -120,6 +122,7 @@ class RecorderOptions:
         saved_memory, color_by = o["saved_memory"], o["color_by"]
         view_max_nodes, view_max_px, formats, visualdl = o["view_max_nodes"], o["view_max_px"], o["formats"], o["visualdl"]
         visualdl_graphs, visualdl_diagnostics = o["visualdl_graphs"], o["visualdl_diagnostics"]
+        sinks = check_sinks(o["sinks"], require_installed=True)
         viewer_px = o["viewer_px"]
         run_name, ranks, on_nonfinite, on_grad_spike = o["run_name"], o["ranks"], o["on_nonfinite"], o["on_grad_spike"]
         on_structure_change, cooldown, queue_size = o["on_structure_change"], o["cooldown"], o["queue_size"]
@@ -175,6 +178,7 @@ class RecorderOptions:
             viewer_px=_int("viewer_px", viewer_px, 64),
             formats=formats,
             visualdl=_bool("visualdl", visualdl),
+            sinks=tuple(s for s in sinks if visualdl or s != "visualdl"),
             visualdl_graphs=_bool("visualdl_graphs", visualdl_graphs),
             visualdl_diagnostics=_bool("visualdl_diagnostics", visualdl_diagnostics),
             run_name=run_name,

@@ -1,10 +1,10 @@
-"""The pipeline from a captured graph to files and VisualDL records.
+"""The pipeline from a captured graph to files and dashboard sinks (VisualDL by default).
 
 The training thread only hands a captured graph over (:meth:`CapturePipeline.submit`).
 Two background threads do the rest. The data thread writes every capture's
-JSON, DOT, diff JSON, summary text and scalars at once, never waiting behind
-drawing, and queues the drawing. The drawing thread works through that
-backlog, triggered captures first;
+JSON, DOT, diff JSON, summary text and scalars at once (handing them to the
+sinks), never waiting behind drawing, and queues the drawing. The drawing thread works through that
+backlog, triggered captures first, and hands the pictures to the sinks;
 beyond ``queue_size`` a waiting drawing keeps only the path of its JSON, so
 memory stays bounded however far drawing lags. ``close()`` draws the backlog
 within ``close_timeout`` and names what is left, with the command that draws
@@ -17,7 +17,6 @@ from __future__ import annotations
 import errno
 import heapq
 import os
-import re
 import queue
 import shutil
 import sys
@@ -29,13 +28,11 @@ from typing import Any, Callable
 from .diff import GraphDiff, diff_graphs
 from .graph import BackwardGraph
 from .options import RecorderOptions
-from .escape import vdl_graph_name
 from .render import (EngineNotFound, RenderTimeout, png_size, render_diff_views, render_png, render_svg,
                      render_views, to_dot)
+from .sinks.base import CaptureData, CapturePictures, SinkContext, capture_scalars, suffixed
 from .sinks.files import StepFiles
-from .sinks.vdl_graph import write_vdl_graph
-from .sinks.visualdl import (LAYER_NORM_GROUP, SAVED_MEMORY_GROUP, SCALAR_GROUP, TagPages, VisualDLSink, encode_like_visualdl,
-                             png_to_array)
+from .sinks.hub import SinkSet
 from .text import backward_role, capture_title, diff_summary, graph_summary, redraw_command, undrawn_line
 from ._interrupts import run_all
 from .warn import WarnOnce
@@ -74,7 +71,7 @@ def lower_thread_priority(nice: int = DRAWING_NICE) -> None:
 
 def viewer_png(graph: BackwardGraph, options: RecorderOptions, title: str, *, timeout: float | None = 60.0,
                info: dict[str, Any] | None = None) -> bytes:
-    """The picture logged to VisualDL, sized for its image viewer.
+    """The picture logged to the dashboards, sized for VisualDL's image viewer.
 
     The viewer fits a picture into the window (about 1300x750 CSS px of a
     1440x900 window) and never enlarges it, so the picture is drawn left to
@@ -234,17 +231,16 @@ class _Drawing:
     prev_path: str | None = field(compare=False)
     diff: GraphDiff | None = field(compare=False)
     suffix: str = field(default="", compare=False)
-    viewer: bytes | None = field(compare=False, default=None)  # the VisualDL picture, once drawn
-    tags: list[str] = field(compare=False, default_factory=list)  # VisualDL image tags of the picture
-    diff_tag: str = field(compare=False, default="")  # ... and of the diff picture
+    viewer: bytes | None = field(compare=False, default=None)  # the dashboards' picture, once drawn
+    svg: str | None = field(compare=False, default=None)  # the full-detail SVG, once drawn
 
 
 class CapturePipeline:
     """Writes each capture's data at once and draws it when there is time.
 
     Args:
-        options: the recorder's options (formats, sizes, timeouts, VisualDL).
-        files: where the per-step files go; its folder is also the VisualDL run.
+        options: the recorder's options (formats, sizes, timeouts, sinks).
+        files: where the per-step files go; its folder is also the dashboards' run folder.
         display_name: the run's name in the dashboard.
         warn: the recorder's warn-once function.
     """
@@ -255,8 +251,9 @@ class CapturePipeline:
         self.files = files
         self.display_name = display_name
         self._warn = warn
-        self._use_visualdl = options.visualdl
-        self._sink = None
+        #: the dashboards, each created when the first capture reaches it
+        self.sinks = SinkSet(options.sinks, SinkContext(files.directory, options.log_dir, display_name,
+                                                         graphs=options.visualdl_graphs, warn=warn))
         self._prev: dict[str, tuple[BackwardGraph, str]] = {}  # suffix -> last capture and its JSON
         self._backlog: list[_Drawing] = []
         self._lock = threading.Lock()
@@ -276,7 +273,6 @@ class CapturePipeline:
         self._drawer: threading.Thread | None = None
         self._drawing = 0  # drawings under way (0 or 1)
         self._sink_lock = threading.Lock()  # the data thread and the drawing thread both log
-        self._pages = TagPages()  # given out by the data thread, in capture order
         self._prev_logged: dict[str, BackwardGraph] = {}  # suffix -> the last capture summarised
 
     def submit(self, job: CaptureJob) -> bool:
@@ -296,7 +292,7 @@ class CapturePipeline:
             return sorted(d.step for d in self._backlog)
 
     def close(self) -> None:
-        """Write what is queued, draw the backlog within ``close_timeout``, close VisualDL."""
+        """Write what is queued, draw the backlog within ``close_timeout``, close the sinks."""
         deadline = time.monotonic() + self.options.close_timeout
         self.worker.close(timeout=max(60.0, self.options.close_timeout))  # data is never cut short
         with self._lock:
@@ -318,17 +314,11 @@ class CapturePipeline:
             self._warn("undrawn", undrawn_line(dict(self.not_drawn), redraw_command(
                 json_path, self.files.path(left[0], formats[0] if formats else "png"))))
         shutil.rmtree(self._spool_dir(), ignore_errors=True)
-        run_all(self._close_sink, self.files.close)  # both, whatever the other raises
+        run_all(self._close_sinks, self.files.close)  # both, whatever the other raises
 
-    def _close_sink(self) -> None:
+    def _close_sinks(self) -> None:
         with self._sink_lock:
-            sink = self._sink
-        if sink is not None:  # forgotten only once closed: a second call finishes an interrupted one
-            try:
-                sink.close()
-            except Exception as exc:
-                self._warn("vdl-close", f"closing the VisualDL writer failed: {exc!r}")
-            self._sink = None
+            self.sinks.close()
 
     # ------------------------------------------------------- worker thread
     def _spool_dir(self) -> str:
@@ -365,20 +355,20 @@ class CapturePipeline:
             self.lost[step] = why
             self._warn("lost", f"step {step} could not be written ({why}); later steps are tried again")
             return
+        paths = {"json": path} if "json" in opts.formats else {}
         if not replayed:
             self._prev[suffix] = (graph, path)
         self.written.append(step)  # its data (the JSON) is on disk; the rest is extra
         try:
             if "dot" in opts.formats:
-                files.write(step, "dot", to_dot(graph, title=_title(step, trigger, graph), **_shading(opts, graph)),
-                            suffix=suffix)
+                paths["dot"] = files.write(step, "dot", to_dot(graph, title=_title(step, trigger, graph),
+                                                               **_shading(opts, graph)), suffix=suffix)
             if diff is not None and diff.structure_changed and "json" in opts.formats:
-                files.write(step, "json", diff.to_json(), suffix=_join(suffix, "diff"))
-            self._log_data(graph, diff, step, trigger, suffix)
-            self._write_vdl_graph(graph, step, trigger, suffix)
+                paths["diff.json"] = files.write(step, "json", diff.to_json(), suffix=suffixed(suffix, "diff"))
         except OSError as exc:
             self._warn("lost", f"step {step}'s data is saved but not all its records ({self._why(exc)})")
-        if not {"png", "svg"} & set(opts.formats) and not opts.visualdl:
+        self._log_data(graph, diff, step, trigger, suffix, paths)
+        if not {"png", "svg"} & set(opts.formats) and not self.sinks:
             return
         keep = len(self._backlog) < opts.queue_size  # beyond: wait on disk as the JSON
         drawing = _Drawing(0 if trigger != "scheduled" else 1, step, trigger,
@@ -386,13 +376,6 @@ class CapturePipeline:
                            prev[0] if (keep and prev is not None) else None,
                            prev[1] if prev is not None else None,
                            diff if (diff is not None and diff.structure_changed) else None, suffix)
-        if opts.visualdl:
-            base = _join("backward_graph", suffix)
-            drawing.tags = [self._pages.tag(base, step)]
-            if trigger != "scheduled":
-                drawing.tags.append(self._pages.tag(f"{base}/trigger_{trigger}", step))
-            if drawing.diff is not None:
-                drawing.diff_tag = self._pages.tag(f"{base}/structure_change", step)
         with self._lock:
             heapq.heappush(self._backlog, drawing)
             self._wake.notify()
@@ -429,7 +412,7 @@ class CapturePipeline:
         except Exception as exc:  # keep drawing the others
             why = self._why(exc)
             self._warn(f"draw-{type(exc).__name__}", f"step {d.step} could not be drawn: {exc}")
-        # drawn: a picture of it is on disk (or, with no picture file asked, in VisualDL)
+        # drawn: a picture of it is on disk (or, with no picture file asked, drawn for the dashboards)
         pictures = [f for f in ("png", "svg") if f in self.options.formats]
         if any(os.path.exists(self.files.path(d.step, f, d.suffix)) for f in pictures) or (
                 not pictures and why is None):
@@ -448,9 +431,8 @@ class CapturePipeline:
         return f"{type(exc).__name__}: {exc}"
 
     def _draw(self, d: _Drawing, graph: BackwardGraph) -> str | None:
-        """Draw one capture; None when a picture of it is kept, else why not."""
+        """Draw one capture; None when it was drawn, else why not."""
         opts, files = self.options, self.files
-        kept = False
         why = None
         step, trigger, suffix = d.step, d.trigger, d.suffix
         title = _title(step, trigger, graph)
@@ -472,12 +454,12 @@ class CapturePipeline:
                 svg = views["svg"] if info["full_detail"] else render_svg(
                     graph, timeout=left(), title=title, **_shading(opts, graph))
                 files.write(step, "svg", svg, suffix=suffix)
-                kept = True
-            if opts.visualdl and opts.viewer_px is not None:
+                d.svg = svg if isinstance(svg, str) else svg.decode("utf-8")
+            if self.sinks and opts.viewer_px is not None:
                 seen: dict = {}
                 viewer = viewer_png(graph, opts, title, timeout=left(), info=seen)
                 # a viewer picture that had to shrink the whole model into one box shows less
-                # than the PNG file: VisualDL gets the file's picture then (its viewer can zoom)
+                # than the PNG file: the dashboards get the file's picture then (their viewers can zoom)
                 if not (seen.get("collapsed_depth") == 0 and info.get("collapsed_depth") != 0):
                     d.viewer = viewer
         except (EngineNotFound, RenderTimeout) as exc:
@@ -496,56 +478,39 @@ class CapturePipeline:
                                                  max_nodes=opts.view_max_nodes, timeout=left())["png"]
                 except Exception as exc:
                     self._warn("diff-render", f"drawing the graph diff failed: {exc!r}")
-        kept = self._log_pictures(d, png, diff_png) or kept
-        if kept:
-            return None
-        if why is None and png is None and {"png", "svg"} & set(opts.formats):
+        self._log_pictures(d, png, diff_png, title)
+        if why is None and png is None:
             why = "the layout engine drew nothing"
-        return why or "no picture format is kept"
+        return why
 
-    def _log_pictures(self, d: _Drawing, png: bytes | None, diff_png: bytes | None) -> bool:
-        """Whether a picture was kept (a PNG on disk, or with no picture file asked, in VisualDL)."""
+    def _log_pictures(self, d: _Drawing, png: bytes | None, diff_png: bytes | None, title: str) -> None:
         with self._sink_lock:
-            return self._log_pictures_locked(d, png, diff_png)
+            self._log_pictures_locked(d, png, diff_png, title)
 
-    def _log_pictures_locked(self, d: _Drawing, png: bytes | None, diff_png: bytes | None) -> bool:
+    def _log_pictures_locked(self, d: _Drawing, png: bytes | None, diff_png: bytes | None, title: str) -> None:
         step, suffix = d.step, d.suffix
         files, formats = self.files, self.options.formats
-        sink = self._visualdl()
-        if sink is None:
-            if "png" in formats and png is not None:
-                files.write(step, "png", png, suffix=suffix)
-            if "png" in formats and diff_png is not None:
-                files.write(step, "png", diff_png, suffix=_join(suffix, "diff"))
-            return "png" in formats and png is not None
-        if png is not None:
-            array = png_to_array(png)
-            if "png" in formats:
-                # the same encoder VisualDL uses, so the dashboard serves these exact bytes
-                files.write(step, "png", encode_like_visualdl(array), suffix=suffix)
-            if d.viewer is not None:  # the picture sized for VisualDL's viewer
-                array = png_to_array(d.viewer)
-                d.viewer = None
-            for tag in d.tags:
-                sink.image(tag, array, step)
-        if diff_png is not None:
-            diff_array = png_to_array(diff_png)
-            if "png" in formats:
-                files.write(step, "png", encode_like_visualdl(diff_array), suffix=_join(suffix, "diff"))
-            if d.diff_tag:
-                sink.image(d.diff_tag, diff_array, step)
-        sink.flush()
-        return png is not None and ("png" in formats or not {"png", "svg"} & set(formats))
+        paths: dict[str, str] = {}
+        if "png" in formats and png is not None:
+            paths["png"] = files.write(step, "png", self.sinks.file_png(png), suffix=suffix)
+        if "png" in formats and diff_png is not None:
+            paths["diff.png"] = files.write(step, "png", self.sinks.file_png(diff_png), suffix=suffixed(suffix, "diff"))
+        if "svg" in formats and d.svg is not None:
+            paths["svg"] = files.path(step, "svg", suffix=suffix)
+        viewer, svg, d.viewer, d.svg = d.viewer, d.svg, None, None
+        if not self.sinks:
+            return  # (a capture not drawn still reaches the sinks: what they keep for it is let go)
+        self.sinks.pictures(CapturePictures(step, d.trigger, suffix, title, viewer if viewer is not None else png,
+                                            diff_png, svg, paths))
 
     def _log_data(self, graph: BackwardGraph, diff: GraphDiff | None, step: int, trigger: str,
-                  suffix: str = "") -> None:
+                  suffix: str, paths: dict[str, str]) -> None:
         with self._sink_lock:
-            self._log_data_locked(graph, diff, step, trigger, suffix)
+            self._log_data_locked(graph, diff, step, trigger, suffix, paths)
 
     def _log_data_locked(self, graph: BackwardGraph, diff: GraphDiff | None, step: int, trigger: str,
-                         suffix: str = "") -> None:
-        sink = self._visualdl()
-        if sink is None:
+                         suffix: str, paths: dict[str, str]) -> None:
+        if not self.sinks:
             return
         text = graph_summary(graph, previous=self._prev_logged.get(suffix))
         self._prev_logged[suffix] = graph
@@ -554,63 +519,9 @@ class CapturePipeline:
             text = f"trigger: {trigger}" + (f" ({note})" if note else "") + ";\n" + text
         if diff is not None:
             text += "\n" + diff_summary(diff)  # starts "step B vs step A:"
-        sink.text(self._pages.tag(_join("summary", suffix), step), text, step)
-        g = SCALAR_GROUP
-        scalars = {f"{g}/global_grad_norm": graph.global_grad_norm(), f"{g}/nonfinite_grads": graph.nonfinite_count()}
-        if isinstance(graph.meta.get("grad_sync"), dict):  # several ranks: this rank's own, before all-reduce
-            scalars[f"{g}/local_grad_norm"] = graph.global_grad_norm(local=True)
-        if self.options.visualdl_diagnostics:
-            scalars.update({
-                f"{g}/nodes": len(graph.nodes),
-                f"{g}/edges": len(graph.edges),
-                f"{g}/capture_ms": graph.meta.get("capture_ms"),
-                f"{g}/accumulated_grad_norm": graph.meta.get("accumulated_grad_norm"),
-            })
-        for layer, norm in graph.layer_grad_norms().items():
-            scalars[f"{LAYER_NORM_GROUP}/{'top_layer_params' if layer == '(self)' else layer}"] = norm
-        saved = graph.meta.get("saved_memory")
-        if isinstance(saved, dict):  # in MB
-            scalars[f"{SAVED_MEMORY_GROUP}/total"] = saved.get("total_bytes", 0) / 1e6
-            for layer, nbytes in graph.saved_bytes_by_layer().items():
-                name = {"(self)": "top_layer", "(outside)": "outside_the_model"}.get(layer, layer)
-                scalars[f"{SAVED_MEMORY_GROUP}/{name}"] = nbytes / 1e6
-        if suffix:  # a step's later backwards: their own series (~backward_graph_b2/...)
-            scalars = {_join(k.split("/", 1)[0], suffix) + "/" + k.split("/", 1)[1]: v for k, v in scalars.items()}
-        sink.scalars(scalars, step)
-        sink.flush()
-
-    def graph_dir(self, step: int, trigger: str, suffix: str = "") -> str:
-        """The folder of one capture's Graphs-tab file; its name is what VisualDL's
-        "Choose a model" list shows (cut to about 30 characters there, hence the step
-        first): step, trigger and run, ``step_000008-nonfinite_loss-vdl_log.backward_graph``."""
-        run = ".".join(vdl_graph_name(part, limit=60) for part in self.display_name.split("/"))
-        label = _join(f"step_{int(step):06d}", suffix) + ("" if trigger == "scheduled" else f"-{vdl_graph_name(trigger)}")
-        return os.path.join(self.files.directory, "graphs", f"{label}-{run}")
-
-    def _write_vdl_graph(self, graph: BackwardGraph, step: int, trigger: str, suffix: str = "") -> None:
-        if not (self.options.visualdl and self.options.visualdl_graphs):
-            return
-        try:
-            write_vdl_graph(self.graph_dir(step, trigger, suffix), graph)
-        except Exception as exc:
-            self._warn("vdl-graph", f"step {step} was not written for VisualDL's Graphs tab: {exc!r}")
-            return
-        if not _URL_SAFE_PATH.match(self.files.directory):
-            self._warn("vdl-graph-path", (
-                f"VisualDL's Graphs tab cannot open graphs under {self.files.directory!r}: its page puts "
-                "the folder path into web addresses unencoded, so a path with spaces or & # + % "
-                "breaks it. Use a log_dir whose full path has only letters, digits and / . _ -"))
-
-    def _visualdl(self):
-        """The VisualDL sink, created on first use; None when VisualDL is off or missing."""
-        if self._sink is None and self._use_visualdl:
-            try:
-                self._sink = VisualDLSink(self.files.directory, display_name=self.display_name)
-            except ImportError as exc:
-                self._use_visualdl = False
-                self._warn("vdl", f"VisualDL is not importable ({exc}); images are kept on disk only. "
-                                  "pip install visualdl")
-        return self._sink
+        scalars = capture_scalars(graph, suffix, diagnostics=self.options.visualdl_diagnostics)
+        changed = diff if (diff is not None and diff.structure_changed) else None
+        self.sinks.data(CaptureData(step, trigger, suffix, graph, changed, text, scalars, paths))
 
 
 def _shading(options: RecorderOptions, graph: BackwardGraph) -> dict[str, Any]:
@@ -624,11 +535,3 @@ def _shading(options: RecorderOptions, graph: BackwardGraph) -> dict[str, Any]:
 def _title(step: int, trigger: str, graph: BackwardGraph) -> str:
     meta = graph.meta
     return capture_title(step, trigger, backward_role(meta.get("backward")), origin=meta.get("nonfinite_origin"))
-
-
-def _join(name: str, suffix: str) -> str:
-    """``name`` for a step's first backward, ``name_b2`` for its second."""
-    return f"{name}_{suffix}" if suffix else name
-
-
-_URL_SAFE_PATH = re.compile(r"^[A-Za-z0-9/._~:\\-]*$")

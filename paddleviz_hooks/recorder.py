@@ -38,7 +38,8 @@ class BackwardGraphRecorder:
     ``.svg`` (full detail), ``.dot`` and ``.json`` under ``log_dir/run_name/``,
     and logs image, text and scalar records to VisualDL in that same folder,
     its own run, so it never hides (or is hidden by) another writer of
-    ``log_dir``. Drawing and writing happen in a background thread.
+    ``log_dir`` (or to SwanLab, TensorBoard or W&B: see ``sinks``). Drawing
+    and writing happen in a background thread.
 
     Args:
         log_dir: VisualDL log directory (the one ``visualdl --logdir`` shows).
@@ -76,7 +77,17 @@ class BackwardGraphRecorder:
             PNG file itself.
         formats: which files to keep per step, any of png, svg, dot, json.
             Default all four.
-        visualdl: log records to VisualDL. Default True.
+        visualdl: log records to VisualDL. Default True. False leaves
+            ``"visualdl"`` out of ``sinks``.
+        sinks: the dashboards that get each capture's picture, summary text
+            and scalars: a name, a :class:`~paddleviz_hooks.Sink` object, or
+            a list of them. Names: ``"visualdl"`` (the default), ``"swanlab"``
+            (into the active SwanLab run, else a local run of its own under
+            ``log_dir/swanlog``), ``"tensorboard"`` (tensorboardX event
+            files in ``run_name``), ``"wandb"`` (into the active W&B run, else
+            an offline run of its own under ``run_name/wandb``). Each needs its pip
+            extra (``pip install 'paddleviz-hooks[swanlab]'``...), imported
+            when the first capture reaches it. Default ``("visualdl",)``.
         visualdl_graphs: with ``visualdl``, also write every capture as an
             interactive graph for VisualDL's Graphs tab (collapsible layers,
             click a node for its gradient), one folder per capture under
@@ -166,6 +177,7 @@ class BackwardGraphRecorder:
         viewer_px: int | None = 1280,
         formats: Sequence[str] = FORMATS,
         visualdl: bool = True,
+        sinks: Any = ("visualdl",),
         visualdl_graphs: bool = True,
         visualdl_diagnostics: bool = False,
         run_name: str = "backward_graph",
@@ -186,7 +198,7 @@ class BackwardGraphRecorder:
             grad_stats=grad_stats, saved_memory=saved_memory, color_by=color_by, view_max_nodes=view_max_nodes,
             view_max_px=view_max_px,
             viewer_px=viewer_px,
-            formats=formats, visualdl=visualdl, visualdl_graphs=visualdl_graphs,
+            formats=formats, visualdl=visualdl, sinks=sinks, visualdl_graphs=visualdl_graphs,
             visualdl_diagnostics=visualdl_diagnostics, run_name=run_name, ranks=ranks,
             on_nonfinite=on_nonfinite, on_grad_spike=on_grad_spike,
             on_structure_change=on_structure_change, cooldown=cooldown, queue_size=queue_size,

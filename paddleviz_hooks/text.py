@@ -30,6 +30,7 @@ __all__ = [
     "TOP_PARAMS",
     "WHOLE_MODEL",
     "backward_role",
+    "svg_file_note",
     "box_lines",
     "grad_sync_line",
     "rank_comparison_lines",
@@ -686,6 +687,16 @@ def notebook_full_detail(what: str) -> str:
         'every op: show(graph, full=True)'
     """
     return f"every op: show({what}, full=True)"
+
+
+def svg_file_note(path: str) -> str:
+    """Where the full-detail drawing of a step is, for a dashboard that cannot show SVG.
+
+    Example:
+        >>> svg_file_note("/logs/backward_graph/step_000004.svg")
+        'every op (SVG, open it in a browser): /logs/backward_graph/step_000004.svg'
+    """
+    return f"every op (SVG, open it in a browser): {path}"
 
 
 # --------------------------------------------------------------------------

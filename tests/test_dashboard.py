@@ -528,6 +528,47 @@ def test_graphs_tab_lists_every_capture(server, trained):
 
 @pytest.mark.browser
 @pytest.mark.skipif(not os.path.exists(CHROMIUM), reason=f"needs Debian's Chromium at {CHROMIUM}")
+def test_graphs_tab_search_finds_dotted_names(server, trained, tmp_path):
+    """The Graphs tab's search box finds a layer and a parameter by the dotted names used in
+    every other view (``features.0``, ``features.0.weight``), not only by ``/features/0``.
+
+    Runs before the test that opens layers: VisualDL keeps opened layers per client on the
+    server, and a page that loads with layers open sometimes searches only the visible graph."""
+    sync_api = pytest.importorskip("playwright.sync_api")
+    found = {}
+    with sync_api.sync_playwright() as p:
+        browser = launch_chromium(p)
+        try:
+            page = browser.new_page(viewport={"width": 1440, "height": 900})
+            page.set_default_timeout(30_000)
+            page.goto(server.url + "/app/graph/dynamic_graph", timeout=60_000)
+            page.frame_locator("iframe").locator("g[id='node-/features']").wait_for(timeout=60_000)
+            page.wait_for_load_state("networkidle")  # the search needs the whole graph (get_all_nodes)
+            box = page.get_by_placeholder("Search")
+            for query, path in (("features.0", "/features/0"), ("features.0.weight", "/features/0/weight"),
+                                ("fc.2.bias", "/fc/2/bias")):
+                found[query] = None
+                for _ in range(3):  # the box answers a debounced query: type it again if it was lost
+                    box.click()
+                    box.fill("")
+                    box.fill(query)
+                    try:
+                        page.locator(f"li[title='{path}']").first.wait_for(timeout=10_000)
+                        found[query] = True
+                        break
+                    except sync_api.TimeoutError:
+                        found[query] = page.locator("li[title]").evaluate_all("els => els.map(e => e.title)")[:20]
+                if query == "features.0.weight":
+                    TEST_OUTPUT.mkdir(exist_ok=True)
+                    (TEST_OUTPUT / "graphs_tab_search_dotted.png").write_bytes(page.screenshot())
+                page.get_by_text("Cancel").first.click()
+        finally:
+            browser.close()
+    assert all(v is True for v in found.values()), found
+
+
+@pytest.mark.browser
+@pytest.mark.skipif(not os.path.exists(CHROMIUM), reason=f"needs Debian's Chromium at {CHROMIUM}")
 def test_graphs_tab_in_chromium(server, trained, tmp_path):
     """The Graphs tab lists each capture; "+" opens a layer; a click on a node shows its gradient."""
     sync_api = pytest.importorskip("playwright.sync_api")
@@ -610,3 +651,4 @@ def test_scalars_page_keeps_the_users_curves_first(server):
             browser.close()
     TEST_OUTPUT.mkdir(exist_ok=True)
     (TEST_OUTPUT / "dashboard_scalars.png").write_bytes(png)
+

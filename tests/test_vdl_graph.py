@@ -196,14 +196,13 @@ def test_option_is_checked():
 
 
 def test_capture_folder_names_read_as_step_trigger_run(tmp_path):
-    from paddleviz_hooks.pipeline import CapturePipeline
-    from paddleviz_hooks.sinks.files import StepFiles
+    from paddleviz_hooks.sinks.visualdl import graph_dir
 
-    files = StepFiles(str(tmp_path / "exp_b" / "backward_graph"))
-    pipe = CapturePipeline(RecorderOptions.check(str(tmp_path / "exp_b")), files, "exp_b/backward_graph", print)
-    assert os.path.relpath(pipe.graph_dir(8, "nonfinite_loss"), files.directory) == os.path.join(
-        "graphs", "step_000008-nonfinite_loss-exp_b.backward_graph")
-    assert os.path.basename(pipe.graph_dir(100, "scheduled")) == "step_000100-exp_b.backward_graph"
+    directory = str(tmp_path / "exp_b" / "backward_graph")
+    assert os.path.relpath(graph_dir(directory, "exp_b/backward_graph", 8, "nonfinite_loss"), directory) == (
+        os.path.join("graphs", "step_000008-nonfinite_loss-exp_b.backward_graph"))
+    assert os.path.basename(graph_dir(directory, "exp_b/backward_graph", 100, "scheduled")) == (
+        "step_000100-exp_b.backward_graph")
 
 
 def test_a_sublayers_ops_sit_inside_the_call_of_its_parent_that_ran_them():

@@ -23,7 +23,7 @@ class BackwardGraphCallback(paddle.callbacks.Callback):
     Every argument is a :class:`~paddleviz_hooks.recorder.BackwardGraphRecorder`
     argument with the same default and meaning (see there): ``log_dir``,
     ``every``, ``steps``, ``capture_first``, ``max_captures``, ``grad_stats``, ``saved_memory``, ``color_by``,
-    ``view_max_nodes``, ``view_max_px``, ``viewer_px``, ``formats``, ``visualdl``,
+    ``view_max_nodes``, ``view_max_px``, ``viewer_px``, ``formats``, ``visualdl``, ``sinks``,
     ``visualdl_graphs``, ``visualdl_diagnostics``,
     ``run_name``, ``ranks``, ``on_nonfinite``, ``on_grad_spike``,
     ``on_structure_change``, ``cooldown``, ``queue_size``, ``render_timeout``,

@@ -175,7 +175,9 @@ def vdl_graph(graph: BackwardGraph) -> dict[str, Any]:
         for dotted, call in pairs:
             part = dotted.rsplit(".", 1)[-1]
             cls = graph.layers.get(dotted, "Layer")
-            path = tree.child(path, ("layer", part), part, f"{part} ({cls})", leaf=False,
+            # the type holds the dotted name so that the tab's search (names and types) finds
+            # ``features.3``; its box header shows only the text after the type's last dot
+            path = tree.child(path, ("layer", part), part, f"{dotted} ({cls})", leaf=False,
                               show=f"{dotted} ({cls})")
             box = tree.nodes[path]
             if "layer" not in box["attrs"]:
@@ -199,7 +201,7 @@ def vdl_graph(graph: BackwardGraph) -> dict[str, Any]:
             # layer sits in that layer's box, beside the boxes of the calls
             box = layer_box(list(paths[n.id]) + _levels(layer, len(paths[n.id])))
             short = (n.param or "parameter").rpartition(".")[2] if layer is not None else (n.param or "parameter")
-            path = tree.child(box, ("node", n.id), short, f"{short} (parameter)", leaf=True)
+            path = tree.child(box, ("node", n.id), short, f"{n.param or short} (parameter)", leaf=True)
             _set(tree.nodes[path], "param", n.param or "?")
             if n.grad is not None and n.grad.norm is not None:
                 for b in [box] + tree.ancestors(box) if box != "/" else []:
