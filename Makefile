@@ -4,9 +4,13 @@
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
+# PaddleFormers pins numpy<=1.26.4 and PaddleDetection needs numpy==1.23.5: their
+# integration tests (tests/integrations/) run in a venv of their own each
+PFVENV  := .venv-pf
+DETVENV := .venv-det
 APT    := $(shell if [ "$$(id -u)" = 0 ]; then echo "apt-get"; elif command -v sudo >/dev/null && sudo -n true 2>/dev/null; then echo "sudo apt-get"; fi)
 
-.PHONY: setup setup-demo engine browser demo test bench clean
+.PHONY: setup setup-demo engine browser demo test bench clean paddleformers-venv ppdet-venv
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV) || { echo "python venv failed: install python3-venv (apt-get install -y python3-venv)"; exit 1; }
@@ -21,6 +25,21 @@ $(VENV)/.installed-demo: $(BIN)/activate pyproject.toml setup.cfg
 $(VENV)/.installed-test: $(BIN)/activate pyproject.toml setup.cfg
 	$(BIN)/pip install -q -e '.[pure,test,explorer,dashboards-test]'
 	touch $@
+
+# A venv of its own for one integration's tests: $(1) its folder, $(2) its setup.cfg extra
+define INTEGRATION_VENV
+$(1)/.installed: pyproject.toml setup.cfg
+	$(PYTHON) -m venv $(1)
+	$(1)/bin/pip install -q --upgrade pip
+	$(1)/bin/pip install -q -e '.[pure,$(2)]' 'pytest>=7'
+	touch $$@
+endef
+$(eval $(call INTEGRATION_VENV,$(PFVENV),paddleformers))
+$(eval $(call INTEGRATION_VENV,$(DETVENV),ppdet))
+
+paddleformers-venv: $(PFVENV)/.installed
+
+ppdet-venv: $(DETVENV)/.installed
 
 # Graphviz's `dot` through apt where we may; otherwise the graphviz-pure extra
 # installed above is used automatically.
@@ -47,11 +66,13 @@ demo: setup-demo
 	@if [ -d vdl_log ]; then echo "removing the previous demo's vdl_log/"; rm -rf vdl_log; fi
 	$(BIN)/python examples/train_lenet.py --log-dir vdl_log
 
-test: setup browser
+test: setup browser paddleformers-venv ppdet-venv
 	$(BIN)/python -m pytest -q -ra --doctest-modules paddleviz_hooks tests
+	$(PFVENV)/bin/python -m pytest -q -ra tests/integrations/test_paddleformers_trainer.py
+	$(DETVENV)/bin/python -m pytest -q -ra tests/integrations/test_ppdet_trainer.py
 
 bench: setup
 	$(BIN)/python benchmarks/run.py
 
 clean:
-	rm -rf $(VENV) vdl_log demo_out test-output
+	rm -rf $(VENV) $(PFVENV) $(DETVENV) vdl_log demo_out test-output

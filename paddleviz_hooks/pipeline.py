@@ -170,6 +170,18 @@ class BackgroundWorker:
             )
             return False
 
+    def wait(self, timeout: float) -> bool:
+        """Wait (at most ``timeout`` s) until every job handed over so far is handled."""
+        q = self._queue
+        deadline = time.monotonic() + timeout
+        with q.all_tasks_done:
+            while q.unfinished_tasks and self.alive:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                q.all_tasks_done.wait(min(left, 0.5))
+        return not q.unfinished_tasks
+
     def close(self, timeout: float | None = 300.0) -> bool:
         """Finish queued jobs (waiting at most ``timeout`` s) and stop the thread.
 
@@ -195,6 +207,7 @@ class BackgroundWorker:
         while True:
             job = self._queue.get()
             if job is _STOP:
+                self._queue.task_done()
                 return
             try:
                 self._handler(job)
@@ -202,6 +215,8 @@ class BackgroundWorker:
             except Exception as exc:  # keep serving later jobs
                 self.failed += 1
                 self._warn(f"job-{type(exc).__name__}", f"a capture could not be written: {exc}")
+            finally:
+                self._queue.task_done()
 
 
 @dataclass
@@ -284,6 +299,15 @@ class CapturePipeline:
         """No drawing waiting or under way, and no capture waiting to be written."""
         with self._lock:
             return not self._backlog and not self._drawing and self.worker.pending == 0
+
+    def settle(self, timeout: float) -> bool:
+        """Wait until every capture handed over is written and drawn (at most ``timeout``
+        s; the sinks flush after each record); True when nothing was left waiting."""
+        deadline = time.monotonic() + timeout
+        done = self.worker.wait(timeout)
+        while not self.idle and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return done and self.idle
 
     @property
     def undrawn(self) -> list[int]:

@@ -25,10 +25,14 @@ from .pipeline import CaptureJob, CapturePipeline
 from ._interrupts import as_interrupt, held_interrupts, is_wrapped_interrupt, run_all
 from .sinks.files import StepFiles, claim_run_dir
 from .text import MODEL_OUTPUT, end_line, run_folder_note, backward_role, describe_node, describe_origin
+from .capture.stats import local_value, sum_of_squares
 from .triggers import Triggers, global_grad_norm, weights_nonfinite
 from .warn import WarnOnce
 
 __all__ = ["BackwardGraphRecorder"]
+
+#: ``begin_step(micro_batches=COUNTED)``: every backward of the step is a micro-batch, counted at its end
+COUNTED = "counted"
 
 
 class BackwardGraphRecorder:
@@ -237,6 +241,8 @@ class BackwardGraphRecorder:
         self._seen: list[str] = []
         self._micro_batches: int | None = None
         self._applied_norm: float | None = None
+        self._applied: dict[str, Any] | None = None  # read_applied_gradients() of this step
+        self._reads_applied = False  # the loop says when its gradients are final (spike watch then)
         self._triggers = Triggers(self.options, self._budget_left, self._notice)
 
     @property
@@ -395,15 +401,17 @@ class BackwardGraphRecorder:
         self.close()
 
     # ----------------------------------------------------------------- steps
-    def begin_step(self, step: int | None = None, *, micro_batches: int | None = None) -> bool:
+    def begin_step(self, step: int | None = None, *, micro_batches: int | str | None = None) -> bool:
         """A training step starts; arms a capture when it is selected.
 
         Args:
             step: the step number (default: the previous one + 1, from 1).
             micro_batches: how many gradient-accumulation micro-batches the
                 step runs, one ``backward()`` each; their graphs are labelled
-                "micro-batch i of k". Default None: backwards are labelled
-                "backward i of n".
+                "micro-batch i of k". ``"counted"``: the loop does not say
+                beforehand; every ``backward()`` of the step is a micro-batch,
+                counted when the step ends. Default None: backwards are
+                labelled "backward i of n".
 
         Returns:
             True when a capture is armed for this step.
@@ -416,9 +424,10 @@ class BackwardGraphRecorder:
             step = self.global_step + 1
         elif isinstance(step, bool) or not isinstance(step, int):
             raise TypeError(f"step must be an int or None, got {step!r}")
-        if micro_batches is not None and (isinstance(micro_batches, bool) or not isinstance(micro_batches, int)):
-            raise TypeError(f"micro_batches must be an int or None, got {micro_batches!r}")
-        if micro_batches is not None and micro_batches < 1:
+        if micro_batches is not None and micro_batches != COUNTED and (
+                isinstance(micro_batches, bool) or not isinstance(micro_batches, int)):
+            raise TypeError(f"micro_batches must be an int, 'counted' or None, got {micro_batches!r}")
+        if isinstance(micro_batches, int) and micro_batches < 1:
             raise ValueError(f"micro_batches must be >= 1 or None, got {micro_batches!r}")
         if step < 1:
             raise ValueError(f"step must be >= 1 (steps are counted from 1, as in steps=[...]), got {step}; "
@@ -441,7 +450,7 @@ class BackwardGraphRecorder:
             run_all(self._end_step_capture)  # nothing of this step stays armed
             raise
 
-    def _start_step(self, step: int, micro_batches: int | None) -> bool:
+    def _start_step(self, step: int, micro_batches: int | str | None) -> bool:
         self._flush()  # a step that was never ended
         self.global_step = self._last_step = step
         self._micro_batches = micro_batches
@@ -493,6 +502,44 @@ class BackwardGraphRecorder:
     def _unobserve(self) -> None:
         if self._watch is not None:
             self._watch.observe_saved(False)
+
+    def read_applied_gradients(self) -> None:
+        """Read ``param.grad`` now as the gradients this step's update applies.
+
+        Call it right before the optimizer step, after the loop has done
+        whatever it does to the accumulated gradients (PaddleFormers' Trainer
+        divides them by the number of micro-batches, a ``GradScaler`` unscales
+        them). The step's graphs then carry the norm of each applied gradient
+        (``graph.meta["applied_grads"]``, by parameter name) and their global
+        norm (``"applied_grad_norm"``, also ``"accumulated_grad_norm"``); the
+        gradients drawn in each micro-batch's graph stay that backward's own.
+        Without this call the accumulated norm is read after the step's last
+        backward. ``on_grad_spike`` then watches this norm, once per step
+        (else the sum in ``param.grad`` after every backward), from the first
+        call on: call :meth:`expect_applied_gradients` before the first step
+        to have it so from the start.
+        """
+        self._reads_applied = True
+        if self.model is None or not self._active or not (self._pending or self.options.on_grad_spike):
+            return
+        try:
+            total = global_grad_norm(self.model.parameters())
+            self._triggers.applied_norm(self.global_step, total)
+            if not self._pending:
+                return
+            norms: dict[str, float] = {}
+            for name, p in self.model.named_parameters():
+                g = local_value(p.grad) if p.grad is not None else None
+                if g is not None and g._is_initialized():
+                    norms[strip_wrapper_prefix(name)] = math.sqrt(sum_of_squares([g]))
+        except Exception as exc:
+            self._warn("applied", f"reading the applied gradients failed: {exc!r}")
+            return
+        self._applied = {"norms": norms, "norm": total}
+
+    def expect_applied_gradients(self) -> None:
+        """The loop will call :meth:`read_applied_gradients` on every step (adapters say so first)."""
+        self._reads_applied = True
 
     def disarm(self) -> None:
         """Let the rest of this step's backwards (e.g. evaluation) run uncaptured."""
@@ -597,6 +644,12 @@ class BackwardGraphRecorder:
     def _after_backward(self, ok: bool) -> None:
         if self._replaying:
             return
+        try:
+            self._check_backward(ok)
+        finally:
+            self._write_if_doomed()
+
+    def _check_backward(self, ok: bool) -> None:
         pending, self._replay_trigger = self._replay_trigger, None
         if not ok or self.model is None:
             return
@@ -605,7 +658,8 @@ class BackwardGraphRecorder:
             return
         kept = self._kept
         can_replay = kept is not None and kept.seen and bool(kept.out_grads)
-        if self._triggers.after_backward(self.global_step, self.model.parameters(), can_replay):
+        if self._triggers.after_backward(self.global_step, self.model.parameters(), can_replay,
+                                         spike=not self._reads_applied):
             self._capture_replayed("nonfinite_grad")
 
     def _capture_replayed(self, trigger: str) -> None:
@@ -704,12 +758,43 @@ class BackwardGraphRecorder:
                 origin = f"; {describe_origin(found)}" + (origin if found["kind"] in ("forward", "input") else "")
             self._notice(f"captured step {step} (trigger: {trigger}){origin}")
         self._pending.append(graph)
+        self._write_if_doomed()
+
+    def _write_if_doomed(self) -> None:
+        """After the step's last backward, a step with a NaN/Inf loss is written at once."""
+        if any(self._nonfinite_loss(g) for g in self._pending) and self._last_backward():
+            self._write_now()
+
+    @staticmethod
+    def _nonfinite_loss(graph: BackwardGraph) -> bool:
+        loss = graph.meta.get("loss")
+        return isinstance(loss, float) and not math.isfinite(loss)
+
+    def _last_backward(self) -> bool:
+        """Whether the step has run every backward it announced (unknown: yes)."""
+        k = self._micro_batches
+        return not isinstance(k, int) or self._seen.count("backward") >= k
+
+    def _write_now(self) -> None:
+        """Write this step's graphs and wait until their files and records are out.
+
+        Loops commonly raise on a NaN/Inf loss right after the step's last
+        backward (PaddleFormers' Trainer does), so neither :meth:`end_step` nor
+        :meth:`close` may follow; the capture must not wait for them.
+        """
+        self._flush()
+        if self._pipeline is not None:
+            self._pipeline.settle(self.options.close_timeout)
 
     def _flush(self) -> None:
         """The step is over: label its graphs (now that their number is known) and write them."""
         pending, self._pending = self._pending, []
-        seen, self._seen = len(self._seen), []
+        seen_entries, self._seen = self._seen, []
+        seen = len(seen_entries)
         applied, self._applied_norm = self._applied_norm, None
+        read, self._applied = self._applied, None
+        if read is not None and read["norm"] is not None:
+            applied = read["norm"]
         if not pending:
             return
         step = pending[0].meta["step"]
@@ -719,9 +804,14 @@ class BackwardGraphRecorder:
             if isinstance(info, dict):
                 if info.get("index") is not None:
                     info["of"] = seen
+                if info.get("micro_batches") == COUNTED:
+                    info["micro_batches"] = seen_entries.count("backward")
                 info["role"] = backward_role(info)
             if applied is not None:
                 graph.meta["accumulated_grad_norm"] = applied
+            if read is not None:
+                graph.meta["applied_grad_norm"] = read["norm"]
+                graph.meta["applied_grads"] = dict(read["norms"])
             trigger = graph.meta.get("trigger") or "scheduled"
             index = info.get("index") if isinstance(info, dict) else None
             suffix = f"b{index}" if isinstance(index, int) and index > 1 else (

@@ -892,7 +892,9 @@ def graph_summary(graph: BackwardGraph, top: int = 5, previous: BackwardGraph | 
     acc_differs = isinstance(acc, float) and (gn is None or not math.isclose(acc, gn, rel_tol=1e-6))
     if gn is not None:
         lines.append(f"global grad norm {gn:.4g}" + (" (this backward);" if acc_differs else ";"))
-    if acc_differs:
+    if acc_differs and isinstance(graph.meta.get("applied_grad_norm"), float):
+        lines.append(f"applied gradient norm {fmt_num(acc, 4)} (param.grad as the update applied it);")
+    elif acc_differs:
         lines.append(f"accumulated param.grad norm {fmt_num(acc, 4)} (what the optimizer applies);")
     sync_line = grad_sync_line(graph)
     if sync_line:

@@ -30,7 +30,8 @@ LAYERS = [
     ("options", {"options"}),
     ("pipeline", {"pipeline", "triggers"}),
     ("recorder", {"recorder"}),
-    ("adapters", {"callbacks", "compat", "cli", "notebook"}),
+    ("adapters", {"callbacks", "compat", "cli", "notebook", "attaching"}),
+    ("framework adapters", {"integrations"}),  # PaddleFormers, PaddleDetection: built on attach
     ("root", {""}),
 ]
 

@@ -71,6 +71,12 @@ def _static_hook():
     return PartialProgramLayer.HOOKED_RUN_IMPL
 
 
+def _recompute_forward():
+    from paddle.distributed.fleet.recompute.recompute import RecomputeFunction
+
+    return RecomputeFunction.__dict__["forward"]
+
+
 class Leftovers:
     """What a capture may leave installed; ``check()`` lists what is left."""
 
@@ -78,6 +84,7 @@ class Leftovers:
         self.net = net
         self.flags = paddle.get_flags(NUMERICS_FLAGS)
         self.static_hook = _static_hook()
+        self.recompute_forward = _recompute_forward()
         self.calls = 0
         self._orig = stats_mod.grad_meta
 
@@ -98,6 +105,8 @@ class Leftovers:
             left.append("backward patch / active capture")
         if _static_hook() is not self.static_hook:
             left.append("to_static run hook")
+        if _recompute_forward() is not self.recompute_forward:
+            left.append("recompute patch")
         if paddle.get_flags(NUMERICS_FLAGS) != self.flags:
             left.append("numerics flags")
         if signal.getsignal(signal.SIGINT) is not signal.default_int_handler or _interrupts._held["depth"]:

@@ -422,11 +422,54 @@ def replay_step(layer: paddle.nn.Layer, kept: StepInputs) -> bool:
             pairs = [(outs[i], g) for i, g in sorted(kept.out_grads.items()) if i < len(outs)]
             if not pairs or not params:
                 return False
-            paddle.grad([o for o, _ in pairs], params, grad_outputs=[g for _, g in pairs],
-                        allow_unused=True)
+            roots, grads = [o for o, _ in pairs], [g for _, g in pairs]
+            if _reaches_recompute(roots):
+                # reentrant recompute runs its block's backward with backward(), which
+                # adds to param.grad even under paddle.grad (and gives paddle.grad nothing
+                # for the block's parameters): replay with backward(), then put every
+                # param.grad back as it was
+                with _grads_restored(params):
+                    paddle.autograd.backward(roots, grads)
+            else:
+                paddle.grad(roots, params, grad_outputs=grads, allow_unused=True)
     finally:
         kept.paused = False
     return True
+
+
+RECOMPUTE_NODE = "GradNodePyLayer_RecomputeFunction"
+
+
+def _reaches_recompute(roots: list[Any], limit: int = 100000) -> bool:
+    """Whether the graph behind ``roots`` holds a reentrant recompute node."""
+    todo = [g for g in (grad_fn(t) for t in roots) if g is not None]
+    seen: set[int] = set()
+    while todo and len(seen) < limit:
+        gn = todo.pop()
+        ptr = gn.node_ptr()
+        if ptr in seen:
+            continue
+        seen.add(ptr)
+        if gn.name() == RECOMPUTE_NODE:
+            return True
+        todo.extend(n for n in gn.next_functions if n is not None)
+    return False
+
+
+@contextlib.contextmanager
+def _grads_restored(params: list[Any]) -> Iterator[None]:
+    """Every ``param.grad`` of ``params`` as it was before the block (values and absence)."""
+    with paddle.no_grad():
+        kept = [(p, p.grad.clone() if p.grad is not None else None) for p in params]
+    try:
+        yield
+    finally:
+        with paddle.no_grad():
+            for p, g in kept:
+                if g is None:
+                    p.clear_gradient(False)
+                else:
+                    p.grad.set_value(g)
 
 
 def find_nonfinite_origin(model: paddle.nn.Layer, *inputs: Any, **kwargs: Any) -> dict[str, Any] | None:

@@ -453,7 +453,8 @@ class BackwardCapture:
         if s is None:
             if not retain_graph and self._attribution is not None:
                 self._attribution.reset()
-            self._after(ok)
+            if not self._backwards:  # a backward run inside another (recompute) is checked with it
+                self._after(ok)
             return
         t0 = time.perf_counter()
         try:
