@@ -50,6 +50,9 @@ def held_interrupts() -> Iterator[None]:
     cannot be swapped, e.g. a handler installed from C) the block runs as is.
     Nested blocks hold until the outermost one ends.
     """
+    if threading.current_thread() is not threading.main_thread():
+        yield  # no signal reaches another thread
+        return
     if _held["depth"]:
         _held["depth"] += 1
         try:
@@ -57,14 +60,12 @@ def held_interrupts() -> Iterator[None]:
         finally:
             _held["depth"] -= 1
         return
-    prev = None
-    if threading.current_thread() is threading.main_thread():
-        try:
-            prev = signal.getsignal(signal.SIGINT)
-            if prev is not None:
-                signal.signal(signal.SIGINT, _hold)
-        except (ValueError, OSError, TypeError):
-            prev = None
+    try:
+        prev = signal.getsignal(signal.SIGINT)
+        if prev is not None:
+            signal.signal(signal.SIGINT, _hold)
+    except (ValueError, OSError, TypeError):
+        prev = None
     if prev is None:
         yield
         return

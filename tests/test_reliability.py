@@ -37,7 +37,6 @@ import pytest
 
 import paddleviz_hooks
 import paddleviz_hooks.capture.stats as stats_mod
-from paddleviz_hooks import _interrupts
 from paddleviz_hooks import BackwardGraphCallback, BackwardGraphRecorder, capture_backward
 from paddleviz_hooks.capture.dispatch import DISPATCHER
 from paddleviz_hooks.render.engine import Engine, RenderTimeout, run_engine
@@ -65,10 +64,32 @@ class Net(nn.Layer):
         return self.head(self.block(x))
 
 
+class DeepNet(nn.Layer):
+    def __init__(self, depth: int = 24):
+        super().__init__()
+        self.inp = nn.Linear(6, 8)
+        self.blocks = nn.LayerList([nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(depth)])
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.head(h)
+
+
 def _static_hook():
     from paddle.jit.dy2static.pir_partial_program import PartialProgramLayer
 
     return PartialProgramLayer.HOOKED_RUN_IMPL
+
+
+def _held_state() -> dict:
+    try:
+        from paddleviz_hooks._interrupts import _held
+    except ImportError:  # a version that holds no interrupt
+        return {"depth": 0}
+    return _held
 
 
 def _recompute_forward():
@@ -109,10 +130,11 @@ class Leftovers:
             left.append("recompute patch")
         if paddle.get_flags(NUMERICS_FLAGS) != self.flags:
             left.append("numerics flags")
-        if signal.getsignal(signal.SIGINT) is not signal.default_int_handler or _interrupts._held["depth"]:
+        held = _held_state()
+        if signal.getsignal(signal.SIGINT) is not signal.default_int_handler or held["depth"]:
             left.append("SIGINT handler not put back")
             signal.signal(signal.SIGINT, signal.default_int_handler)
-            _interrupts._held["depth"] = 0
+            held["depth"] = 0
         if not paddle.is_grad_enabled():
             left.append("grad mode off")
             paddle.set_grad_enabled(True)
@@ -191,8 +213,8 @@ def _capture_trial(net, x):
     return cap
 
 
-def _recorder_trial(net, x, tmp):
-    rec = BackwardGraphRecorder(tmp, net, every=2, on_nonfinite=True, on_structure_change=True, verbose=0,
+def _recorder_trial(net, x, tmp, every=2):
+    rec = BackwardGraphRecorder(tmp, net, every=every, on_nonfinite=True, on_structure_change=True, verbose=0,
                                 visualdl=False, formats=("json",))
     try:
         for step in (1, 2, 3):
@@ -274,11 +296,11 @@ def _ctrl_c_trials(tmp_path, trials: int, seed: int = 0):
     inputs and the trigger watch armed); what reaches the caller and what is left."""
     rng = random.Random(seed)
     paddle.seed(0)
-    net = Net()
+    net = DeepNet()  # many layers: most of a step's time is the library's hooks, set-up and tear-down
     x = paddle.randn([4, 6])
     guard = Leftovers(net)
     t0 = time.perf_counter()
-    _recorder_trial(net, x, str(tmp_path / "timing"))
+    _recorder_trial(net, x, str(tmp_path / "timing"), every=1)
     span = time.perf_counter() - t0
     kinds: dict[str, int] = {}
     leftovers = []
@@ -289,7 +311,7 @@ def _ctrl_c_trials(tmp_path, trials: int, seed: int = 0):
             try:
                 try:
                     timer.start()
-                    _recorder_trial(net, x, str(tmp_path / f"c{i}"))
+                    _recorder_trial(net, x, str(tmp_path / f"c{i}"), every=1)
                 finally:
                     timer.join()
                     for _ in range(1000):  # an interrupt issued at the very end lands here
@@ -308,7 +330,7 @@ def _ctrl_c_trials(tmp_path, trials: int, seed: int = 0):
 
 
 def test_ctrl_c_at_random_moments_of_recorded_steps_leaves_nothing(tmp_path, request):
-    trials = 200 if request.config.getoption("--runslow") else 12
+    trials = 200 if request.config.getoption("--runslow") else 30
     kinds, leftovers = _ctrl_c_trials(tmp_path, trials)
     print(f"Ctrl-C fuzz: {trials} trials, outcomes {kinds}, {len(leftovers)} with leftovers")
     assert leftovers == []
