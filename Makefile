@@ -10,7 +10,7 @@ PFVENV  := .venv-pf
 DETVENV := .venv-det
 APT    := $(shell if [ "$$(id -u)" = 0 ]; then echo "apt-get"; elif command -v sudo >/dev/null && sudo -n true 2>/dev/null; then echo "sudo apt-get"; fi)
 
-.PHONY: setup setup-demo engine browser demo test bench clean paddleformers-venv ppdet-venv
+.PHONY: setup setup-demo venvs engine browser demo test bench clean paddleformers-venv ppdet-venv
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV) || { echo "python venv failed: install python3-venv (apt-get install -y python3-venv)"; exit 1; }
@@ -66,7 +66,12 @@ demo: setup-demo
 	@if [ -d vdl_log ]; then echo "removing the previous demo's vdl_log/"; rm -rf vdl_log; fi
 	$(BIN)/python examples/train_lenet.py --log-dir vdl_log
 
-test: setup browser paddleformers-venv ppdet-venv
+# The three venvs are independent: built side by side (pip waits on downloads and disk more
+# than on the CPU), then the system packages one apt run at a time.
+venvs:
+	$(MAKE) --no-print-directory -j3 $(VENV)/.installed-test $(PFVENV)/.installed $(DETVENV)/.installed
+
+test: venvs engine browser
 	$(BIN)/python -m pytest -q -ra --doctest-modules paddleviz_hooks tests
 	$(PFVENV)/bin/python -m pytest -q -ra tests/integrations/test_paddleformers_trainer.py
 	$(DETVENV)/bin/python -m pytest -q -ra tests/integrations/test_ppdet_trainer.py

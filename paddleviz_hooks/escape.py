@@ -36,6 +36,8 @@ __all__ = [
 ]
 
 MAX_TEXT = 120
+#: Hover text holds a node's forward call stack (a few frames with their code lines)
+MAX_TOOLTIP = 1500
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
 
 
@@ -52,7 +54,7 @@ def _clean_line(text: str) -> str:
     return _CONTROL.sub("?", str(text).replace("\t", " "))
 
 
-def dot_quote(text: str) -> str:
+def dot_quote(text: str, limit: int = MAX_TEXT) -> str:
     """A DOT double-quoted string holding ``text`` literally (one line).
 
     Backslashes are doubled so Graphviz escapes such as ``\\N`` or ``\\l``
@@ -62,7 +64,7 @@ def dot_quote(text: str) -> str:
         >>> dot_quote('a"b')
         '"a\\\\"b"'
     """
-    text = _clean_line(shorten(text)).replace("\r", " ").replace("\n", " ")
+    text = _clean_line(shorten(text, limit)).replace("\r", " ").replace("\n", " ")
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
@@ -76,13 +78,14 @@ def dot_label(*lines: str) -> str:
 
 
 def dot_attrs(attrs: Mapping[str, Any]) -> str:
-    """``key="value", ...`` for a DOT attribute list, every value quoted.
+    """``key="value", ...`` for a DOT attribute list, every value quoted
+    (a ``tooltip`` may be longer than other text, up to ``MAX_TOOLTIP``).
 
     Example:
         >>> print(dot_attrs({"label": 'say "hi"', "color": "red"}))
         label="say \\"hi\\"", color="red"
     """
-    return ", ".join(f"{k}={dot_quote(v)}" for k, v in attrs.items())
+    return ", ".join(f"{k}={dot_quote(v, MAX_TOOLTIP if k == 'tooltip' else MAX_TEXT)}" for k, v in attrs.items())
 
 
 def dot_html_table(title: str, rows: Iterable[tuple[Mapping[str, str], str]], *, spacing: int = 1) -> str:

@@ -22,7 +22,7 @@ safely), and so is a ``Tensor[]`` input that takes no gradient (the integer
 
 from __future__ import annotations
 
-__all__ = ["hook_hazard", "MULTI_TENSOR_INPUT", "UNMEASURED", "NEVER_FIRES_PREFIXES", "PROGRAM_OP_NOTE",
+__all__ = ["hook_hazard", "EDGE_NOTES", "MULTI_TENSOR_INPUT", "UNMEASURED", "NEVER_FIRES_PREFIXES", "PROGRAM_OP_NOTE",
            "RECOMPUTE_INPUT_NOTE"]
 
 #: Measured: hooking these makes ``backward()`` raise (op cases in brackets).
@@ -72,6 +72,16 @@ PROGRAM_OP_NOTE = "inside a compiled program: not observed"
 #: recompute, ``capture/nested.py``): the detached copy of the block's input
 #: that the PyLayer held; its gradient leaves the block through the PyLayer.
 RECOMPUTE_INPUT_NOTE = "input of the recomputed block (a detached copy): the PyLayer passes its gradient on"
+
+#: Why an edge leaving a node without a hook carries no gradient (``Edge.note``,
+#: ``capture/joins.py``); ``{op}`` is the node's readable op name. A Concat's and an
+#: AddN's outgoing gradients are read from what they received whenever that is exact.
+EDGE_NOTES = {
+    "received": "{op} takes no hook; what it received was not seen",
+    "sizes": "{op} takes no hook; the sizes of its inputs are not known",
+    "shared": "{op} takes no hook; its receiver adds it to other gradients",
+    "other": "{op} takes no hook",
+}
 
 
 def hook_hazard(node_name: str) -> str | None:

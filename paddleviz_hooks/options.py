@@ -81,6 +81,7 @@ class RecorderOptions:
     max_captures: int | None = None
     grad_stats: bool = True
     saved_memory: bool = False
+    sources: bool = True
     color_by: str | None = None
     view_max_nodes: int | None = None
     view_max_px: int = 2000
@@ -90,6 +91,7 @@ class RecorderOptions:
     sinks: tuple[Any, ...] = DEFAULT_SINKS  # checked: names and sink objects ("visualdl" dropped by visualdl=False)
     visualdl_graphs: bool = True
     visualdl_diagnostics: bool = False
+    scalar_depth: int | None = None
     run_name: str = "backward_graph"
     ranks: frozenset[int] | str | int = 0  # checked: a frozenset of ints, or "all"
     on_nonfinite: bool = False
@@ -172,6 +174,7 @@ class RecorderOptions:
             max_captures=_int("max_captures", max_captures, 1),
             grad_stats=_bool("grad_stats", grad_stats),
             saved_memory=_bool("saved_memory", saved_memory),
+            sources=_bool("sources", o["sources"]),
             color_by=color_by,
             view_max_nodes=_int("view_max_nodes", view_max_nodes, 2),
             view_max_px=_int("view_max_px", view_max_px, 64, allow_none=False),
@@ -181,6 +184,7 @@ class RecorderOptions:
             sinks=tuple(s for s in sinks if visualdl or s != "visualdl"),
             visualdl_graphs=_bool("visualdl_graphs", visualdl_graphs),
             visualdl_diagnostics=_bool("visualdl_diagnostics", visualdl_diagnostics),
+            scalar_depth=_int("scalar_depth", o["scalar_depth"], 1),
             run_name=run_name,
             ranks=rank_set,
             on_nonfinite=_bool("on_nonfinite", on_nonfinite),

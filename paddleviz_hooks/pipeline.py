@@ -26,9 +26,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .diff import GraphDiff, diff_graphs
+from .findings import record_of
 from .graph import BackwardGraph
 from .options import RecorderOptions
-from .render import (EngineNotFound, RenderTimeout, png_size, render_diff_views, render_png, render_svg,
+from .render import (EngineNotFound, RenderTimeout, render_diff_views, render_png, render_svg,
                      render_views, to_dot)
 from .sinks.base import CaptureData, CapturePictures, SinkContext, capture_scalars, suffixed
 from .sinks.files import StepFiles
@@ -79,21 +80,15 @@ def viewer_png(graph: BackwardGraph, options: RecorderOptions, title: str, *, ti
     16:9 when it is a strip, with node labels at least ``VIEWER_LABEL_PX``
     high, collapsing layers into boxes as far as that needs. The same
     structure gets the same layout at every step (the drawing plan is
-    cached), so flipping steps compares like with like.
+    cached), so flipping steps compares like with like. ``render/plan.py``
+    plans it with the other pictures.
     """
     assert options.viewer_px is not None
     width = options.viewer_px
-    height = width * 9 // 16
-    max_px = width
-    for _ in range(4):  # a drawing taller than 16:9 is drawn again, narrower, until it fits
-        png = render_png(graph, max_px=max_px, max_nodes=options.view_max_nodes, rankdir="LR",
-                         min_dpi=VIEWER_LABEL_PX * 72 / 11, timeout=timeout, title=title, info=info,
-                         **_shading(options, graph))
-        w, h = png_size(png)
-        if h <= height or max_px <= 64:
-            break
-        max_px = max(64, min(max_px - 1, int(max(w, h) * height / h)))
-    return png
+    return render_png(graph, max_px=width, max_height_px=max(64, width * 9 // 16), max_nodes=options.view_max_nodes,
+                      rankdir="LR", min_dpi=VIEWER_LABEL_PX * 72 / 11, timeout=timeout, title=title, info=info,
+                      **_shading(options, graph))
+
 
 _STOP = object()
 
@@ -363,11 +358,10 @@ class CapturePipeline:
         opts, files = self.options, self.files
         graph, step, trigger, suffix = job.graph, job.step, job.trigger, job.suffix
         prev = self._prev.get(suffix)  # the same backward of an earlier step
-        # a replayed step (the NaN origin's replay) is rooted at the model output, not the loss:
-        # compared with ordinary captures it would report its missing loss ops as a structure change
-        replayed = bool(graph.meta.get("replayed"))
+        # a replayed step (rooted at the model output) is compared too: diff_graphs leaves the
+        # loss ops of the other graph out (GraphDiff.replayed)
         diff = None
-        if prev is not None and not replayed:
+        if prev is not None:
             try:
                 diff = diff_graphs(prev[0], graph)
             except Exception as exc:
@@ -380,8 +374,7 @@ class CapturePipeline:
             self._warn("lost", f"step {step} could not be written ({why}); later steps are tried again")
             return
         paths = {"json": path} if "json" in opts.formats else {}
-        if not replayed:
-            self._prev[suffix] = (graph, path)
+        self._prev[suffix] = (graph, path)
         self.written.append(step)  # its data (the JSON) is on disk; the rest is extra
         try:
             if "dot" in opts.formats:
@@ -543,7 +536,8 @@ class CapturePipeline:
             text = f"trigger: {trigger}" + (f" ({note})" if note else "") + ";\n" + text
         if diff is not None:
             text += "\n" + diff_summary(diff)  # starts "step B vs step A:"
-        scalars = capture_scalars(graph, suffix, diagnostics=self.options.visualdl_diagnostics)
+        scalars = capture_scalars(graph, suffix, diagnostics=self.options.visualdl_diagnostics,
+                                  depth=self.options.scalar_depth)
         changed = diff if (diff is not None and diff.structure_changed) else None
         self.sinks.data(CaptureData(step, trigger, suffix, graph, changed, text, scalars, paths))
 
@@ -558,4 +552,4 @@ def _shading(options: RecorderOptions, graph: BackwardGraph) -> dict[str, Any]:
 
 def _title(step: int, trigger: str, graph: BackwardGraph) -> str:
     meta = graph.meta
-    return capture_title(step, trigger, backward_role(meta.get("backward")), origin=meta.get("nonfinite_origin"))
+    return capture_title(step, trigger, backward_role(meta.get("backward")), origin=record_of(graph).origin)

@@ -19,12 +19,13 @@ import paddle
 from .capture import BackwardCapture
 from .capture.gradnode import strip_wrapper_prefix
 from .capture.nan_origin import StepInputs, locate, replay_step
-from .graph import BackwardGraph
+from .findings import nonfinite_record
+from .graph import BackwardGraph, NonfiniteOrigin
 from .options import FORMATS, RecorderOptions
 from .pipeline import CaptureJob, CapturePipeline
 from ._interrupts import as_interrupt, held_interrupts, is_wrapped_interrupt, run_all
 from .sinks.files import StepFiles, claim_run_dir
-from .text import MODEL_OUTPUT, end_line, run_folder_note, backward_role, describe_node, describe_origin
+from .text import MODEL_OUTPUT, end_line, run_folder_note, backward_role, nonfinite_lines
 from .capture.stats import local_value, sum_of_squares
 from .triggers import Triggers, global_grad_norm, weights_nonfinite
 from .warn import WarnOnce
@@ -63,6 +64,10 @@ class BackwardGraphRecorder:
             at :meth:`begin_step` of a selected step, so run the forward
             inside the step; steps captured by a trigger are not covered.
             Default False.
+        sources: on captured steps, record the line of the user's code that
+            called each op's forward (``Node.source``, shown in every view),
+            armed the same way as ``saved_memory``; ops of steps captured by a
+            trigger say it was not recorded. Default True.
         color_by: ``"saved_memory"`` shades ops and layer boxes of the
             pictures by the bytes they saved for backward, with the range of
             each shade in the legend (needs ``saved_memory=True``; a capture
@@ -99,6 +104,10 @@ class BackwardGraphRecorder:
         visualdl_diagnostics: also log the recorder's own scalars (node and
             edge counts, capture time, accumulated ``param.grad`` norm).
             Default False: only gradient norms and the NaN/Inf count.
+        scalar_depth: the per-layer gradient norm scalars (``~grad_norm/<layer>``)
+            go this many components down the dotted layer path (1: top-level
+            layers, 2: ``encoder.layers``, ...; a shallower layer keeps its own
+            name). Default None: the deepest level with at most about 30 scalars.
         run_name: folder (and dashboard run name) under ``log_dir``.
             Default ``"backward_graph"``.
         ranks: which ranks capture under data parallel: an int, a list of
@@ -175,6 +184,7 @@ class BackwardGraphRecorder:
         max_captures: int | None = None,
         grad_stats: bool = True,
         saved_memory: bool = False,
+        sources: bool = True,
         color_by: str | None = None,
         view_max_nodes: int | None = None,
         view_max_px: int = 2000,
@@ -184,6 +194,7 @@ class BackwardGraphRecorder:
         sinks: Any = ("visualdl",),
         visualdl_graphs: bool = True,
         visualdl_diagnostics: bool = False,
+        scalar_depth: int | None = None,
         run_name: str = "backward_graph",
         ranks: int | Sequence[int] | str = 0,
         on_nonfinite: bool = False,
@@ -199,11 +210,11 @@ class BackwardGraphRecorder:
             raise TypeError(f"model must be a paddle.nn.Layer or None, got {type(model).__name__}")
         self.options = RecorderOptions.check(
             log_dir, every, steps, capture_first=capture_first, max_captures=max_captures,
-            grad_stats=grad_stats, saved_memory=saved_memory, color_by=color_by, view_max_nodes=view_max_nodes,
+            grad_stats=grad_stats, saved_memory=saved_memory, sources=sources, color_by=color_by, view_max_nodes=view_max_nodes,
             view_max_px=view_max_px,
             viewer_px=viewer_px,
             formats=formats, visualdl=visualdl, sinks=sinks, visualdl_graphs=visualdl_graphs,
-            visualdl_diagnostics=visualdl_diagnostics, run_name=run_name, ranks=ranks,
+            visualdl_diagnostics=visualdl_diagnostics, scalar_depth=scalar_depth, run_name=run_name, ranks=ranks,
             on_nonfinite=on_nonfinite, on_grad_spike=on_grad_spike,
             on_structure_change=on_structure_change, cooldown=cooldown, queue_size=queue_size,
             render_timeout=render_timeout, close_timeout=close_timeout, verbose=verbose,
@@ -478,8 +489,11 @@ class BackwardGraphRecorder:
                 except BaseException:
                     self._step_capture = None
                     raise
-        elif scheduled and self.options.saved_memory and self._watch is not None:
-            self._watch.observe_saved(True)  # this step's forward only
+        elif scheduled and self._watch is not None:
+            if self.options.saved_memory:
+                self._watch.observe_saved(True)  # this step's forward only
+            if self.options.sources:
+                self._watch.observe_sources(True)
         return scheduled
 
     def end_step(self) -> None:
@@ -502,6 +516,7 @@ class BackwardGraphRecorder:
     def _unobserve(self) -> None:
         if self._watch is not None:
             self._watch.observe_saved(False)
+            self._watch.observe_sources(False)
 
     def read_applied_gradients(self) -> None:
         """Read ``param.grad`` now as the gradients this step's update applies.
@@ -610,7 +625,7 @@ class BackwardGraphRecorder:
     def _new_capture(self, watch: bool = False, saved_memory: bool = False) -> BackwardCapture:
         """The trigger watch (``watch=True``) or a scheduled step's capture."""
         names = not watch or self._watch_names_layers
-        return BackwardCapture(
+        cap = BackwardCapture(
             self.model if names else None,
             params=None if names else self.model,
             grad_stats=self.options.grad_stats,
@@ -621,7 +636,11 @@ class BackwardGraphRecorder:
             else None,
             warn=self._warn,  # one warning per cause for the whole run
             saved_memory=saved_memory,
+            sources=self.options.sources,
         )
+        # the watch is active on every step: it records sources only for the steps begin_step selects
+        cap.sources_from_enter = not watch
+        return cap
 
     def _decide(self, roots: list[Any], walk: Any) -> str | None:
         if self._replaying:
@@ -664,7 +683,8 @@ class BackwardGraphRecorder:
 
     def _capture_replayed(self, trigger: str) -> None:
         """Capture this step by replaying its forward and backward (param.grad untouched)."""
-        cap = BackwardCapture(self.model, grad_stats=self.options.grad_stats, warn=self._warn)
+        cap = BackwardCapture(self.model, grad_stats=self.options.grad_stats, warn=self._warn,
+                              sources=self.options.sources)
         self._replaying = True
         try:
             with cap:
@@ -697,19 +717,20 @@ class BackwardGraphRecorder:
         graph.meta.update(trigger=trigger, replayed=True)
         self._on_graph(graph)
 
-    def _locate(self, graph: BackwardGraph, trigger: str) -> None:
-        """Name where this step's NaN/Inf started (``graph.meta["nonfinite_origin"]``)."""
+    def _locate(self, graph: BackwardGraph, trigger: str) -> NonfiniteOrigin | None:
+        """Where this step's NaN/Inf started (a replay of its forward), or None when not located."""
         kept = self._kept
         loss = graph.meta.get("loss")
         loss_bad = isinstance(loss, float) and not math.isfinite(loss)
         if kept is None or not kept.seen or not (trigger.startswith("nonfinite") or loss_bad
                                                  or graph.nonfinite_count()):
-            return
+            return None
         self._replaying = True
         try:
-            graph.meta["nonfinite_origin"] = locate(self.model, kept, graph, loss_nonfinite=loss_bad)
+            return locate(self.model, kept, graph, loss_nonfinite=loss_bad)
         except Exception as exc:
             self._warn("locate", f"locating where the NaN/Inf started failed: {exc!r}")
+            return None
         finally:
             self._replaying = False
 
@@ -724,6 +745,8 @@ class BackwardGraphRecorder:
             if self._micro_batches:
                 info["micro_batch"] = self._seen.count("backward") + (info.get("entry") == "grad")
                 info["micro_batches"] = self._micro_batches
+        weights: list[str] = []
+        buffers: list[str] = []
         if self.model is not None:
             # what param.grad holds now (accumulated over this step's backwards and any
             # earlier ones not yet applied); after the step's last backward it is the
@@ -733,9 +756,7 @@ class BackwardGraphRecorder:
             except Exception as exc:
                 self._warn("accumulated", f"reading param.grad failed: {exc!r}")
             try:  # an earlier update may have written NaN/Inf into the weights themselves
-                bad = weights_nonfinite(self.model.named_parameters())
-                if bad:
-                    graph.meta["nonfinite_weights"] = [strip_wrapper_prefix(n) for n in bad]
+                weights, buffers = self._nonfinite_values()
             except Exception as exc:
                 self._warn("weights", f"checking the weights for NaN/Inf failed: {exc!r}")
         if trigger == "scheduled" and self.options.on_nonfinite:
@@ -747,16 +768,15 @@ class BackwardGraphRecorder:
                 trigger = "nonfinite_grad"
             if trigger != "scheduled":
                 graph.meta["trigger"] = trigger
-        self._locate(graph, trigger)
+        # the NaN/Inf story of the capture, computed once here; every view reads it (a capture
+        # with nothing non-finite keeps none in its JSON: findings.record_of gives it empty)
+        record = nonfinite_record(graph, self._locate(graph, trigger), weights, buffers)
+        graph.nonfinite = record if record.any else None
         if self._triggers.note is not None:
             graph.meta["trigger_note"], self._triggers.note = self._triggers.note, None
         if trigger != "scheduled":
-            sites = graph.nonfinite_sites()
-            origin = f"; first non-finite gradient at {describe_node(sites[0])}" if sites else ""
-            found = graph.meta.get("nonfinite_origin")
-            if found is not None:
-                origin = f"; {describe_origin(found)}" + (origin if found["kind"] in ("forward", "input") else "")
-            self._notice(f"captured step {step} (trigger: {trigger}){origin}")
+            story = " ".join(nonfinite_lines(record)).rstrip(";")
+            self._notice(f"captured step {step} (trigger: {trigger})" + (f"; {story}" if story else ""))
         self._pending.append(graph)
         self._write_if_doomed()
 
@@ -785,6 +805,18 @@ class BackwardGraphRecorder:
         self._flush()
         if self._pipeline is not None:
             self._pipeline.settle(self.options.close_timeout)
+
+    def _nonfinite_values(self) -> tuple[list[str], list[str]]:
+        """Trainable parameters, and non-trainable tensors (buffers, BatchNorm running statistics:
+        the forward writes them, no update does), whose values hold NaN/Inf."""
+        named = list(self.model.named_parameters())
+        trainable = {name for name, p in named if not p.stop_gradient}
+        bad = weights_nonfinite(named)
+        weights = [strip_wrapper_prefix(n) for n in bad if n in trainable]
+        buffers = [strip_wrapper_prefix(n) for n in bad if n not in trainable]
+        buffers += [strip_wrapper_prefix(n) for n in weights_nonfinite(
+            (name, b) for name, b in self.model.named_buffers() if b is not None and b._is_initialized())]
+        return weights, buffers
 
     def _flush(self) -> None:
         """The step is over: label its graphs (now that their number is known) and write them."""

@@ -17,14 +17,16 @@ import os
 from typing import Any, Iterable
 
 from .diff import GraphDiff
+from .findings import record_of
 from .ranks import RankView
-from .graph import BackwardGraph, GradMeta, Node, is_communication
+from .graph import BackwardGraph, GradMeta, Node, NonfiniteOrigin, NonfiniteRecord, SourceFrame, is_communication
 from .hazards import PROGRAM_OP_NOTE, RECOMPUTE_INPUT_NOTE
 
 __all__ = [
     "COMMUNICATION_LEGEND",
     "NOT_OBSERVED",
     "MODEL_OUTPUT",
+    "REPLAYED_FROM_OUTPUT",
     "OUTSIDE_MODEL",
     "TOP_LAYER",
     "TOP_PARAMS",
@@ -42,6 +44,11 @@ __all__ = [
     "rank_view_lines",
     "ranks_title",
     "shard_line",
+    "source_frame",
+    "source_short",
+    "source_lines",
+    "source_attrs",
+    "SOURCE_NOTES_TEXT",
     "call_name",
     "capture_title",
     "graph_title",
@@ -49,6 +56,19 @@ __all__ = [
     "collapse_note",
     "describe_node",
     "describe_origin",
+    "describe_first_gradient",
+    "FIRST_GRADIENT",
+    "nonfinite_lines",
+    "origin_node_lines",
+    "origin_placement",
+    "origin_short",
+    "origin_output",
+    "ORIGIN_LEGEND",
+    "ORIGIN_NO_GRAD",
+    "ORIGIN_NO_NODE",
+    "ORIGIN_IN_PROGRAM",
+    "STARTS_HERE",
+    "origin_badge",
     "diff_summary",
     "edge_lines",
     "fmt_bytes",
@@ -84,6 +104,8 @@ WHOLE_MODEL = "the whole model"
 OUTSIDE_MODEL = "outside the model"
 #: The root of a replayed step's graph: the model's output (the loss ops are outside it).
 MODEL_OUTPUT = "model output"
+#: What a replayed capture is, against an ordinary one (its graph starts at the model output).
+REPLAYED_FROM_OUTPUT = "replayed from the model output"
 #: A gradient that flowed but could not be seen (its producer takes no hook).
 NOT_OBSERVED = "not observed"
 #: Legend rows of a drawing shaded by memory held for backward (``color_by="saved_memory"``).
@@ -310,50 +332,157 @@ def describe_node(info: Node | dict[str, Any]) -> str:
     return f"{get('op') or '?'} {node_where(get('layer'), get('call') or 0)}"
 
 
-def describe_origin(origin: dict[str, Any]) -> str:
-    """Where a NaN/Inf started, from ``graph.meta["nonfinite_origin"]`` (kinds in
-    ``paddleviz_hooks.capture.nan_origin.KINDS``).
+def _as_origin(origin: NonfiniteOrigin | dict[str, Any]) -> NonfiniteOrigin:
+    return origin if isinstance(origin, NonfiniteOrigin) else NonfiniteOrigin.from_dict(origin)
+
+
+def _at(o: NonfiniteOrigin, sep: str = " at ") -> str:
+    return f"{sep}{os.path.basename(str(o.file))}:{o.line}" if o.file else ""
+
+
+def origin_output(origin: NonfiniteOrigin | dict[str, Any]) -> str:
+    """The tensor the origin op made: ``float32 output with 2 NaN``; "" when unknown.
+
+    Example:
+        >>> origin_output({"kind": "forward", "op": "log", "dtype": "float32", "nan": 2, "inf": 0})
+        'float32 output with 2 NaN'
+    """
+    o = _as_origin(origin)
+    counts = [f"{v} {name}" for v, name in ((o.nan, "NaN"), (o.inf, "Inf")) if v]
+    if not counts:
+        return ""
+    return f"{o.dtype + ' ' if o.dtype else ''}output with {' and '.join(counts)}"
+
+
+def origin_placement(origin: NonfiniteOrigin | dict[str, Any]) -> str:
+    """Where a forward origin's op ran when that is not an op of the graph's own: inside a
+    compiled program, or on data that needs no gradient (so it has no grad node); "" otherwise.
+
+    Example:
+        >>> origin_placement({"kind": "forward", "op": "log", "needs_grad": False})
+        'on data that needs no gradient'
+    """
+    o = _as_origin(origin)
+    if o.kind == "forward" and o.in_program:
+        return ORIGIN_IN_PROGRAM
+    if o.kind != "forward" or o.key:
+        return ""
+    if o.needs_grad is False:
+        return ORIGIN_NO_GRAD
+    return ORIGIN_NO_NODE
+
+
+#: Where a forward origin's op sits when its output needs no gradient (so it has no grad node).
+ORIGIN_NO_GRAD = "on data that needs no gradient"
+#: ... when it ran inside a compiled program (the graph holds the program's ops).
+ORIGIN_IN_PROGRAM = "inside a compiled program"
+#: ... and when the graph has no node of it for another reason.
+ORIGIN_NO_NODE = "without a grad node in this graph"
+#: Legend row of the origin mark, in every drawing.
+ORIGIN_LEGEND = "where the NaN/Inf starts"
+#: The mark of the first node whose gradient turned non-finite (a fact apart from the origin).
+FIRST_GRADIENT = "first non-finite gradient"
+#: The badge of a forward origin in lists (report): the op where the NaN/Inf starts.
+STARTS_HERE = "starts here"
+
+
+def origin_badge(origin: NonfiniteOrigin | dict[str, Any]) -> str:
+    """The badge naming the record's origin in a list: :data:`STARTS_HERE` for an op of the
+    forward, ``cause`` for the other kinds (the input data, the weights, the loss, the backward).
+
+    Example:
+        >>> origin_badge({"kind": "forward", "op": "log"}), origin_badge({"kind": "backward"})
+        ('starts here', 'cause')
+    """
+    return STARTS_HERE if _as_origin(origin).kind == "forward" else "cause"
+
+
+def describe_origin(origin: NonfiniteOrigin | dict[str, Any]) -> str:
+    """Where a NaN/Inf started (the record's ``origin``; kinds in
+    :data:`paddleviz_hooks.graph.ORIGIN_KINDS`), in one sentence.
 
     Example:
         >>> print(describe_origin({"kind": "forward", "op": "sqrt", "layer": "block", "layer_class": "Block",
-        ...                        "file": "/src/model.py", "line": 16, "code": "h = paddle.sqrt(h)"}))
+        ...                        "file": "/src/model.py", "line": 16, "code": "h = paddle.sqrt(h)",
+        ...                        "key": "op:block[0]/Sqrt#abc123", "needs_grad": True}))
         NaN/Inf first produced by op 'sqrt' in layer 'block' (Block) at model.py:16: h = paddle.sqrt(h)
+        >>> print(describe_origin({"kind": "forward", "op": "log", "layer": "", "file": "/src/m.py", "line": 3,
+        ...                        "needs_grad": False, "dtype": "float32", "nan": 4}))
+        NaN/Inf first produced by op 'log', on data that needs no gradient, in the model's own forward at m.py:3
         >>> print(describe_origin({"kind": "input"}))
         NaN/Inf already in the input data (the batch given to the model)
     """
-    kind = origin.get("kind")
+    o = _as_origin(origin)
+    kind = o.kind
     if kind == "input":
         return "NaN/Inf already in the input data (the batch given to the model)"
-    op, layer = origin.get("op"), origin.get("layer")
     if kind == "weights":
-        cls = f" ({origin['layer_class']})" if origin.get("layer_class") else ""
-        first = f"layer '{layer}'" if layer else TOP_PARAMS
+        cls = f" ({o.layer_class})" if o.layer_class else ""
+        first = f"layer '{o.layer}'" if o.layer else TOP_PARAMS
         return f"NaN/Inf already in the weights, first in {first}{cls}: an earlier update wrote it"
     if kind == "forward":
-        where = _in_layer(layer)
-        if origin.get("layer_class"):
-            where += f" ({origin['layer_class']})"
-        at = ""
-        if origin.get("file"):
-            at = f" at {os.path.basename(str(origin['file']))}:{origin.get('line')}"
-            if origin.get("code"):
-                at += f": {origin['code']}"
-        return f"NaN/Inf first produced by op '{op}'{where}{at}"
-    if op == MODEL_OUTPUT:  # a replayed step: NaN/Inf reached the model with the loss's gradient
-        first = f"first non-finite gradient at the {MODEL_OUTPUT}"
-    else:
-        first = f"first non-finite gradient at {op} {node_where(layer)}" if op else "no non-finite gradient observed"
+        where = _in_layer(o.layer) + _call_suffix(o.call or 0)
+        if o.layer_class:
+            where += f" ({o.layer_class})"
+        at = _at(o)
+        if o.code and at:
+            at += f": {o.code}"
+        place = origin_placement(o)
+        return f"NaN/Inf first produced by op '{o.op}'" + (f", {place}," if place else "") + f"{where}{at}"
     if kind == "outside":
-        return f"the model's forward is finite: NaN/Inf made {OUTSIDE_MODEL} (loss function or labels); {first}"
+        return f"the model's forward is finite: NaN/Inf made {OUTSIDE_MODEL} (loss function or labels)"
     if kind == "backward":
-        return f"the forward is finite everywhere: NaN/Inf made in the backward; {first}"
+        return "the forward is finite everywhere: NaN/Inf made in the backward"
     if kind == "not_reproduced":
         return ("the replay of this step did not reproduce its NaN/Inf (the forward depends on more than "
-                f"its inputs and the random state, e.g. a counter); {first}")
-    return first
+                "its inputs and the random state, e.g. a counter)")
+    return "NaN/Inf"
 
 
-def origin_title(origin: dict[str, Any]) -> str:
+def describe_first_gradient(site: Any) -> str:
+    """The first node whose gradient turned non-finite, in words.
+
+    Example:
+        >>> describe_first_gradient({"kind": "op", "op": "Sqrt", "layer": "block"})
+        'first non-finite gradient at Sqrt in block'
+    """
+    get = site.get if isinstance(site, dict) else lambda k, d=None: getattr(site, k, d)
+    if get("kind") == "root" and get("op") == MODEL_OUTPUT:  # a replayed step: NaN/Inf reached the model
+        return f"{FIRST_GRADIENT} at the {MODEL_OUTPUT}"
+    return f"{FIRST_GRADIENT} at {describe_node(site)}"
+
+
+def nonfinite_lines(record: NonfiniteRecord | None) -> list[str]:
+    """The NaN/Inf story of a capture, one fact a line (no line when everything is finite):
+    the origin, the first non-finite gradient, weights and buffers holding NaN/Inf.
+
+    Example:
+        >>> from paddleviz_hooks.graph import NonfiniteSite
+        >>> rec = NonfiniteRecord(NonfiniteOrigin("backward"), NonfiniteSite("k", "op", "Sqrt", "block"), 3,
+        ...                       buffers=("bn._variance",))
+        >>> for line in nonfinite_lines(rec): print(line)
+        the forward is finite everywhere: NaN/Inf made in the backward;
+        NaN/Inf gradients at 3 nodes, first non-finite gradient at Sqrt in block;
+        NaN/Inf in 1 buffer the forward writes (running statistics; no update wrote them): bn._variance;
+    """
+    if record is None:
+        return []
+    lines = []
+    if record.origin is not None:
+        lines.append(describe_origin(record.origin) + ";")
+    if record.first_gradient is not None:
+        lines.append(f"NaN/Inf gradients at {plural(record.gradient_sites, 'node')}, "
+                     f"{describe_first_gradient(record.first_gradient)};")
+    if record.weights:  # an update already wrote NaN/Inf into them: finite gradients do not mean a healthy model
+        lines.append(f"NaN/Inf in the weights of {plural(len(record.weights), 'parameter')}: "
+                     f"{_names(list(record.weights))};")
+    if record.buffers:
+        lines.append(f"NaN/Inf in {plural(len(record.buffers), 'buffer')} the forward writes "
+                     f"(running statistics; no update wrote them): {_names(list(record.buffers))};")
+    return lines
+
+
+def origin_title(origin: NonfiniteOrigin | dict[str, Any]) -> str:
     """Where a NaN/Inf started, short enough for a picture's title.
 
     Example:
@@ -362,41 +491,60 @@ def origin_title(origin: dict[str, Any]) -> str:
         >>> origin_title({"kind": "not_reproduced", "op": "Sqrt"})
         'a replay that did not reproduce the NaN/Inf'
     """
-    kind = origin.get("kind")
-    if kind == "forward":
-        where = f" in {layer_name(origin.get('layer'))}" if origin.get("layer") is not None else f" {OUTSIDE_MODEL}"
-        at = f", {os.path.basename(str(origin['file']))}:{origin.get('line')}" if origin.get("file") else ""
-        return f"NaN/Inf starts at {origin.get('op')}{where}{at}"
+    o = _as_origin(origin)
+    if o.kind == "forward":
+        where = f" in {layer_name(o.layer)}" if o.layer is not None else f" {OUTSIDE_MODEL}"
+        place = origin_placement(o)
+        place = f", {place}" if place in (ORIGIN_NO_GRAD, ORIGIN_IN_PROGRAM) else ""
+        return f"NaN/Inf starts at {o.op}{where}{_at(o, ', ')}{place}"
     return {
         "input": "NaN/Inf already in the input data",
-        "weights": f"NaN/Inf already in the weights ({origin.get('layer') or TOP_PARAMS})",
+        "weights": f"NaN/Inf already in the weights ({o.layer or TOP_PARAMS})",
         "outside": f"NaN/Inf made {OUTSIDE_MODEL}",
         "backward": "NaN/Inf made in the backward",
         "not_reproduced": "a replay that did not reproduce the NaN/Inf",
-    }.get(kind, "NaN/Inf")
+    }.get(o.kind, "NaN/Inf")
 
 
-def origin_mark(origin: dict[str, Any]) -> str:
-    """The line drawn on the node where a NaN/Inf started.
+def origin_mark(origin: NonfiniteOrigin | dict[str, Any]) -> str:
+    """The line drawn on the node where a NaN/Inf started (the origin op's node, or the box holding it).
 
     Example:
         >>> origin_mark({"kind": "forward", "op": "sqrt", "file": "/src/model.py", "line": 16})
         'NaN/Inf starts here: sqrt, model.py:16'
-        >>> origin_mark({"kind": "backward", "op": "Sqrt"})
-        'NaN/Inf starts here (in the backward)'
     """
-    if origin.get("kind") == "forward":
-        at = f", {os.path.basename(str(origin['file']))}:{origin.get('line')}" if origin.get("file") else ""
-        return f"NaN/Inf starts here: {origin.get('op')}{at}"
-    if origin.get("kind") == "backward":
-        return "NaN/Inf starts here (in the backward)"
-    return "first NaN/Inf gradient"
+    o = _as_origin(origin)
+    return f"NaN/Inf {STARTS_HERE}: {o.op}{_at(o, ', ')}"
+
+
+def origin_short(origin: NonfiniteOrigin | dict[str, Any]) -> str:
+    """The origin mark without the file (VisualDL's Graphs tab shows a node type only after its last dot).
+
+    Example:
+        >>> origin_short({"kind": "forward", "op": "batch_norm", "file": "/src/model.py", "line": 16})
+        'NaN/Inf starts here: batch_norm'
+    """
+    return f"NaN/Inf {STARTS_HERE}: {_as_origin(origin).op}"
+
+
+def origin_node_lines(origin: NonfiniteOrigin | dict[str, Any]) -> list[str]:
+    """The label of the node a drawing adds for an origin op that has none in the graph,
+    drawn where its output enters the graph.
+
+    Example:
+        >>> origin_node_lines({"kind": "forward", "op": "log", "layer": "", "file": "/src/m.py", "line": 18,
+        ...                    "needs_grad": False})
+        ['log, on data that needs no gradient: NaN/Inf starts here', "in the model's own forward, m.py:18"]
+    """
+    o = _as_origin(origin)
+    return [f"{o.op}, {origin_placement(o) or ORIGIN_NO_NODE}: NaN/Inf {STARTS_HERE}",
+            f"{_in_layer(o.layer).strip()}{_at(o, ', ')}"]
 
 
 # --------------------------------------------------------------------------
 # drawing labels
 # --------------------------------------------------------------------------
-def edge_lines(meta: GradMeta | None, stats: bool, observed: bool = True) -> list[str]:
+def edge_lines(meta: GradMeta | None, stats: bool, observed: bool = True, why: str | None = None) -> list[str]:
     """Label lines for one gradient: shape and dtype, then norm (and NaN/Inf).
 
     Args:
@@ -404,16 +552,20 @@ def edge_lines(meta: GradMeta | None, stats: bool, observed: bool = True) -> lis
         stats: show the norm.
         observed: False for a gradient whose shape is known but whose
             values could not be seen (inside a compiled program).
+        why: why it was not observed (``Edge.note``), shown under "not observed".
 
     Example:
         >>> edge_lines(GradMeta((2, 16), "float32"), True, observed=False)
         ['[2, 16] f32', 'not observed']
+        >>> edge_lines(None, True, why="Einsum takes no hook")
+        ['not observed', '(Einsum takes no hook)']
     """
+    unseen = [NOT_OBSERVED] + ([f"({why})"] if why else [])
     if meta is None:
-        return [NOT_OBSERVED]
+        return unseen
     lines = [f"{fmt_shape(meta.shape)} {_DTYPE_SHORT.get(meta.dtype or '', meta.dtype or '')}".strip()]
     if not observed:
-        return lines + [NOT_OBSERVED]
+        return lines + unseen
     if meta.local_shape is not None:  # auto-parallel: this rank's shard
         lines.append(shard_line(meta))
     if stats and meta.norm is not None:
@@ -534,6 +686,89 @@ def box_lines(node: Node) -> list[str]:
     return lines
 
 
+#: Why an op has no forward source line (``Node.source_note``), as people read it.
+SOURCE_NOTES_TEXT = {
+    "static": "no Python line: a to_static program (its ops run compiled)",
+    "internal": "no Python line: made inside Paddle, not called from your code",
+    "unrecorded": "forward line not recorded: its forward ran before the capture was armed or decided "
+                  "(or Paddle kept no stack for this op)",
+}
+_SOURCE_SHOWN = 4  # outer frames named after the innermost one
+
+
+def source_frame(frame: SourceFrame, full: bool = True) -> str:
+    """One frame of a forward call stack: ``file:line in function: code``.
+
+    Example:
+        >>> f = SourceFrame("/src/model.py", 16, "forward", "h = paddle.sqrt(h)")
+        >>> source_frame(f), source_frame(f, full=False)
+        ('/src/model.py:16 in forward: h = paddle.sqrt(h)', 'model.py:16 in forward')
+    """
+    if not full:
+        return f"{os.path.basename(frame.file) or frame.file}:{frame.line} in {frame.function}"
+    return f"{frame.file}:{frame.line} in {frame.function}" + (f": {frame.code}" if frame.code else "")
+
+
+def source_short(node: Node) -> str | None:
+    """Where an op's forward was called, short (``model.py:16: h = paddle.sqrt(h)``);
+    the reason when that is not known; None for nodes that are no op.
+
+    Example:
+        >>> source_short(Node(1, "op", "SqrtGradNode", "Sqrt",
+        ...                   source=(SourceFrame("/src/model.py", 16, "forward", "h = paddle.sqrt(h)"),)))
+        'model.py:16: h = paddle.sqrt(h)'
+    """
+    if node.source:
+        f = node.source[-1]
+        return f"{os.path.basename(f.file) or f.file}:{f.line}" + (f": {f.code}" if f.code else "")
+    return SOURCE_NOTES_TEXT.get(node.source_note or "")
+
+
+def source_lines(node: Node) -> list[str]:
+    """The forward call stack of an op, innermost first: ``line: ...`` then
+    ``called from: ...`` (the outermost beyond a few are counted); the reason
+    when it is not known; nothing when it was not recorded at all.
+
+    Example:
+        >>> n = Node(1, "op", "TanhGradNode", "Tanh", source=(
+        ...     SourceFrame("train.py", 40, "<module>", "loss = net(x).mean()"),
+        ...     SourceFrame("model.py", 19, "squash", "h = paddle.tanh(h)")))
+        >>> source_lines(n)
+        ['line: model.py:19 in squash: h = paddle.tanh(h)', 'called from: train.py:40 in <module>: loss = net(x).mean()']
+    """
+    if not node.source:
+        text = SOURCE_NOTES_TEXT.get(node.source_note or "")
+        return [text] if text else []
+    frames = list(reversed(node.source))
+    lines = ["line: " + source_frame(frames[0])]
+    lines += ["called from: " + source_frame(f) for f in frames[1:1 + _SOURCE_SHOWN]]
+    if len(frames) > 1 + _SOURCE_SHOWN:
+        lines.append(f"called from: {plural(len(frames) - 1 - _SOURCE_SHOWN, 'more frame')}")
+    return lines
+
+
+def source_attrs(node: Node) -> dict[str, str]:
+    """Attributes of a node for viewers that list them (Model Explorer, VisualDL's
+    Graphs tab): where its forward was called, in full.
+
+    Example:
+        >>> source_attrs(Node(1, "op", "TanhGradNode", "Tanh", source=(
+        ...     SourceFrame("/src/train.py", 40, "<module>", "loss = net(x).mean()"),
+        ...     SourceFrame("/src/model.py", 19, "squash", "h = paddle.tanh(h)"))))
+        {'source': 'model.py:19: h = paddle.tanh(h)', 'source file': '/src/model.py:19 in squash', 'called from': '/src/train.py:40 in <module>: loss = net(x).mean()'}
+    """
+    if node.kind != "op":
+        return {}
+    if not node.source:
+        text = source_short(node)
+        return {"source": text} if text else {}
+    f = node.source[-1]
+    out = {"source": source_short(node) or "", "source file": f"{f.file}:{f.line} in {f.function}"}
+    if len(node.source) > 1:
+        out["called from"] = " < ".join(source_frame(x) for x in reversed(node.source[:-1]))
+    return out
+
+
 def node_tooltip(node: Node) -> str:
     """Hover text: Paddle's grad node name, the layer (call), the key, why unhooked,
     what it saved for backward."""
@@ -542,6 +777,7 @@ def node_tooltip(node: Node) -> str:
                                    if node.layer is not None else OUTSIDE_MODEL), f"key: {node.key}"]
     if node.note:
         tip.append(node.note)
+    tip.extend(source_lines(node))
     if node.saved_bytes:
         tip.append(f"saved for backward: {fmt_bytes(node.saved_bytes)}")
     if node.kind == "layer" and node.unhooked:
@@ -622,7 +858,7 @@ def end_line(captured: int, graphs: int, written: int, lost: dict[int, str], dra
 
 
 def capture_title(step: Any, trigger: str | None = None, role: Any = None, index: int | None = None,
-                  origin: dict[str, Any] | None = None) -> str:
+                  origin: NonfiniteOrigin | dict[str, Any] | None = None) -> str:
     """The name of one capture (in a list of captures, on its picture): step, backward role,
     trigger, where a NaN/Inf started.
 
@@ -631,7 +867,7 @@ def capture_title(step: Any, trigger: str | None = None, role: Any = None, index
         trigger: what made the capture (``"scheduled"`` or None is not named).
         role: which backward of the step it was, as :func:`backward_role` words it.
         index: the capture's position (from 1), named when the step is unknown.
-        origin: ``graph.meta["nonfinite_origin"]``, worded by :func:`origin_title`.
+        origin: the record's origin (``graph.nonfinite.origin``), worded by :func:`origin_title`.
 
     Example:
         >>> capture_title(8, "nonfinite_loss"), capture_title("03", "scheduled", "micro-batch 2 of 2")
@@ -644,7 +880,7 @@ def capture_title(step: Any, trigger: str | None = None, role: Any = None, index
         title += f" - {role}"
     if trigger and trigger != "scheduled":
         title += f" - trigger: {trigger}"
-    if isinstance(origin, dict):
+    if origin is not None:
         title += f" - {origin_title(origin)}"
     return title
 
@@ -665,7 +901,7 @@ def graph_title(graph: BackwardGraph) -> str | None:
         return None
     role = meta.get("backward")
     return capture_title(meta["step"], meta.get("trigger"), backward_role(role) if isinstance(role, dict) else None,
-                         origin=meta.get("nonfinite_origin"))
+                         origin=record_of(graph).origin)
 
 
 def collapse_note(collapsed: BackwardGraph, full: BackwardGraph, full_detail: str = "the SVG has every op") -> str:
@@ -904,25 +1140,23 @@ def graph_summary(graph: BackwardGraph, top: int = 5, previous: BackwardGraph | 
         biggest = sorted(norms.items(), key=lambda kv: -_sort_val(kv[1]))[:top]
         lines.append("largest grad norms: " + ", ".join(
             f"{group_name(k)} {v:.3g}" for k, v in biggest) + ";")
-    sites = graph.nonfinite_sites()
+    record = record_of(graph)
     unhooked = _unobserved_ops(graph)
     compiled = sum(1 for n in graph.nodes if n.kind == "op" and n.note == PROGRAM_OP_NOTE)
     bad_params = [name for name, m in params.items() if m is not None and m.nonfinite]
-    origin = graph.meta.get("nonfinite_origin")
-    if isinstance(origin, dict):
-        lines.append(describe_origin(origin) + ";")
-        if graph.meta.get("replayed"):
-            lines.append("graph replayed from the step's inputs before the update (param.grad untouched);")
-    if sites:
-        first = sites[0]
-        lines.append(f"NaN/Inf gradients at {plural(len(sites), 'node')}, first at {describe_node(first)};")
-    elif graph.nonfinite_count():
+    story = nonfinite_lines(record)
+    first = record.first_gradient and next((n for n in graph.nodes if n.key == record.first_gradient.key), None)
+    if first is not None and first.source:  # the line of code that made the first non-finite gradient's op
+        story = [ln[:-1] + f" ({source_short(first)});" if ln.startswith("NaN/Inf gradients at") else ln
+                 for ln in story]
+    lines.extend(story[:1] if record.origin is not None else [])
+    if record.origin is not None and graph.meta.get("replayed"):
+        lines.append("graph replayed from the step's inputs before the update (param.grad untouched);")
+    lines.extend(story[1:] if record.origin is not None else story)
+    if record.first_gradient is None and graph.nonfinite_count():
         lines.append(f"NaN/Inf in the gradients of {plural(len(bad_params), 'parameter')}: {_names(bad_params)};")
-    elif graph.meta.get("grad_stats"):
+    elif record.first_gradient is None and graph.meta.get("grad_stats"):
         lines.append("no NaN/Inf in the observed gradients;" if unhooked or compiled else "no NaN/Inf gradients;")
-    weights = graph.meta.get("nonfinite_weights")
-    if weights:  # an update already wrote NaN/Inf into them: finite gradients do not mean a healthy model
-        lines.append(f"NaN/Inf in the weights of {plural(len(weights), 'parameter')}: {_names(list(weights))};")
     kinds = sorted({n.op for n in unhooked})
     # named once, and again only when the set changes (no repeated boilerplate step after step)
     if unhooked and (previous is None or kinds != sorted({n.op for n in _unobserved_ops(previous)})):
@@ -988,6 +1222,10 @@ def diff_summary(diff: GraphDiff) -> str:
         info = diff.node_info.get(key)
         return describe_node(info) if info else key
 
+    if diff.replayed:
+        gone = _names(sorted({describe(k) for k in diff.left_out}))
+        lines.append(f"{diff.replayed} capture {REPLAYED_FROM_OUTPUT}: compared from there"
+                     + (f", the other's ops above it left out ({gone})" if gone else "") + ";")
     if not diff.structure_changed:
         lines.append("same graph structure;")
     else:
@@ -1008,11 +1246,11 @@ def diff_summary(diff: GraphDiff) -> str:
         lines.append(f"parameters now receiving gradient: {_names(diff.params_started)};")
     if diff.params_stopped:
         lines.append(f"parameters no longer receiving gradient: {_names(diff.params_stopped)};")
-    if diff.nonfinite_origin is not None:
-        o = diff.nonfinite_origin
+    if diff.first_nonfinite is not None:
+        o = diff.first_nonfinite
         verb = "appeared at" if diff.new_nonfinite else "still at"
         where = f"{len(diff.new_nonfinite)} new nodes" if diff.new_nonfinite else "the same nodes"
-        lines.append(f"NaN/Inf gradients {verb} {where}, first at {describe_node(o)} (node {o['key']});")
+        lines.append(f"NaN/Inf gradients {verb} {where}, {describe_first_gradient(o)} (node {o['key']});")
     if diff.resolved_nonfinite:
         lines.append(f"NaN/Inf gradients gone from {len(diff.resolved_nonfinite)} nodes;")
     if diff.global_norm_ratio is not None:

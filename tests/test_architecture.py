@@ -21,6 +21,7 @@ PKG_DIR = os.path.dirname(paddleviz_hooks.__file__)
 LAYERS = [
     ("foundations", {"_version", "_fileio", "_interrupts", "escape", "warn", "hazards", "graph"}),
     ("capture", {"capture"}),
+    ("findings", {"findings"}),  # the NaN/Inf record of a capture, read by every view
     ("transforms", {"collapse", "diff"}),
     ("across ranks", {"ranks"}),  # built on diff: one step of several ranks matched
     ("wording", {"text"}),

@@ -190,9 +190,10 @@ def test_hostile_names_through_the_callback(tmp_path, capsys):
     for kind in ("image", "text", "scalar"):
         for tag in tags.get(kind, []):
             assert "%" not in tag and ".." not in tag and " " not in tag and "\n" not in tag, tag
-    # (the layer named ".." has parameters "...weight": its group is "", its tag "~grad_norm")
+    # (the layer named ".." has parameters "...weight": at depth 3 its group is "..", its tag "~grad_norm/_")
     grad_tags = [t for t in tags["scalar"] if t == "~grad_norm" or t.startswith("~grad_norm/")]
-    assert len(grad_tags) == len(HOSTILE) + 2, grad_tags  # one per top-level layer, plus inner and head
+    # one per top-level layer, inner's four and head (the default scalar depth reaches inner's layers)
+    assert len(grad_tags) == len(HOSTILE) + 5, grad_tags
     for t in grad_tags:
         assert len(reader.get_data("scalar", t)) == 3, t
     assert image_steps(reader, "backward_graph") == [1, 2, 4]

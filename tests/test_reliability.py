@@ -92,6 +92,17 @@ def _held_state() -> dict:
     return _held
 
 
+def _source_state():
+    """Paddle's call-stack flag and the patches forward source lines use (none on older versions)."""
+    import traceback
+
+    try:
+        from paddleviz_hooks.capture import source
+    except ImportError:
+        return None
+    return paddle.get_flags([source.FLAG]), traceback.format_stack, dict(source._WRAPPED), source._ARMED
+
+
 def _recompute_forward():
     from paddle.distributed.fleet.recompute.recompute import RecomputeFunction
 
@@ -106,6 +117,7 @@ class Leftovers:
         self.flags = paddle.get_flags(NUMERICS_FLAGS)
         self.static_hook = _static_hook()
         self.recompute_forward = _recompute_forward()
+        self.source_state = _source_state()
         self.calls = 0
         self._orig = stats_mod.grad_meta
 
@@ -128,6 +140,8 @@ class Leftovers:
             left.append("to_static run hook")
         if _recompute_forward() is not self.recompute_forward:
             left.append("recompute patch")
+        if _source_state() != self.source_state:
+            left.append("call-stack flag / source patches")
         if paddle.get_flags(NUMERICS_FLAGS) != self.flags:
             left.append("numerics flags")
         held = _held_state()

@@ -221,7 +221,7 @@ def test_report_in_chromium(report, tmp_path):
             nan_panel = page.locator(f"#panel-0-{NAN_AT}")
             sites = nan_panel.locator("ol.sites li")
             assert sites.count() >= 5
-            assert "origin" in sites.first.inner_text() and "Sqrt in block" in sites.first.inner_text()
+            assert "first non-finite gradient" in sites.first.inner_text() and "Sqrt in block" in sites.first.inner_text()
             assert "step 90" in page.locator("#overview-0").inner_text()
 
             # per-layer gradient norm chart with a marker on the current step

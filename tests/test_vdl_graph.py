@@ -21,6 +21,8 @@ import pytest
 
 from paddleviz_hooks import BackwardGraphRecorder, capture_backward
 from paddleviz_hooks.options import RecorderOptions
+from paddleviz_hooks.findings import nonfinite_record
+from paddleviz_hooks.graph import NonfiniteOrigin
 from paddleviz_hooks.sinks.vdl_graph import vdl_graph, write_vdl_graph
 from paddleviz_hooks.text import fmt_num
 
@@ -150,13 +152,16 @@ def test_nan_origin_is_flagged(tmp_path):
     graph = cap.graph
     sites = graph.nonfinite_sites()
     assert sites, "the test model must make a NaN gradient"
-    graph.meta["nonfinite_origin"] = {"kind": "op", "op": "sqrt", "layer": "fc", "layer_class": "Linear",
-                                      "file": "model.py", "line": 16, "code": "h = paddle.sqrt(h)"}
+    sqrt = next(n for n in graph.nodes if n.op == "Sqrt")
+    graph.nonfinite = nonfinite_record(graph, NonfiniteOrigin(
+        "forward", op="sqrt", layer="", layer_class="Bad", file="model.py", line=16, code="h = paddle.sqrt(h)",
+        key=sqrt.key, needs_grad=True))
     data = vdl_graph(graph)
-    flagged = [n for n in data["nodes"] if n["type"].startswith("NaN origin: ")]
-    assert {n["attrs"].get("key") for n in flagged if n["is_leaf_node"]} == {sites[0].key}
-    fc = next(n for n in data["nodes"] if n["name"] == "/fc")
-    assert fc in flagged and "sqrt" in fc["attrs"]["NaN from"] and "model.py:16" in fc["attrs"]["NaN from"]
+    flagged = [n for n in data["nodes"] if n["type"].startswith("NaN/Inf starts here: sqrt")]
+    assert [n["attrs"].get("key") for n in flagged] == [sqrt.key]  # the origin op's own node, named in its type
+    assert "model.py:16: h = paddle.sqrt(h)" in flagged[0]["attrs"]["NaN/Inf origin"]
+    firsts = [n["attrs"].get("key") for n in data["nodes"] if "first non-finite gradient" in n["attrs"]]
+    assert firsts == [sites[0].key]  # the first non-finite gradient: an attribute of its own
     bad = [v for v in data["vars"] if "NaN" in v["shape"][0]]
     assert bad, "edges carrying NaN say so in their label"
     write_vdl_graph(str(tmp_path / "g"), graph)

@@ -22,9 +22,9 @@ class BackwardGraphCallback(paddle.callbacks.Callback):
 
     Every argument is a :class:`~paddleviz_hooks.recorder.BackwardGraphRecorder`
     argument with the same default and meaning (see there): ``log_dir``,
-    ``every``, ``steps``, ``capture_first``, ``max_captures``, ``grad_stats``, ``saved_memory``, ``color_by``,
+    ``every``, ``steps``, ``capture_first``, ``max_captures``, ``grad_stats``, ``saved_memory``, ``sources``, ``color_by``,
     ``view_max_nodes``, ``view_max_px``, ``viewer_px``, ``formats``, ``visualdl``, ``sinks``,
-    ``visualdl_graphs``, ``visualdl_diagnostics``,
+    ``visualdl_graphs``, ``visualdl_diagnostics``, ``scalar_depth``,
     ``run_name``, ``ranks``, ``on_nonfinite``, ``on_grad_spike``,
     ``on_structure_change``, ``cooldown``, ``queue_size``, ``render_timeout``,
     ``verbose``. The model is ``Model.fit``'s network.

@@ -11,6 +11,10 @@ recompute's PyLayer runs a second backward inside its grad node. The
 dispatcher keeps, per thread, the sessions of the backwards under way, so
 each capture learns that a backward is nested and inside which of its own
 sessions (``BackwardCapture._begin(..., nested=True, parent=...)``).
+
+When a session's forward ran with call stacks recorded, the backward is
+given a temporary dump folder, whose stacks the sessions read when it is over
+(``source.py``); the folder is removed on every exit path.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import paddle
 from paddle.base import core
 
 from .._interrupts import as_interrupt, held_interrupts, is_wrapped_interrupt, run_all
+from .source import StackDump
 
 __all__ = ["DISPATCHER", "dispatcher_installed"]
 
@@ -106,6 +111,7 @@ class Dispatcher:
         frame = _Frame()
         grad_was = paddle.is_grad_enabled()
         sessions: list = []
+        dump: StackDump | None = None
         pushed = ok = False
         try:
             # inside the try: an interrupt while walking still unhooks what was hooked
@@ -116,6 +122,9 @@ class Dispatcher:
                     s = cap._begin(list(roots), entry, nested=True, parent=outer.sessions.get(cap))
                 sessions.append((cap, s))
                 frame.sessions[cap] = s
+            if any(s is not None and s.wants_stacks for _, s in sessions):
+                dump = StackDump()
+                args = dump.inject(entry, args)
             frames.append(frame)
             pushed = True
             result = original(*args)
@@ -138,8 +147,18 @@ class Dispatcher:
             # A hook that raised (or a KeyboardInterrupt inside one) leaves
             # Paddle's grad mode off for the rest of the process: restore it.
             ends = [lambda: paddle.is_grad_enabled() != grad_was and paddle.set_grad_enabled(grad_was)]
+            if dump is not None:
+                ends.append(lambda: _hand_stacks(dump, sessions))
             ends += [functools.partial(cap._end, s, ok=ok, retain_graph=bool(retain_graph)) for cap, s in sessions]
             run_all(*ends)  # every capture unhooks, whatever another raises
+
+
+def _hand_stacks(dump: Any, sessions: list) -> None:
+    """The forward call stacks of the backward's nodes, to every session that observed it."""
+    stacks = dump.collect()
+    for _, s in sessions:
+        if s is not None:
+            s.stacks = stacks
 
 
 DISPATCHER = Dispatcher()

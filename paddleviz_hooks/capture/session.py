@@ -21,6 +21,9 @@
   forward are recorded (``saved.py``) and put on the graph: ``Node.saved_bytes``
   and ``meta["saved_memory"]``. Observing starts when the block is entered and
   again after each backward, and stops when a backward starts.
+* With ``sources=True`` (the default), each op node gets the lines of the
+  user's code that called its forward op (``Node.source``, ``source.py``): the
+  forward call stacks Paddle records while its flag is on, armed the same way.
 """
 
 from __future__ import annotations
@@ -32,14 +35,16 @@ import paddle
 
 from ..graph import BackwardGraph, GradMeta
 from .._interrupts import held_interrupts, pop_each, run_all
-from ..hazards import hook_hazard
+from ..hazards import PROGRAM_OP_NOTE, hook_hazard
 from ..warn import WarnOnce
 from .attribution import LayerAttribution, frame_name
 from .dispatch import DISPATCHER
 from .gradnode import Walk, forget_saved, grad_fn, parameter_names, walk_graph
+from .joins import Joins, explain
 from .static import ProgramRuns
 from .nested import place, pylayer_context, stitch
 from .saved import SavedMemory
+from . import source as sources_
 from .sync import AppliedGrads, data_parallel_world, local_scalar
 from . import stats
 
@@ -99,6 +104,7 @@ class _Session:
         self.leaf_sums: dict[int, Any] | None = None
         self.handles: list[Any] = []  # node post-hooks and parameter hooks, removed in _end
         self.in_meta: dict[int, GradMeta] = {}
+        self.joins: Joins | None = None  # Concat/AddN nodes: their gradients read from what they received
         self.errors: list[BaseException] = []
         self.interrupt: BaseException | None = None
         self.returned: list[list[Any]] = []  # what the hooks returned; emptied in _end
@@ -108,6 +114,8 @@ class _Session:
         self.trigger: str | None = None
         self.calls: dict[str, str] = {}  # layer-call tree of the walked nodes
         self.saved: tuple[dict[int, int], dict[str, Any]] | None = None  # see saved.py
+        self.wants_stacks = False  # its forward ran with call stacks recorded (source.py)
+        self.stacks: dict[int, Any] | None = None  # node address -> stack, set by the dispatcher
 
 
 class BackwardCapture:
@@ -133,6 +141,7 @@ class BackwardCapture:
         after_backward: Callable[[bool], None] | None = None,
         warn: Callable[[str, str], None] | None = None,
         saved_memory: bool = False,
+        sources: bool = True,
     ) -> None:
         if layer is not None and not isinstance(layer, paddle.nn.Layer):
             raise TypeError(
@@ -143,6 +152,8 @@ class BackwardCapture:
             raise TypeError(f"grad_stats must be True or False, got {grad_stats!r}")
         if not isinstance(saved_memory, bool):
             raise TypeError(f"saved_memory must be True or False, got {saved_memory!r}")
+        if not isinstance(sources, bool):
+            raise TypeError(f"sources must be True or False, got {sources!r}")
         if params is not None and not isinstance(params, (dict, paddle.nn.Layer)):
             raise TypeError(
                 f"params must be a paddle.nn.Layer or a dict of name -> Tensor, got {type(params).__name__}"
@@ -178,6 +189,13 @@ class BackwardCapture:
         self._saved: SavedMemory | None = None
         self._saved_on = False  # observe saved tensors in the forwards of this block
         self._backwards = 0  # backwards under way (a recompute's inner one runs inside another)
+        #: record the forward source line of each op (``Node.source``)
+        self.sources = sources
+        #: arm source recording when the block is entered (the recorder's trigger
+        #: watch, active on every step, arms it only for captured steps instead)
+        self.sources_from_enter = True
+        self._sources_on = False  # arm the forwards of this block (again after each backward)
+        self._sources_held = False  # this capture holds Paddle's call-stack flag on now
 
     # -- context protocol ---------------------------------------------------
     def __enter__(self) -> "BackwardCapture":
@@ -195,6 +213,8 @@ class BackwardCapture:
                 self._active = True
                 if self.saved_memory:
                     self.observe_saved(True)
+                if self.sources and self.sources_from_enter:
+                    self.observe_sources(True)
             return self
         except BaseException:
             self._teardown()
@@ -214,7 +234,8 @@ class BackwardCapture:
         another part raises (the first exception is raised after)."""
         with held_interrupts():
             self._active = False
-            run_all(lambda: self.observe_saved(False), self._drop_saved, lambda: DISPATCHER.deactivate(self),
+            run_all(lambda: self.observe_saved(False), lambda: self.observe_sources(False), self._drop_saved,
+                    lambda: DISPATCHER.deactivate(self),
                     self._programs.remove, self._drop_attribution)
             self._param_names = {}
 
@@ -250,6 +271,26 @@ class BackwardCapture:
             self._saved_on = False
             self._warn("saved", f"saved-tensor memory is not observed: {exc!r}")
 
+    def observe_sources(self, on: bool) -> None:
+        """Start (or stop) recording where the forwards call their ops.
+
+        Like :meth:`observe_saved`: on at the start of a captured step (or
+        block) until its backward starts, again after each backward while on.
+        """
+        self._sources_on = on and self._active
+        self._hold_sources(self._sources_on)
+
+    def _hold_sources(self, on: bool) -> None:
+        """Hold (or let go of) Paddle's call-stack flag for this capture."""
+        if on and not self._sources_held:
+            self._sources_held = sources_.arm()
+            if not self._sources_held:
+                self._warn("sources", "forward source lines are not recorded: Paddle's call-stack flag "
+                                      "could not be set")
+        elif not on and self._sources_held:
+            sources_.disarm()
+            self._sources_held = False  # after: a second call finishes an interrupted one
+
     @property
     def errors(self) -> list[str]:
         """Every capture problem met so far (each also warned once per cause)."""
@@ -275,6 +316,8 @@ class BackwardCapture:
         t0 = time.perf_counter()
         self._backwards += 1
         saved = self._saved if self._saved is not None and self._saved.armed else None
+        stacks = self._sources_held  # this backward's forward ran with call stacks on
+        keep_stacks = False  # on through a backward that recomputes a block
         try:
             if saved is not None:
                 saved.disarm()  # the forward is over: the backward saves nothing of the step's
@@ -300,6 +343,8 @@ class BackwardCapture:
                 return None
             s = _Session(self, walk(), entry, t0)
             s.trigger = trigger
+            s.wants_stacks = stacks
+            keep_stacks = stacks and any(n.name.startswith("GradNodePyLayer_") for n in s.walk.nodes)
             self._snapshot_calls(s)
             s.index = self.backwards_seen
             if saved is not None:
@@ -319,6 +364,8 @@ class BackwardCapture:
         finally:
             if saved is not None:
                 saved.release()  # the saves' grad node wrappers go now
+            if stacks and not nested and not keep_stacks:
+                self._hold_sources(False)  # the forward is over
 
     def _snapshot_calls(self, s: _Session) -> None:
         """The layer-call tree of the walked nodes, taken now: attribution is
@@ -331,6 +378,7 @@ class BackwardCapture:
         """A backward inside ``parent``'s: walk and hook it, and find the node that runs it."""
         layer_of = self._attribution.lookup if self._attribution is not None else None
         s = _Session(self, walk_graph(roots, self._param_names, layer_of), entry, t0, parent=parent)
+        s.wants_stacks = parent.wants_stacks and self._sources_held  # the recomputed forward ran with them
         for node in s.walk.nodes:  # its roots are activations (recompute's block outputs), not a loss
             if node.kind == "root":
                 node.name = node.op = "activation" if len(roots) == 1 else node.name
@@ -353,6 +401,8 @@ class BackwardCapture:
             if reason is not None:
                 node.note = reason
                 needs_in.update(e.dst for e in w.out_edges.get(nid, ()))
+        joins = Joins(w.nodes, w.edges, w.out_edges, w.wrappers, s.in_meta, self.grad_stats, s.stats)
+        s.joins = joins if joins else None
         for nid, node in enumerate(w.nodes):
             if node.kind == "param":
                 self._hook_param(s, nid)
@@ -407,6 +457,8 @@ class BackwardCapture:
         sums = s.leaf_sums
         to_leaf = ([i for i, e in enumerate(out_edges) if s.walk.nodes[e.dst].kind == "input"]
                    if sums is not None else [])
+        joins = s.joins
+        to_join = [i for i, e in enumerate(out_edges) if joins.wants(e.dst)] if joins is not None else []
 
         def hook(outs, ins):
             t = time.perf_counter()
@@ -418,6 +470,9 @@ class BackwardCapture:
                     if i < len(produced):
                         prev = sums.get(out_edges[i].dst)
                         sums[out_edges[i].dst] = produced[i] if prev is None else prev + produced[i]
+                for i in to_join:  # a Concat/AddN cuts or copies it (joins.py)
+                    if i < len(produced):
+                        joins.arrive(out_edges[i].dst, produced[i])
                 if root_edge is not None or want_in:
                     received = stats.flat_tensors(ins)
                     if len(received) == 1:
@@ -425,6 +480,8 @@ class BackwardCapture:
                         if root_edge is not None:
                             root_edge.grad = m
                         s.in_meta[nid] = m
+                        if joins is not None:
+                            joins.reported(nid)
             except Exception as exc:  # a raising hook would abort backward
                 s.errors.append(exc)
             except BaseException as exc:  # Ctrl-C: re-raised when the backward returns
@@ -448,6 +505,8 @@ class BackwardCapture:
         self._backwards = max(0, self._backwards - 1)
         if self._saved_on and self._active and not self._backwards:
             self.observe_saved(True)  # the next forward of the block
+        if not self._backwards:
+            self._hold_sources(self._sources_on and self._active)  # the next forward of the block
         if not retain_graph:
             self._programs.reset()  # that forward's program runs are consumed
         if s is None:
@@ -458,6 +517,11 @@ class BackwardCapture:
             return
         t0 = time.perf_counter()
         try:
+            if s.joins is not None:
+                s.joins.finish()  # before _fill_received: a cut slice is exact
+            if s.wants_stacks or self.sources:
+                sources_.apply_stacks(s.walk.nodes, s.ptrs, s.stacks if s.wants_stacks else None,
+                                      PROGRAM_OP_NOTE, nested=s.parent is not None)
             s.walk.release()
             if not retain_graph and self._attribution is not None:
                 # that forward's graph is consumed (a nested one: the recomputed forward's);
@@ -507,6 +571,7 @@ class BackwardCapture:
         self._fill_received(s)
         self._leaf_totals(s)
         self._merge_children(s)
+        explain(s.walk.nodes, s.walk.edges, s.joins)  # after stitching: it may fill the PyLayer's edge
         if s.at is not None:
             s.parent.children.append((s.at, s))
             s.parent.hook_seconds += s.prepare_seconds + s.hook_seconds  # the step's capture cost
@@ -551,6 +616,7 @@ class BackwardCapture:
         """Stitch the nested backwards (already merged with theirs) into this session's graph."""
         for at, child in s.children:
             s.calls.update({k: v for k, v in child.calls.items() if k not in s.calls})
+            sources_.prefix_recomputed(s.walk.nodes[at], child.walk.nodes)
             stitch(s.walk.nodes, s.walk.edges, s.ptrs, at, child.walk.nodes, child.walk.edges, child.ptrs)
         s.children.clear()
 
@@ -562,6 +628,7 @@ class BackwardCapture:
                 s.walk.nodes[nid].saved_bytes = nbytes
         stitched = len(s.children)
         self._merge_children(s)
+        explain(s.walk.nodes, s.walk.edges, s.joins)  # after stitching: it may fill the PyLayer's edge
         sync = self._read_applied(s)
         s.stats.resolve()  # every statistic of this backward, in one read
         graph = self._graph(s, s.walk.nodes, s.walk.edges, s.ptrs)
@@ -652,6 +719,7 @@ def capture_backward(
     grad_stats: bool = True,
     params: Any = None,
     saved_memory: bool = False,
+    sources: bool = True,
 ) -> BackwardCapture:
     """Capture the backward graph of every backward call inside a ``with`` block.
 
@@ -673,6 +741,12 @@ def capture_backward(
             its backward (activation memory): bytes per grad node
             (``Node.saved_bytes``), per layer call and per op in
             ``graph.meta["saved_memory"]``. Run the forward inside the block.
+        sources: record where the user's code called each op's forward
+            (``Node.source``: file, line, function and code of each frame),
+            from the call stacks Paddle keeps while
+            ``FLAGS_call_stack_level`` is 3; the flag is on from the start of
+            the block (and again after each backward) until a backward
+            starts. Run the forward inside the block.
 
     Returns:
         A :class:`BackwardCapture`; ``cap.graphs`` holds one graph per backward,
@@ -693,5 +767,6 @@ def capture_backward(
         >>> cap.graph.count_ops()["Matmul"]
         2
     """
-    return BackwardCapture(layer, grad_stats=grad_stats, params=params, saved_memory=saved_memory)
+    return BackwardCapture(layer, grad_stats=grad_stats, params=params, saved_memory=saved_memory,
+                           sources=sources)
 

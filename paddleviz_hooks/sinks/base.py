@@ -32,14 +32,16 @@ from ..diff import GraphDiff
 from ..graph import BackwardGraph
 
 __all__ = ["Sink", "SinkContext", "CaptureData", "CapturePictures", "capture_scalars", "finite_scalars",
-           "png_to_array", "suffixed", "SCALAR_GROUP",
-           "LAYER_NORM_GROUP", "SAVED_MEMORY_GROUP"]
+           "png_to_array", "suffixed", "scalar_depth", "SCALAR_GROUP",
+           "LAYER_NORM_GROUP", "LAYER_SCALARS", "SAVED_MEMORY_GROUP"]
 
 #: Scalar groups: '~' sorts after letters, digits and '_', so dashboards that order groups
 #: by name (VisualDL, TensorBoard) list them after the user's own curves
 SCALAR_GROUP = "~backward_graph"
 LAYER_NORM_GROUP = "~grad_norm"
 SAVED_MEMORY_GROUP = "~saved_memory"  # MB held for backward, with saved_memory=True
+#: the most ``~grad_norm/...`` scalars the default layer depth gives (see :func:`scalar_depth`)
+LAYER_SCALARS = 30
 
 
 @dataclass(frozen=True)
@@ -151,12 +153,40 @@ class Sink:
         """Stop writing; a later :meth:`open` starts again."""
 
 
-def capture_scalars(graph: BackwardGraph, suffix: str = "", diagnostics: bool = False) -> dict[str, float | None]:
+def scalar_depth(graph: BackwardGraph, depth: int | None = None) -> int:
+    """How many components of a dotted layer path name a ``~grad_norm/...`` scalar.
+
+    ``depth`` when given; else the deepest level of the model's layer tree
+    that gives at most :data:`LAYER_SCALARS` groups (at least 1: the top-level
+    layers). A layer shallower than the depth is a group of its own
+    (``head`` beside ``encoder.layers.0``).
+
+    Example:
+        >>> from paddleviz_hooks.graph import GradMeta, Node
+        >>> g = BackwardGraph(nodes=[Node(i, "param", "GradNodeAccumulation", param=p, grad=GradMeta(norm=1.0))
+        ...                          for i, p in enumerate(["enc.0.w", "enc.1.w", "head.w"])])
+        >>> scalar_depth(g), sorted(g.layer_grad_norms(scalar_depth(g)))
+        (2, ['enc.0', 'enc.1', 'head'])
+    """
+    if depth is not None:
+        return depth
+    deepest = max((name.count(".") for name in graph.params()), default=1)
+    best = 1
+    for d in range(2, deepest + 1):
+        if len(graph.layer_grad_norms(d)) > LAYER_SCALARS:
+            break
+        best = d
+    return best
+
+
+def capture_scalars(graph: BackwardGraph, suffix: str = "", diagnostics: bool = False,
+                    depth: int | None = None) -> dict[str, float | None]:
     """The scalars of one capture, named as every sink logs them.
 
     ``~backward_graph/global_grad_norm`` and ``nonfinite_grads`` (with several ranks also
     ``local_grad_norm``, this rank's own before the all-reduce), ``~grad_norm/<layer>`` per
-    top layer, ``~saved_memory/<layer>`` in MB when recorded; with ``diagnostics`` also node and
+    layer down to ``depth`` components of its dotted path (None: see :func:`scalar_depth`),
+    ``~saved_memory/<layer>`` in MB when recorded; with ``diagnostics`` also node and
     edge counts, capture time and the accumulated ``param.grad`` norm. A step's later backwards
     get series of their own (``~backward_graph_b2/...``).
     """
@@ -172,7 +202,7 @@ def capture_scalars(graph: BackwardGraph, suffix: str = "", diagnostics: bool = 
             f"{g}/capture_ms": graph.meta.get("capture_ms"),
             f"{g}/accumulated_grad_norm": graph.meta.get("accumulated_grad_norm"),
         })
-    for layer, norm in graph.layer_grad_norms().items():
+    for layer, norm in graph.layer_grad_norms(scalar_depth(graph, depth)).items():
         scalars[f"{LAYER_NORM_GROUP}/{'top_layer_params' if layer == '(self)' else layer}"] = norm
     saved = graph.meta.get("saved_memory")
     if isinstance(saved, dict):  # in MB

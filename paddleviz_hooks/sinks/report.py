@@ -40,8 +40,10 @@ from ..diff import DIFF_FORMAT, GraphDiff, diff_graphs
 from ..escape import clean_svg, html_escape, json_for_script
 from ..graph import BackwardGraph, parse_json
 from ..render import render_diff, render_ranks, render_svg
-from ..text import (backward_role, call_name, capture_title, describe_node, describe_origin, diff_summary, fmt_bytes,
-                    fmt_num, graph_summary, plural, rank_comparison_lines)
+from ..findings import record_of
+from ..text import (FIRST_GRADIENT, backward_role, call_name, capture_title, describe_first_gradient,
+                    describe_node, describe_origin, diff_summary, fmt_bytes, fmt_num, graph_summary, origin_badge,
+                    plural, rank_comparison_lines)
 from .report_ranks import MergedRun, merged_chart, merged_overview, merged_panel, merged_run
 
 __all__ = ["build_report", "find_step_files", "ReportError"]
@@ -204,15 +206,13 @@ def _load_runs(log_dir: str, timeout: float) -> tuple[list[_Run], list[tuple[str
             st.svg = _existing_svg(st.json_path)
             if st.svg is None:
                 jobs.append((st, "svg", render_svg, (st.graph,), {"title": f"step {st.number}"}))
-            # a replayed step (rooted at the model output) is not compared with ordinary ones
-            replayed = bool(st.graph.meta.get("replayed"))
-            if prev is not None and not replayed:
+            # a replayed step (rooted at the model output) is compared too: diff_graphs aligns it
+            if prev is not None:
                 st.older = prev
                 st.diff = diff_graphs(prev.graph, st.graph)
                 if st.diff.changed:
                     jobs.append((st, "diff_svg", render_diff, (st.diff, st.graph, prev.graph), {"format": "svg"}))
-            if not replayed:
-                prevs[st.suffix] = st
+            prevs[st.suffix] = st
     workers = max(1, min(4, os.cpu_count() or 1))
     with ThreadPoolExecutor(max_workers=workers) as pool:
         futures = [
@@ -363,23 +363,18 @@ def _chart(run: _Run, ri: int) -> str:
     return "".join(parts) + f'<ul class="legend">{"".join(legend)}{more}</ul>'
 
 
-def _origin(graph: BackwardGraph) -> dict | None:
-    found = graph.meta.get("nonfinite_origin")
-    return found if isinstance(found, dict) else None
-
-
 def _site_list(graph: BackwardGraph) -> str:
-    sites = graph.nonfinite_sites()
-    found = _origin(graph)
-    head = (f'<p class="bad origin"><span class="badge bad">starts here</span> {_e(describe_origin(found))}</p>'
-            if found is not None else "")
+    rec = record_of(graph)
+    sites = graph.nonfinite_sites() if rec.first_gradient is not None else []
+    head = (f'<p class="bad origin"><span class="badge bad">{_e(origin_badge(rec.origin))}</span> '
+            f'{_e(describe_origin(rec.origin))}</p>' if rec.origin is not None else "")
     if not sites:
         return head
     items = []
-    for k, n in enumerate(sites[:30]):
-        info = {"kind": n.kind, "op": n.op, "layer": n.layer, "call": n.call, "param": n.param}
-        badge = f'<span class="badge bad">{"first" if found else "origin"}</span> ' if k == 0 else ""
-        items.append(f"<li>{badge}{_e(describe_node(info))} <code>{_e(n.key)}</code></li>")
+    for n in sites[:30]:
+        badge = (f'<span class="badge first">{_e(FIRST_GRADIENT)}</span> '
+                 if n.key == rec.first_gradient.key else "")
+        items.append(f"<li>{badge}{_e(describe_node(n))} <code>{_e(n.key)}</code></li>")
     if len(sites) > 30:
         items.append(f'<li class="muted">and {len(sites) - 30} more</li>')
     return (f'{head}<h3 class="bad">NaN/Inf gradients at {len(sites)} nodes</h3>'
@@ -476,18 +471,13 @@ def _step_panel(run: _Run, ri: int, si: int) -> str:
 def _overview(run: _Run, ri: int) -> str:
     rows = []
     for si, st in enumerate(run.steps):
-        sites = st.graph.nonfinite_sites()
-        found = _origin(st.graph)
-        if sites or found is not None:
-            if found is not None:
-                where = describe_origin(found)
-            else:
-                n = sites[0]
-                where = "origin " + describe_node({"kind": n.kind, "op": n.op, "layer": n.layer, "call": n.call,
-                                                   "param": n.param})
+        rec = record_of(st.graph)
+        if rec.origin is not None or rec.first_gradient is not None:
+            where = (describe_origin(rec.origin) if rec.origin is not None
+                     else describe_first_gradient(rec.first_gradient))
             rows.append(
                 f'<li><button class="jump" data-run="{ri}" data-step="{si}">{_e(st.title)}</button> '
-                f"{len(sites)} nodes, {_e(where)}</li>"
+                f"{rec.gradient_sites} nodes, {_e(where)}</li>"
             )
     changed = [
         f'<button class="jump" data-run="{ri}" data-step="{si}">{_e(st.number)}</button>'
