@@ -171,11 +171,13 @@ def interrupt_at_line(k: int | None, count: list[int]):
     """Raise KeyboardInterrupt at the k-th line run inside the library's set-up/tear-down
     (k None: only count them in ``count[0]``).
 
-    Two kinds of line events are not injected, being places where Python itself gives the
+    Three kinds of line events are not injected, being places where Python itself gives the
     code no handler (an interrupt there is CPython's own limit, bpo-29988, reached by a real
-    Ctrl-C only in a window of a few bytecodes): the first line of an entry point that the
-    user's code (or `with`, or contextlib) calls, where nothing of the library ran yet; and
-    the event of a ``with`` line when its block ends, before the context's ``__exit__`` runs.
+    Ctrl-C only in a window of a few bytecodes, or never): the first line of an entry point
+    that the user's code (or `with`, or contextlib) calls, where nothing of the library ran
+    yet; the events of a ``with`` line when its block ends, before the contexts' ``__exit__``
+    run; and a bare ``try:`` line (a no-op instruction, where CPython checks no signal, that
+    a trace function's exception raises outside the ``try``).
     """
     def make_local(entry: bool):
         state = {"skip": entry, "last": 0}
@@ -188,9 +190,11 @@ def interrupt_at_line(k: int | None, count: list[int]):
             if state["skip"]:  # the entry point's first line
                 state["skip"] = False
                 return local
-            if line < last and linecache.getline(frame.f_code.co_filename, line).lstrip().startswith(
-                    ("with ", "async with ")):
+            text = linecache.getline(frame.f_code.co_filename, line).strip()
+            if line <= last and text.startswith(("with ", "async with ")):
                 return local  # a with block ending
+            if text == "try:":
+                return local  # a no-op where Python never checks for signals
             count[0] += 1
             if k is not None and count[0] == k:
                 raise KeyboardInterrupt(f"injected at line {k}: {frame.f_code.co_name}:{line}")

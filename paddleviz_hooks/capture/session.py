@@ -283,6 +283,7 @@ class BackwardCapture:
     def _hold_sources(self, on: bool) -> None:
         """Hold (or let go of) Paddle's call-stack flag for this capture."""
         if on and not self._sources_held:
+            self._sources_held = True  # before: an arm cut short is still disarmed by the teardown
             self._sources_held = sources_.arm()
             if not self._sources_held:
                 self._warn("sources", "forward source lines are not recorded: Paddle's call-stack flag "

@@ -47,7 +47,6 @@ from typing import Any
 import paddle
 
 from .._interrupts import held_interrupts
-
 from ..graph import Node, SourceFrame
 from .gradnode import grad_fn
 
@@ -151,22 +150,30 @@ def fill_untraced(stacks: dict[int, list[SourceFrame]]) -> None:
 
 
 def arm() -> bool:
-    """Record forward call stacks from now on (one more holder); False when it could not."""
+    """Record forward call stacks from now on (one more holder); False when it could not.
+
+    Whatever raises on the way (a Ctrl-C included), nothing stays patched
+    unless the holder was counted (its :func:`disarm` then puts it back).
+    """
     global _ARMED, _PREVIOUS
     with _LOCK, held_interrupts():
-        if _ARMED == 0:
-            try:
+        try:
+            if _ARMED == 0:
                 _PREVIOUS = int(paddle.get_flags(FLAG)[FLAG])
                 if _PREVIOUS < 3:
                     paddle.set_flags({FLAG: 3})
-            except Exception:
+                if traceback.format_stack is _ORIGINAL_FORMAT:
+                    traceback.format_stack = _format_stack
+                _MADE.clear()
+                _wrap_untraced(True)
+            _ARMED += 1
+            return True
+        except BaseException as exc:
+            if _ARMED == 0:
+                _release()
+            if isinstance(exc, Exception):
                 return False
-            if traceback.format_stack is _ORIGINAL_FORMAT:
-                traceback.format_stack = _format_stack
-            _MADE.clear()
-            _wrap_untraced(True)
-        _ARMED += 1
-        return True
+            raise
 
 
 def disarm() -> None:
@@ -175,21 +182,26 @@ def disarm() -> None:
     Safe to call again after an interrupt cut it short: what is still
     patched when no holder is left is put back then.
     """
-    global _ARMED, _PREVIOUS
+    global _ARMED
     with _LOCK, held_interrupts():
         if _ARMED > 0:
             _ARMED -= 1
-        if _ARMED > 0:
-            return
-        if traceback.format_stack is _format_stack:
-            traceback.format_stack = _ORIGINAL_FORMAT
-        _wrap_untraced(False)
-        _FRAME_TEXT.clear()
-        _FRAMES.clear()
-        if _PREVIOUS is not None:
-            if _PREVIOUS < 3:
-                paddle.set_flags({FLAG: _PREVIOUS})
-            _PREVIOUS = None  # after: a second call puts it back if this one was cut short
+        if _ARMED == 0:
+            _release()
+
+
+def _release() -> None:
+    """No holder is left: put back everything :func:`arm` changed (idempotent)."""
+    global _PREVIOUS
+    if traceback.format_stack is _format_stack:
+        traceback.format_stack = _ORIGINAL_FORMAT
+    _wrap_untraced(False)
+    _FRAME_TEXT.clear()
+    _FRAMES.clear()
+    if _PREVIOUS is not None:
+        if _PREVIOUS < 3:
+            paddle.set_flags({FLAG: _PREVIOUS})
+        _PREVIOUS = None  # after: a second call puts it back if this one was cut short
 
 
 def armed() -> bool:
