@@ -96,12 +96,16 @@ class Dispatcher:
         # KeyboardInterrupt raised inside a hook would reach the user as Paddle's
         # OSError, and cut the hooks' removal short)
         with held_interrupts():
-            try:
-                return self._run_held(original, entry, roots, retain_graph, args)
-            except OSError as exc:
-                if is_wrapped_interrupt(exc):  # another thread's, or a user's hook's, interrupt
-                    raise as_interrupt(exc) from exc
-                raise
+            result = self._run_translated(original, entry, roots, retain_graph, args)
+        return result
+
+    def _run_translated(self, original, entry, roots, retain_graph, args):
+        try:
+            return self._run_held(original, entry, roots, retain_graph, args)
+        except OSError as exc:
+            if is_wrapped_interrupt(exc):  # another thread's, or a user's hook's, interrupt
+                raise as_interrupt(exc) from exc
+            raise
 
     def _run_held(self, original, entry, roots, retain_graph, args):
         with self._lock:

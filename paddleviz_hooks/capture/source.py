@@ -155,25 +155,30 @@ def arm() -> bool:
     Whatever raises on the way (a Ctrl-C included), nothing stays patched
     unless the holder was counted (its :func:`disarm` then puts it back).
     """
-    global _ARMED, _PREVIOUS
     with _LOCK, held_interrupts():
-        try:
-            if _ARMED == 0:
-                _PREVIOUS = int(paddle.get_flags(FLAG)[FLAG])
-                if _PREVIOUS < 3:
-                    paddle.set_flags({FLAG: 3})
-                if traceback.format_stack is _ORIGINAL_FORMAT:
-                    traceback.format_stack = _format_stack
-                _MADE.clear()
-                _wrap_untraced(True)
-            _ARMED += 1
-            return True
-        except BaseException as exc:
-            if _ARMED == 0:
-                _release()
-            if isinstance(exc, Exception):
-                return False
-            raise
+        ok = _arm_locked()
+    return ok
+
+
+def _arm_locked() -> bool:
+    global _ARMED, _PREVIOUS
+    try:
+        if _ARMED == 0:
+            _PREVIOUS = int(paddle.get_flags(FLAG)[FLAG])
+            if _PREVIOUS < 3:
+                paddle.set_flags({FLAG: 3})
+            if traceback.format_stack is _ORIGINAL_FORMAT:
+                traceback.format_stack = _format_stack
+            _MADE.clear()
+            _wrap_untraced(True)
+        _ARMED += 1
+        return True
+    except BaseException as exc:
+        if _ARMED == 0:
+            _release()
+        if isinstance(exc, Exception):
+            return False
+        raise
 
 
 def disarm() -> None:
