@@ -32,6 +32,7 @@ Nothing here runs on a step that is not captured.
 
 from __future__ import annotations
 
+import _thread
 import linecache
 import os
 import re
@@ -63,9 +64,25 @@ _FRAME_TEXT: dict[tuple[int, int], tuple[Any, str]] = {}
 
 def _format_stack(f: Any = None, limit: int | None = None) -> list[str]:
     """``traceback.format_stack`` without the column markers: one string per frame,
-    outermost first, ``  File "...", line N, in fn\n    code\n``."""
-    if f is None:
-        f = sys._getframe(1)
+    outermost first, ``  File "...", line N, in fn\n    code\n``.
+
+    Paddle calls it from C++ for every op while the call-stack flag is on, and
+    crashes (SIGSEGV) when it raises: a Ctrl-C landing in it is handed back to
+    the main thread a moment later (landing then in the user's code), and any
+    other error gives no stack for that op.
+    """
+    try:
+        return _frames_text(f if f is not None else sys._getframe(1), limit)
+    except KeyboardInterrupt:
+        timer = threading.Timer(0.01, _thread.interrupt_main)
+        timer.daemon = True
+        timer.start()
+        return []
+    except BaseException:
+        return []
+
+
+def _frames_text(f: Any, limit: int | None) -> list[str]:
     out = []
     text = _FRAME_TEXT
     while f is not None:
