@@ -40,7 +40,11 @@ stays a node of its own).
 Nodes outside every box (the root, loss ops outside the model, ops of a layer
 above the cut depth, input leaves) stay as they are. Edges between boxes keep
 their gradient metadata; parallel edges between the same two nodes with the
-same gradient shape are merged into one (norms combined root-sum-square).
+same gradient shape are merged into one: when they are every edge into one
+node, it carries the exact sum of their gradients (``Node.received``, summed
+at capture time, or the parameter's gradient); otherwise its figure is marked
+as combining several gradients (``GradMeta.parts``, root-sum-square of their
+norms), never passed off as one gradient's norm.
 Nothing here imports paddle, and the input graph is never modified.
 """
 
@@ -533,9 +537,9 @@ def _collapse_once(
         k = (s, d, None if g is None else (g.shape, g.dtype))
         groups.setdefault(k, []).append(e)
     new_edges = []
+    into = graph.in_edges()
     for (s, d, _), es in groups.items():
-        metas = [e.grad for e in es if e.grad is not None]
-        grad = merge_grad_metas(metas) if metas else None
+        grad = _merged_grad(graph, es, into)
         if grad is not None:
             grad = replace(grad)  # never share a GradMeta with the input graph
         new_edges.append(Edge(s, d, min(e.slot for e in es), grad,
@@ -570,6 +574,25 @@ def _collapse_once(
     ), new_id, opened
 
 
+def _merged_grad(graph: BackwardGraph, es: list[Edge], into: dict[int, list[Edge]]):
+    """The gradient of one drawn edge standing for the real edges ``es``.
+
+    Several real edges into one node that are all of its incoming edges carry
+    the parts of the one gradient that node received: the edge gets their
+    exact sum, summed at capture time (``Node.received``; for a parameter the
+    gradient added to ``param.grad``). Otherwise the figure is a combination
+    of different gradients and says so (``GradMeta.parts``).
+    """
+    metas = [e.grad for e in es if e.grad is not None]
+    if len(es) == 1 or not metas:
+        return metas[0] if metas else None
+    dsts = {e.dst for e in es}
+    if len(dsts) == 1:
+        d = graph.nodes[next(iter(dsts))]
+        whole = d.grad if d.kind == "param" else d.received
+        if whole is not None and {id(e) for e in es} == {id(e) for e in into.get(d.id, [])}:
+            return whole
+    return merge_grad_metas(metas)
 def _source_view(graph: BackwardGraph) -> BackwardGraph:
     """A copy of ``graph`` in which each op's "layer" is the user function that made it.
 

@@ -24,6 +24,7 @@ __all__ = [
     "Edge",
     "GradMeta",
     "Node",
+    "UNOBSERVED_REASONS",
     "NonfiniteOrigin",
     "NonfiniteRecord",
     "NonfiniteSite",
@@ -38,6 +39,14 @@ __all__ = [
 
 FORMAT_VERSION = 1
 NODE_KINDS = ("root", "op", "param", "input", "layer")
+
+#: Why a gradient's values were not observed (``GradMeta.note``):
+#: ``overwritten``: read after the receiving op's backward ran, which rewrote
+#: the buffer it received in place (``ReluGradNode`` and many more) and whose
+#: producer takes no hook; ``not_computed``: ``paddle.grad`` did not compute
+#: this slot (it leads to no requested input); ``unpaired``: the gradients a
+#: node passed on could not be matched with its edges one to one.
+UNOBSERVED_REASONS = ("overwritten", "not_computed", "unpaired")
 
 
 def op_display_name(grad_node_name: str) -> str:
@@ -125,6 +134,13 @@ class GradMeta:
     dimension (``"Shard(dim=1)"``, ``"Replicate()"``, ``"Partial(...)"``);
     its statistics are those of this rank's shard (reading the whole tensor
     would need communication). Both are None for an ordinary tensor.
+
+    ``note`` says why the values of a gradient were not observed, as one of
+    the codes in :data:`UNOBSERVED_REASONS` (worded by ``text.py``); its
+    statistics are then None. ``parts`` is 1 for one gradient; more for a
+    figure combining that many different gradients (an edge of a collapsed
+    view standing for several real edges): its ``norm`` is then the
+    root-sum-square of their norms, which is not the norm of any one tensor.
     """
 
     shape: tuple[int, ...] | None = None
@@ -136,6 +152,8 @@ class GradMeta:
     inf: int = 0
     local_shape: tuple[int, ...] | None = None
     placements: tuple[str, ...] | None = None
+    note: str | None = None
+    parts: int = 1
 
     @property
     def nonfinite(self) -> int:
@@ -159,6 +177,10 @@ class GradMeta:
                 del d[k]
             else:
                 d[k] = list(d[k])
+        if d["note"] is None:  # written only when set: older readers stay able to load the file
+            del d["note"]
+        if d["parts"] == 1:
+            del d["parts"]
         return d
 
     @classmethod
@@ -173,6 +195,8 @@ class GradMeta:
             inf=int(d.get("inf", 0)),
             local_shape=tuple(d["local_shape"]) if d.get("local_shape") is not None else None,
             placements=tuple(d["placements"]) if d.get("placements") is not None else None,
+            note=d.get("note"),
+            parts=int(d.get("parts", 1)),
         )
 
 
@@ -225,6 +249,12 @@ class Node:
         local_grad: under multi-process data parallel, the gradient this
             rank's own backward produced for the parameter, before
             synchronisation (see ``meta["grad_sync"]``); None otherwise.
+        received: for an op that received gradients over several edges (a
+            forward tensor used several times), the sum of what arrived, read
+            when it ran (the norm of a sum cannot be had from the norms of its
+            parts); for the node of a non-leaf ``paddle.grad`` input, what
+            ``paddle.grad`` returned for it. None otherwise or when not
+            observed.
         source: for an op, where its forward op was called: the frames of
             the user's code (:class:`SourceFrame`; Paddle, the standard
             library and this package left out), outermost first; None when
@@ -255,6 +285,7 @@ class Node:
     grad: GradMeta | None = None
     saved_bytes: int = 0
     local_grad: GradMeta | None = None
+    received: GradMeta | None = None
     source: tuple[SourceFrame, ...] | None = None
     source_note: str | None = None
 
@@ -264,6 +295,7 @@ class Node:
         d["shape"] = list(self.shape) if self.shape is not None else None
         d["grad"] = self.grad.to_dict() if self.grad is not None else None
         d["local_grad"] = self.local_grad.to_dict() if self.local_grad is not None else None
+        d["received"] = self.received.to_dict() if self.received is not None else None
         # Box-only fields are written only when set, so graphs without boxes
         # stay readable by versions that do not know them.
         for k, default in _NODE_BOX_DEFAULTS.items():
@@ -284,13 +316,15 @@ class Node:
             d["grad"] = GradMeta.from_dict(d["grad"])
         if d.get("local_grad") is not None:
             d["local_grad"] = GradMeta.from_dict(d["local_grad"])
+        if d.get("received") is not None:
+            d["received"] = GradMeta.from_dict(d["received"])
         if d.get("source") is not None:
             d["source"] = tuple(SourceFrame(str(f[0]), int(f[1]), str(f[2]), str(f[3])) for f in d["source"])
         return cls(**d)
 
 
 _NODE_BOX_DEFAULTS = {"count": 1, "calls": 1, "ops": 0, "unhooked": 0, "params": 0, "norm": None, "nonfinite": 0,
-                      "grad": None, "saved_bytes": 0, "local_grad": None, "source": None, "source_note": None}
+                      "grad": None, "saved_bytes": 0, "local_grad": None, "received": None, "source": None, "source_note": None}
 
 
 @dataclass
@@ -853,7 +887,7 @@ class BackwardGraph:
             )
         try:
             table = d.get("frames") or []
-            return cls(
+            graph = cls(
                 nodes=[Node.from_dict(_frames_of(n, table)) for n in d["nodes"]],
                 edges=[Edge.from_dict(e) for e in d["edges"]],
                 layers=dict(d.get("layers", {})),
@@ -863,6 +897,13 @@ class BackwardGraph:
             )
         except (KeyError, TypeError, IndexError) as exc:
             raise ValueError(f"malformed backward graph JSON: {exc!r}") from None
+        ids = {n.id for n in graph.nodes}
+        for i, e in enumerate(graph.edges):  # a hand-edited file: say which edge, not a KeyError later
+            for end in (e.src, e.dst):
+                if end not in ids:
+                    raise ValueError(f"malformed backward graph JSON: edge {i} ({e.src} -> {e.dst}) points at "
+                                     f"node {end!r}, which is not among its {len(graph.nodes)} nodes")
+        return graph
 
     @classmethod
     def from_json(cls, text: str | bytes) -> "BackwardGraph":
@@ -934,10 +975,14 @@ def parse_json(text: str | bytes) -> Any:
 
 
 def merge_grad_metas(metas: Iterable[GradMeta]) -> GradMeta | None:
-    """Combine the gradients a node received over several edges.
+    """Combine several gradients into one figure, marked as combined (``parts``).
 
     The norm of a sum is not known from the norms of its parts: the
-    root-sum-square given here is exact only for orthogonal contributions.
+    root-sum-square given here is the norm of no real tensor, so the result
+    says how many gradients it stands for (``GradMeta.parts``) and every
+    view words it as a combined figure. Where the exact sum is known (the
+    gradient a node received, summed at capture time: ``Node.received``),
+    use that instead.
     """
     metas = list(metas)
     if not metas:
@@ -956,6 +1001,7 @@ def merge_grad_metas(metas: Iterable[GradMeta]) -> GradMeta | None:
         # Norm of the sum is not known from the parts; the root-sum-square is
         # exact for orthogonal contributions and a fair summary otherwise.
         norm=None if None in norms else math.sqrt(sum(v * v for v in norms)),
+        parts=sum(m.parts for m in metas),
         min=None if None in mins else min(mins),
         max=None if None in maxs else max(maxs),
         nan=sum(m.nan for m in metas),

@@ -10,15 +10,18 @@ the same recorder from ``Model.fit``.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 import os
 from typing import Any, Iterable, Iterator, Sequence
 
 import paddle
 
+from .argcheck import reject_unknown
 from .capture import BackwardCapture
 from .capture.gradnode import strip_wrapper_prefix
 from .capture.nan_origin import StepInputs, locate, replay_step
+from .escape import visible
 from .findings import nonfinite_record
 from .graph import BackwardGraph, NonfiniteOrigin
 from .options import FORMATS, RecorderOptions
@@ -205,7 +208,10 @@ class BackwardGraphRecorder:
         render_timeout: float = 60.0,
         close_timeout: float = 120.0,
         verbose: int = 1,
+        **unknown: Any,
     ) -> None:
+        if unknown:  # a typo: name this class and the closest option
+            reject_unknown(type(self).__name__, unknown, option_names())
         if model is not None and not isinstance(model, paddle.nn.Layer):
             raise TypeError(f"model must be a paddle.nn.Layer or None, got {type(model).__name__}")
         self.options = RecorderOptions.check(
@@ -608,7 +614,7 @@ class BackwardGraphRecorder:
 
     def _notice(self, text: str) -> None:
         if self.options.verbose:
-            print(f"[paddleviz-hooks] {text}")
+            print(f"[paddleviz-hooks] {visible(text, lines=True)}")
 
     @property
     def _watch_names_layers(self) -> bool:
@@ -861,3 +867,9 @@ class BackwardGraphRecorder:
             self.captured_steps.append(step)
         else:
             self.triggers.pop(step, None)
+
+
+def option_names() -> tuple[str, ...]:
+    """The keyword arguments :class:`BackwardGraphRecorder` takes (for "did you mean" errors)."""
+    params = inspect.signature(BackwardGraphRecorder.__init__).parameters.values()
+    return tuple(p.name for p in params if p.name != "self" and p.kind is not p.VAR_KEYWORD)

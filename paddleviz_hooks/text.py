@@ -25,6 +25,9 @@ from .hazards import PROGRAM_OP_NOTE, RECOMPUTE_INPUT_NOTE
 __all__ = [
     "COMMUNICATION_LEGEND",
     "NOT_OBSERVED",
+    "UNOBSERVED_WHY",
+    "DASHED_LEGEND",
+    "combined_norm",
     "MODEL_OUTPUT",
     "REPLAYED_FROM_OUTPUT",
     "OUTSIDE_MODEL",
@@ -108,6 +111,14 @@ MODEL_OUTPUT = "model output"
 REPLAYED_FROM_OUTPUT = "replayed from the model output"
 #: A gradient that flowed but could not be seen (its producer takes no hook).
 NOT_OBSERVED = "not observed"
+#: Legend row of dashed edges.
+DASHED_LEGEND = f"dashed: gradient {NOT_OBSERVED} (the node takes no hook, or as its label says)"
+#: Why a gradient's values were not observed (``GradMeta.note`` codes, see ``graph.UNOBSERVED_REASONS``).
+UNOBSERVED_WHY = {
+    "overwritten": "not observed: the receiving op's backward overwrote it in place",
+    "not_computed": "not computed (paddle.grad did not need it)",
+    "unpaired": "not observed: could not be matched with its edge",
+}
 #: Legend rows of a drawing shaded by memory held for backward (``color_by="saved_memory"``).
 SAVED_SHADE_TITLE = "shade: bytes saved for backward"
 SAVED_SHADE_NONE = "no saved tensor recorded"
@@ -564,16 +575,29 @@ def edge_lines(meta: GradMeta | None, stats: bool, observed: bool = True, why: s
     if meta is None:
         return unseen
     lines = [f"{fmt_shape(meta.shape)} {_DTYPE_SHORT.get(meta.dtype or '', meta.dtype or '')}".strip()]
+    if meta.note is not None:
+        return lines + [UNOBSERVED_WHY.get(meta.note, NOT_OBSERVED)]
     if not observed:
         return lines + unseen
     if meta.local_shape is not None:  # auto-parallel: this rank's shard
         lines.append(shard_line(meta))
     if stats and meta.norm is not None:
-        extra = f"|g| {fmt_num(meta.norm)}" + _part_note(meta)
+        extra = combined_norm(meta) if meta.parts > 1 else f"|g| {fmt_num(meta.norm)}" + _part_note(meta)
         if meta.nonfinite:
             extra += f" NaN:{meta.nan} Inf:{meta.inf}"
         lines.append(extra)
     return lines
+
+
+def combined_norm(meta: GradMeta) -> str:
+    """The figure of several different gradients drawn as one edge (a collapsed view):
+    said to be combined, never written like one gradient's norm.
+
+    Example:
+        >>> combined_norm(GradMeta((4,), norm=5.0, parts=2))
+        '2 gradients, root-sum-square of |g| 5'
+    """
+    return f"{meta.parts} gradients, root-sum-square of |g| {fmt_num(meta.norm)}"
 
 
 def _part_note(meta: GradMeta) -> str:

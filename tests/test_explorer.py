@@ -493,7 +493,10 @@ def test_explore_a_nan_run_in_chromium(tmp_path):
                 browser.close()
     finally:
         _stop(proc)
-    assert all("fonts." in u for u in outside), outside  # only the page's web font was asked for
+    assert outside == []  # not even the page's web font: nothing leaves the machine
+    printed = open(tmp_path / "server.log").read()
+    assert printed.count("http://") == 1 and url in printed  # one address, the one that opens the NaN step
+    assert not (tmp_path / "me").exists() or sorted(os.listdir(tmp_path / "me"))  # --out is the user's: kept
     out = Path(__file__).resolve().parents[1] / "test-output"
     out.mkdir(exist_ok=True)
     for shot in shots:

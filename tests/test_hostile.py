@@ -267,7 +267,7 @@ CB_BAD = [
     (dict(on_structure_change="yes"), TypeError, "on_structure_change", "'yes'"),
     (dict(grad_stats=None), TypeError, "grad_stats", "None"),
     (dict(log_dir=None), TypeError, "log_dir", "None"),
-    (dict(log_dir=""), TypeError, "log_dir", "''"),
+    (dict(log_dir=""), ValueError, "log_dir", "''"),
     (dict(log_dir=5), TypeError, "log_dir", "5"),
 ]
 

@@ -286,9 +286,10 @@ def test_hostile_names_dot_has_no_open_strings(hostile_graph, tmp_path):
     assert len(nodes) == len(hostile_graph.nodes) + 1
 
 
-def test_an_edge_into_an_op_without_a_hook_says_not_observed():
-    """paddle.Model sums its losses with add_n (AddN takes no hook): the loss's gradient into it
-    has a shape but no value seen, and is drawn so, not as a plain solid edge."""
+def test_edges_around_an_op_without_a_hook_carry_what_flowed():
+    """paddle.Model sums its losses with add_n (AddN takes no hook): the root's gradient into it is
+    read by a tensor hook on the root (1, drawn solid), and AddN passes that same gradient on to each
+    loss unchanged, so its outgoing edges carry it too."""
     import paddle
 
     from paddleviz_hooks import capture_backward
@@ -302,4 +303,6 @@ def test_an_edge_into_an_op_without_a_hook_says_not_observed():
     addn = next(n for n in g.nodes if n.op.startswith("AddN"))
     assert not addn.hooked
     line = next(l for l in to_dot(g).split("\n") if l.strip().startswith(f"n0 -> n{addn.id} "))
-    assert "not observed" in line and "dashed" in line, line
+    assert "|g| 1" in line and "dashed" not in line, line
+    outs = [e for e in g.edges if e.src == addn.id]
+    assert len(outs) == 2 and all(e.grad is not None and e.grad.norm == 1.0 for e in outs)

@@ -196,7 +196,7 @@ def test_option_is_checked():
         RecorderOptions.check(visualdl_graphs="yes")
     with pytest.raises(TypeError, match="visualdl_diagnostics must be True or False, got 1"):
         RecorderOptions.check(visualdl_diagnostics=1)
-    with pytest.raises(ValueError, match="viewer_px must be an int >= 64 or None, got 10"):
+    with pytest.raises(ValueError, match="viewer_px must be an int from 64 to 32767 or None, got 10"):
         RecorderOptions.check(viewer_px=10)
 
 

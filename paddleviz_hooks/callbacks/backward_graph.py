@@ -12,7 +12,8 @@ from typing import Any, Iterable
 
 import paddle
 
-from ..recorder import BackwardGraphRecorder
+from ..argcheck import reject_unknown
+from ..recorder import BackwardGraphRecorder, option_names
 
 __all__ = ["BackwardGraphCallback"]
 
@@ -57,6 +58,7 @@ class BackwardGraphCallback(paddle.callbacks.Callback):
         **options: Any,
     ) -> None:
         super().__init__()
+        reject_unknown(type(self).__name__, options, option_names())  # a typo names this class, not the recorder
         #: the recorder this callback drives (public: its options and results)
         self.recorder = BackwardGraphRecorder(log_dir, every=every, steps=steps, **options)
         self._guard: _StepGuard | None = None

@@ -88,26 +88,26 @@ class Dispatcher:
 
     def _run_partial_grad(self, outputs, inputs, grad_outputs, retain_graph, *rest):
         return self._run(self._orig_grad, "grad", outputs, retain_graph,
-                         (outputs, inputs, grad_outputs, retain_graph, *rest))
+                         (outputs, inputs, grad_outputs, retain_graph, *rest), inputs=inputs)
 
-    def _run(self, original, entry, roots, retain_graph, args):
+    def _run(self, original, entry, roots, retain_graph, args, inputs=None):
         # Ctrl-C during a captured backward: held until it is over and every hook of it
         # removed, then raised as KeyboardInterrupt, as Paddle does without hooks (a
         # KeyboardInterrupt raised inside a hook would reach the user as Paddle's
         # OSError, and cut the hooks' removal short)
         with held_interrupts():
-            result = self._run_translated(original, entry, roots, retain_graph, args)
+            result = self._run_translated(original, entry, roots, retain_graph, args, inputs)
         return result
 
-    def _run_translated(self, original, entry, roots, retain_graph, args):
+    def _run_translated(self, original, entry, roots, retain_graph, args, inputs):
         try:
-            return self._run_held(original, entry, roots, retain_graph, args)
+            return self._run_held(original, entry, roots, retain_graph, args, inputs)
         except OSError as exc:
             if is_wrapped_interrupt(exc):  # another thread's, or a user's hook's, interrupt
                 raise as_interrupt(exc) from exc
             raise
 
-    def _run_held(self, original, entry, roots, retain_graph, args):
+    def _run_held(self, original, entry, roots, retain_graph, args, inputs=None):
         with self._lock:
             caps = list(self._active)
         frames = self._local.__dict__.setdefault("frames", [])
@@ -121,7 +121,7 @@ class Dispatcher:
             # inside the try: an interrupt while walking still unhooks what was hooked
             for cap in caps:
                 if outer is None:
-                    s = cap._begin(list(roots), entry)
+                    s = cap._begin(list(roots), entry, inputs=inputs)
                 else:  # inside another backward: the capture's session of that one, if any
                     s = cap._begin(list(roots), entry, nested=True, parent=outer.sessions.get(cap))
                 sessions.append((cap, s))
@@ -132,6 +132,10 @@ class Dispatcher:
             frames.append(frame)
             pushed = True
             result = original(*args)
+            if inputs is not None:  # paddle.grad: what it computed for each input (parameter rows)
+                for _, s in sessions:
+                    if s is not None:
+                        s.results = result
             # A KeyboardInterrupt/SystemExit that hit one of our hooks was held
             # back so Paddle could finish the backward (raised inside a hook it
             # would surface as Paddle's OSError); deliver it now, as itself,

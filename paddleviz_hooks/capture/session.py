@@ -15,6 +15,12 @@
 * A backward run inside another (reentrant recompute) is captured as a child
   session and stitched into the enclosing graph at the PyLayer node that ran
   it (``nested.py``); the step then has one graph with every op and parameter.
+* Every number is the gradient that flowed (``docs/paddle-autograd.md``, "What an
+  edge holds"): the root edge is read by a tensor hook on the root, before its
+  node's kernel can rewrite it in place; an edge filled from its receiver says
+  "overwritten" when that receiver's kernel rewrote it; ``paddle.grad`` graphs
+  hold only what it computed, its inputs' numbers from what it returned; a node
+  used several times keeps the exact sum it received (``Node.received``).
 * Every graph says which backward of its block (or step) it is:
   ``meta["backward"] = {"index": i, "of": n or None, "entry": ...}``.
 * With ``saved_memory=True``, the tensors saved for backward during the
@@ -29,19 +35,21 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any, Callable
 
 import paddle
 
 from ..graph import BackwardGraph, GradMeta
 from .._interrupts import held_interrupts, pop_each, run_all
-from ..hazards import PROGRAM_OP_NOTE, hook_hazard
+from ..hazards import PROGRAM_OP_NOTE, SHARES_RECEIVED_UNCHANGED, hook_hazard
 from ..warn import WarnOnce
 from .attribution import LayerAttribution, frame_name
 from .dispatch import DISPATCHER
-from .gradnode import Walk, forget_saved, grad_fn, parameter_names, walk_graph
+from .gradnode import Walk, forget_saved, grad_fn, grad_node_ptr, parameter_names, prune_to_inputs, walk_graph
 from .joins import Joins, explain
 from .static import ProgramRuns
+from .cut import CUT_KINDS, cut
 from .nested import place, pylayer_context, stitch
 from .saved import SavedMemory
 from . import source as sources_
@@ -114,8 +122,30 @@ class _Session:
         self.trigger: str | None = None
         self.calls: dict[str, str] = {}  # layer-call tree of the walked nodes
         self.saved: tuple[dict[int, int], dict[str, Any]] | None = None  # see saved.py
+        self.roots: list[Any] = []  # the tensors the backward starts from (their hooks read the root edges)
+        self.inputs: list[Any] | None = None  # paddle.grad's inputs
+        self.results: Any = None  # what paddle.grad returned for them (set by the dispatcher)
+        # node id of a Concat/Stack with one incoming edge -> [its input slots, the gradient it received]
+        self.cuts: dict[int, list[Any]] = {}
+        self.in_count: dict[int, int] = {}  # incoming edges per node
+        # parameter used once -> (address, in-place version, statistics) of what its one producer sent it
+        self.sent: dict[int, tuple[int, int, GradMeta]] = {}
         self.wants_stacks = False  # its forward ran with call stacks recorded (source.py)
         self.stacks: dict[int, Any] | None = None  # node address -> stack, set by the dispatcher
+
+
+def _observe(s: _Session, record: Callable[[Any], None], grad: Any) -> None:
+    """Run a tensor hook's recording: a failure is kept for one warning (a raising hook would
+    abort the backward), a Ctrl-C is held until the backward returns, the time is counted."""
+    t = time.perf_counter()
+    try:
+        record(grad)
+    except Exception as exc:
+        s.errors.append(exc)
+    except BaseException as exc:  # Ctrl-C: re-raised when the backward returns
+        if s.interrupt is None:
+            s.interrupt = exc
+    s.hook_seconds += time.perf_counter() - t
 
 
 class BackwardCapture:
@@ -189,6 +219,9 @@ class BackwardCapture:
         self._saved: SavedMemory | None = None
         self._saved_on = False  # observe saved tensors in the forwards of this block
         self._backwards = 0  # backwards under way (a recompute's inner one runs inside another)
+        #: set to a list to keep, per graph, the grad node address of every node (None: no
+        #: grad node); for checks against hooks on the forward's tensors (tests/truth)
+        self.node_ptrs: list[list[int | None]] | None = None
         #: record the forward source line of each op (``Node.source``)
         self.sources = sources
         #: arm source recording when the block is entered (the recorder's trigger
@@ -313,7 +346,7 @@ class BackwardCapture:
 
     # -- called by the dispatcher -----------------------------------------
     def _begin(self, roots: list[Any], entry: str, nested: bool = False,
-               parent: _Session | None = None) -> _Session | None:
+               parent: _Session | None = None, inputs: Any = None) -> _Session | None:
         t0 = time.perf_counter()
         self._backwards += 1
         saved = self._saved if self._saved is not None and self._saved.armed else None
@@ -342,7 +375,13 @@ class BackwardCapture:
                 if cache:
                     cache[0].release()
                 return None
-            s = _Session(self, walk(), entry, t0)
+            w = walk()
+            if inputs is not None:  # paddle.grad: only what it computes
+                inputs = list(inputs) if isinstance(inputs, (list, tuple)) else [inputs]
+                w = prune_to_inputs(w, {p for p in map(grad_node_ptr, inputs) if p is not None})
+                cache[0].release()
+            s = _Session(self, w, entry, t0)
+            s.roots, s.inputs = list(roots), inputs
             s.trigger = trigger
             s.wants_stacks = stacks
             keep_stacks = stacks and any(n.name.startswith("GradNodePyLayer_") for n in s.walk.nodes)
@@ -379,6 +418,7 @@ class BackwardCapture:
         """A backward inside ``parent``'s: walk and hook it, and find the node that runs it."""
         layer_of = self._attribution.lookup if self._attribution is not None else None
         s = _Session(self, walk_graph(roots, self._param_names, layer_of), entry, t0, parent=parent)
+        s.roots = list(roots)
         s.wants_stacks = parent.wants_stacks and self._sources_held  # the recomputed forward ran with them
         for node in s.walk.nodes:  # its roots are activations (recompute's block outputs), not a loss
             if node.kind == "root":
@@ -404,12 +444,24 @@ class BackwardCapture:
                 needs_in.update(e.dst for e in w.out_edges.get(nid, ()))
         joins = Joins(w.nodes, w.edges, w.out_edges, w.wrappers, s.in_meta, self.grad_stats, s.stats)
         s.joins = joins if joins else None
+        into: dict[int, int] = {}  # incoming edges per node (plain ints: this runs every captured step)
+        for e in w.edges:
+            into[e.dst] = into.get(e.dst, 0) + 1
+        s.in_count = into
+        read_sum = self._sum_readers(s, into)
+        for nid, node in enumerate(w.nodes):
+            if node.name in CUT_KINDS and into.get(nid) == 1 and w.wrappers[nid] is not None:
+                s.cuts[nid] = [len(w.wrappers[nid].next_functions), None]
+        for i, e in w.roots:  # what each root receives, read before its node's kernel can rewrite it
+            t = s.roots[i] if i < len(s.roots) else None
+            if t is not None and not t.stop_gradient:
+                s.handles.append(t.register_hook(self._make_root_hook(s, e)))
         for nid, node in enumerate(w.nodes):
             if node.kind == "param":
                 self._hook_param(s, nid)
             if node.kind != "op" or node.note is not None:
                 continue
-            hook = self._make_hook(s, nid, nid in needs_in)
+            hook = self._make_hook(s, nid, nid in needs_in, nid in read_sum)
             s.handles.append(w.wrappers[nid]._register_post_hook(hook))
             node.hooked = True
 
@@ -427,37 +479,78 @@ class BackwardCapture:
         if named is None or named[1].stop_gradient or ptr in totals.hooked:
             return  # an enclosing backward's hook on it sees this backward's share too
         with_stats = self.grad_stats
+        sent = s.sent
+
+        def record(grad):
+            prev = totals.tensors.get(ptr)
+            total = grad if prev is None else prev + grad  # before Paddle adds grad to param.grad
+            got = sent.get(nid) if prev is None else None
+            if got is not None and got[0] == grad.data_ptr() and got[1] == grad._inplace_version():
+                totals.metas[ptr] = got[2]  # the very tensor its one producer sent, unchanged: same numbers
+            else:
+                totals.metas[ptr] = stats.grad_meta(total, with_stats, s.stats)
+            if totals.applied is not None:
+                totals.applied.note(ptr, named[1], total)
+            if totals.keep:
+                totals.tensors[ptr] = total
 
         def hook(grad):
-            t = time.perf_counter()
-            try:
-                prev = totals.tensors.get(ptr)
-                total = grad if prev is None else prev + grad  # before Paddle adds grad to param.grad
-                totals.metas[ptr] = stats.grad_meta(total, with_stats, s.stats)
-                if totals.applied is not None:
-                    totals.applied.note(ptr, named[1], total)
-                if totals.keep:
-                    totals.tensors[ptr] = total
-            except Exception as exc:
-                s.errors.append(exc)
-            except BaseException as exc:  # Ctrl-C: re-raised when the backward returns
-                if s.interrupt is None:
-                    s.interrupt = exc
-            s.hook_seconds += time.perf_counter() - t
+            _observe(s, record, grad)
             return None
 
         s.handles.append(named[1].register_hook(hook))
         totals.hooked.add(ptr)
         s.param_hooks.append(ptr)
 
-    def _make_hook(self, s: _Session, nid: int, want_in: bool):
+    def _sum_readers(self, s: _Session, into: dict[int, int]) -> set[int]:
+        """Hooked ops that receive over several edges, each from a hooked op: their hooks read
+        what they received in all (``Node.received``).
+
+        Paddle adds the parts into the first part's buffer, which the first producer's hook
+        holds (it returned it): the receiving op's kernel cannot rewrite that buffer in place,
+        so its post-hook reads the exact sum, at no extra arithmetic.
+        """
+        if not self.grad_stats:
+            return set()  # shapes only: the sum would tell nothing more
+        w = s.walk
+        nodes = w.nodes
+        hooked = [n.kind == "op" and n.note is None for n in nodes]  # notes are set just before
+        found = {dst for dst, k in into.items() if k > 1 and hooked[dst]}
+        for e in w.edges:
+            if e.dst in found and not hooked[e.src]:
+                found.discard(e.dst)
+        return found
+
+    def _make_root_hook(self, s: _Session, e: Any):
+        """A tensor hook on a root: it runs before the root's node, with what the node receives."""
+        with_stats = self.grad_stats
+
+        def record(grad):
+            e.grad = stats.grad_meta(grad, with_stats, s.stats)
+            if e.dst in s.cuts:
+                s.cuts[e.dst][1] = grad
+            if s.joins is not None and s.joins.wants(e.dst):
+                s.joins.arrive(e.dst, grad)
+
+        def hook(grad):
+            _observe(s, record, grad)
+            return None
+
+        return hook
+
+    def _make_hook(self, s: _Session, nid: int, want_in: bool, want_sum: bool = False):
         with_stats = self.grad_stats
         queue = s.stats
         out_edges = s.walk.out_edges.get(nid, [])
-        root_edge = s.walk.root_edges.get(nid)
         sums = s.leaf_sums
         to_leaf = ([i for i, e in enumerate(out_edges) if s.walk.nodes[e.dst].kind == "input"]
                    if sums is not None else [])
+        cuts = s.cuts
+        nodes = s.walk.nodes
+        keeps_values = s.walk.nodes[nid].name in SHARES_RECEIVED_UNCHANGED
+        sent = s.sent
+        once = {i for i, e in enumerate(out_edges)  # edges into a parameter used once: its leaf hook reuses them
+                if nodes[e.dst].kind == "param" and s.in_count.get(e.dst) == 1}
         joins = s.joins
         to_join = [i for i, e in enumerate(out_edges) if joins.wants(e.dst)] if joins is not None else []
 
@@ -465,24 +558,40 @@ class BackwardCapture:
             t = time.perf_counter()
             try:
                 produced = stats.flat_tensors(outs)
-                for e, g in zip(out_edges, produced):
-                    e.grad = stats.grad_meta(g, with_stats, queue)
+                paired = len(produced) == len(out_edges)
+                if paired:
+                    for i, (e, g) in enumerate(zip(out_edges, produced)):
+                        e.grad = stats.grad_meta(g, with_stats, queue)
+                        if i in once:
+                            sent[e.dst] = (g.data_ptr(), g._inplace_version(), e.grad)
+                        if e.dst in cuts:
+                            cuts[e.dst][1] = g  # cut into its inputs' parts when the backward is over
+                else:  # holes or extra slots: no gradient is put on an edge it may not belong to
+                    for e in out_edges:
+                        e.grad = GradMeta(note="unpaired")
                 for i in to_leaf:  # before Paddle accumulates it into the leaf (see _ParamTotals)
                     if i < len(produced):
                         prev = sums.get(out_edges[i].dst)
                         sums[out_edges[i].dst] = produced[i] if prev is None else prev + produced[i]
-                for i in to_join:  # a Concat/AddN cuts or copies it (joins.py)
-                    if i < len(produced):
+                if to_join and paired:
+                    for i in to_join:  # a Concat/AddN cuts or copies it (joins.py)
                         joins.arrive(out_edges[i].dst, produced[i])
-                if root_edge is not None or want_in:
-                    received = stats.flat_tensors(ins)
+                if want_in or want_sum:
+                    received = stats.flat_tensors(ins)  # several: several forward outputs
                     if len(received) == 1:
-                        m = stats.grad_meta(received[0], with_stats, queue)
-                        if root_edge is not None:
-                            root_edge.grad = m
-                        s.in_meta[nid] = m
-                        if joins is not None:
-                            joins.reported(nid)
+                        r = received[0]
+                        if not keeps_values and r.size and any(r.data_ptr() == g.data_ptr() for g in produced):
+                            # the kernel wrote what it passes on into the buffer it received
+                            m = stats.grad_meta(r, False)
+                            m.note = "overwritten"
+                        else:
+                            m = stats.grad_meta(r, with_stats, queue)
+                        if want_in:
+                            s.in_meta[nid] = m
+                            if joins is not None:
+                                joins.reported(nid)
+                        if want_sum and m.note is None:
+                            nodes[nid].received = m
             except Exception as exc:  # a raising hook would abort backward
                 s.errors.append(exc)
             except BaseException as exc:  # Ctrl-C: re-raised when the backward returns
@@ -550,6 +659,7 @@ class BackwardCapture:
     def _unhook(s: _Session) -> None:
         """Remove the session's hooks (idempotent: a second call finishes an interrupted one)."""
         pop_each(s.handles, _remove_quietly)
+        s.roots, s.sent = [], {}  # s.cuts: used, then dropped, by _fill_received
         s.totals.hooked.difference_update(s.param_hooks)
         for ret in s.returned:  # see _make_hook: drop the gradients Paddle leaks
             ret.clear()
@@ -594,14 +704,36 @@ class BackwardCapture:
 
     @staticmethod
     def _fill_received(s: _Session) -> None:
-        """An unhooked producer's edge: the receiver saw the same tensor when it is its only input."""
+        """An unhooked producer's edge: the receiver saw the same tensor when it is its only input
+        (unless the receiver's kernel rewrote it first: then the edge says so)."""
         w = s.walk
         in_count: dict[int, int] = {}
         for e in w.edges:
             in_count[e.dst] = in_count.get(e.dst, 0) + 1
+        BackwardCapture._cut(s)
         for e in w.edges:
-            if e.grad is None and in_count.get(e.dst) == 1 and e.dst in s.in_meta:
+            if e.grad is None and in_count[e.dst] == 1 and e.dst in s.in_meta:
                 e.grad = s.in_meta[e.dst]
+
+    @staticmethod
+    def _cut(s: _Session) -> None:
+        """A Stack's outgoing edges, cut from the gradient it received (``cut.py``)."""
+        cuts, s.cuts = s.cuts, {}
+        w = s.walk
+        for nid, (slots, received) in cuts.items():
+            if received is None:
+                continue
+            shapes: list[tuple[int, ...] | None] = [None] * slots
+            for e in w.out_edges.get(nid, []):
+                d = w.nodes[e.dst]
+                shape = d.shape if d.kind == "param" else (s.in_meta[e.dst].shape if e.dst in s.in_meta else None)
+                if e.slot < slots:
+                    shapes[e.slot] = shape
+            parts = cut(w.nodes[nid].name, received, shapes)
+            for e in w.out_edges.get(nid, []):
+                part = parts[e.slot] if e.slot < slots else None
+                if part is not None and (e.grad is None or e.grad.norm is None):
+                    e.grad = stats.grad_meta(part, s.cap.grad_stats, s.stats)
 
     def _leaf_totals(self, s: _Session) -> None:
         """A detached input's total gradient, when every gradient reaching it was seen."""
@@ -647,6 +779,26 @@ class BackwardCapture:
             graph.meta["saved_memory"] = saved_meta
         return graph
 
+    def _grad_results(self, s: _Session, nodes: list, ptrs: list) -> None:
+        """``paddle.grad``: each input's node gets what it returned (its leaf hooks do not run):
+        a parameter's row, another node's received gradient (the sum over its uses)."""
+        if s.inputs is None or s.results is None:
+            return
+        at = {p: i for i, p in enumerate(ptrs) if p is not None}
+        results = s.results if isinstance(s.results, (list, tuple)) else [s.results]
+        for t, r in zip(s.inputs, results):
+            ptr = grad_node_ptr(t)
+            if r is None or ptr not in at:
+                continue
+            n = nodes[at[ptr]]
+            m = stats.grad_meta(r, self.grad_stats, s.stats)
+            if n.kind == "param":
+                n.grad = m
+            else:
+                n.received = m
+        s.stats.resolve()
+        s.inputs = s.results = None
+
     def _read_applied(self, s: _Session) -> dict[str, Any] | None:
         """Several processes: each parameter's applied gradient, read from ``param.grad`` now.
 
@@ -680,6 +832,7 @@ class BackwardCapture:
         for n, p in zip(nodes, ptrs):
             if n.kind == "param" and p in metas:
                 n.grad = metas[p]
+        self._grad_results(s, nodes, ptrs)
         in_count: dict[int, int] = {}
         for e in edges:
             in_count[e.dst] = in_count.get(e.dst, 0) + 1
@@ -703,6 +856,8 @@ class BackwardCapture:
             meta={"entry": s.entry, "grad_stats": self.grad_stats, **self.meta},
         )
         graph.assign_keys()
+        if self.node_ptrs is not None:
+            self.node_ptrs.append(list(ptrs))
         return graph
 
 
@@ -721,6 +876,7 @@ def capture_backward(
     params: Any = None,
     saved_memory: bool = False,
     sources: bool = True,
+    **unknown: Any,
 ) -> BackwardCapture:
     """Capture the backward graph of every backward call inside a ``with`` block.
 
@@ -768,6 +924,10 @@ def capture_backward(
         >>> cap.graph.count_ops()["Matmul"]
         2
     """
+    if unknown:  # a typo: the closest option is named
+        from ..argcheck import reject_unknown
+
+        reject_unknown("capture_backward", unknown, ("layer", "grad_stats", "params", "saved_memory", "sources"))
     return BackwardCapture(layer, grad_stats=grad_stats, params=params, saved_memory=saved_memory,
                            sources=sources)
 

@@ -12,7 +12,7 @@ from ..escape import dot_attrs, dot_html_table, dot_label, dot_quote
 from ..findings import marks, record_of
 from ..graph import BackwardGraph, Edge, Node, is_communication
 from ..hazards import PROGRAM_OP_NOTE
-from ..text import (COMMUNICATION_LEGEND, FIRST_GRADIENT, NOT_OBSERVED, ORIGIN_LEGEND, SAVED_SHADE_NONE,
+from ..text import (COMMUNICATION_LEGEND, DASHED_LEGEND, FIRST_GRADIENT, NOT_OBSERVED, ORIGIN_LEGEND, SAVED_SHADE_NONE,
                     SAVED_SHADE_TITLE, box_name, call_of, edge_lines, node_lines, node_tooltip, origin_mark,
                     origin_node_lines, saved_shade_line)
 
@@ -225,8 +225,10 @@ def _observed(graph: BackwardGraph, e: Edge) -> bool:
     """False for a gradient with a known shape whose values no hook saw: one
     that leaves or enters an op without a hook (inside a compiled program,
     AddN, Concat...) or a box of such ops only, and carries no statistics."""
-    if e.grad is None or e.grad.norm is not None or not graph.meta.get("grad_stats"):
-        return e.grad is not None
+    if e.grad is None or e.grad.note is not None:  # a reason it was not observed (GradMeta.note)
+        return False
+    if e.grad.norm is not None or not graph.meta.get("grad_stats"):
+        return True
 
     def unseen(n: Node) -> bool:  # an op without a hook (AddN, Concat, a program op) or a box of such ops
         return (n.kind == "op" and not n.hooked) or (n.kind == "layer" and 0 < n.ops == n.unhooked)
@@ -339,7 +341,7 @@ def _legend(stats: bool, compiled: bool = False, origin: bool = False, communica
         rows.append(({"BGCOLOR": STYLE["origin"]["color"]}, ORIGIN_LEGEND))
     if communication:
         rows.append(({"BGCOLOR": STYLE["communication"]["fillcolor"]}, COMMUNICATION_LEGEND))
-    rows.append(({}, f"dashed: gradient {NOT_OBSERVED} (the node takes no hook)"))
+    rows.append(({}, DASHED_LEGEND))
     if compiled:
         rows.append(({}, f"dashed *_grad op: {PROGRAM_OP_NOTE} (to_static)"))
     rows.append(({}, "edge: grad shape dtype" + (", |g| = L2 norm" if stats else "")))

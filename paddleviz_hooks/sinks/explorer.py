@@ -32,12 +32,13 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from .._fileio import atomic_write
+from ..argcheck import check_path
 from ..collapse import call_paths
 from ..diff import GraphDiff, diff_graphs, node_norms
-from ..escape import safe_filename
+from ..escape import safe_filename, visible, visible_data
 from ..graph import BackwardGraph, GradMeta, Node, merge_grad_metas
 from ..findings import marks, record_of
-from ..text import (FIRST_GRADIENT, NOT_OBSERVED, backward_role, box_name, call_of, capture_title, describe_node,
+from ..text import (FIRST_GRADIENT, NOT_OBSERVED, UNOBSERVED_WHY, backward_role, combined_norm, box_name, call_of, capture_title, describe_node,
                     describe_origin, fmt_shape, graph_summary, layer_name, origin_mark, origin_node_lines,
                     source_attrs)
 
@@ -77,8 +78,11 @@ def _grad_attrs(meta: GradMeta | None, prefix: str = "") -> list[dict[str, str]]
     if meta is None:
         return [_kv(prefix + "gradient", NOT_OBSERVED)]
     out = [_kv(prefix + "shape", fmt_shape(meta.shape)), _kv(prefix + "dtype", meta.dtype or "?")]
-    if meta.norm is not None:
-        out += [_kv(prefix + "norm", repr(meta.norm)), _kv(prefix + "min", repr(meta.min)),
+    if meta.note is not None:
+        out.append(_kv(prefix + "statistics", UNOBSERVED_WHY.get(meta.note, NOT_OBSERVED)))
+    elif meta.norm is not None:
+        norm = repr(meta.norm) if meta.parts == 1 else combined_norm(meta)
+        out += [_kv(prefix + "norm", norm), _kv(prefix + "min", repr(meta.min)),
                 _kv(prefix + "max", repr(meta.max)), _kv(prefix + "NaN", meta.nan), _kv(prefix + "Inf", meta.inf)]
     else:
         out.append(_kv(prefix + "statistics", NOT_OBSERVED))
@@ -442,8 +446,8 @@ def export_explorer(source: Any, out_dir: str) -> ExplorerExport:
         An :class:`ExplorerExport` naming the files.
 
     Raises:
-        TypeError: ``source`` is of another type.
-        ValueError: the log directory does not exist or holds no capture.
+        TypeError: ``source`` or ``out_dir`` is of another type.
+        ValueError: the log directory does not exist or holds no capture; ``out_dir`` is empty or has a NUL byte.
 
     Example:
         >>> import tempfile
@@ -454,14 +458,17 @@ def export_explorer(source: Any, out_dir: str) -> ExplorerExport:
         >>> files.graph_ids, list(files.overlays)
         (['step 3'], ['grad_norm_log10', 'nan_inf_elements'])
     """
+    out_dir = check_path("out_dir", out_dir)
     label, series = _series(source)
+    # names that could hide or reorder text are shown escaped, the same way in every file
+    label, series = visible(label), [(visible(gid), g, prev) for gid, g, prev in series]
     os.makedirs(out_dir, exist_ok=True)
     collection = {"label": label, "graphs": [explorer_graph(g, gid) for gid, g, _ in series],
                   "graphSorting": "name_asc"}
-    graphs_path = atomic_write(os.path.join(out_dir, GRAPHS_FILE), json.dumps(collection, allow_nan=False))
+    graphs_path = atomic_write(os.path.join(out_dir, GRAPHS_FILE), json.dumps(visible_data(collection), allow_nan=False))
     overlays = {}
     for stem, data in explorer_overlays(series).items():
         overlays[stem] = atomic_write(os.path.join(out_dir, safe_filename(stem) + ".json"),
-                                      json.dumps(data, allow_nan=False))
+                                      json.dumps(visible_data(data), allow_nan=False))
     start = next(((gid, node) for gid, g, _ in series if (node := origin_node_id(g)) is not None), None)
     return ExplorerExport(graphs_path, overlays, [gid for gid, _, _ in series], label, start)

@@ -43,7 +43,7 @@ from typing import Any
 
 from .._fileio import atomic_write
 from ..collapse import call_paths
-from ..escape import vdl_graph_name
+from ..escape import vdl_graph_name, visible_data
 from ..graph import BackwardGraph, GradMeta, Node
 from ..findings import marks, record_of
 from ..text import (FIRST_GRADIENT, NOT_OBSERVED, describe_origin, edge_lines, fmt_num, layer_name, origin_short,
@@ -320,5 +320,5 @@ def write_vdl_graph(directory: str, graph: BackwardGraph) -> str:
         OSError: the directory cannot be written.
     """
     os.makedirs(directory, exist_ok=True)
-    text = json.dumps(vdl_graph(graph), allow_nan=False, separators=(",", ":"))
+    text = json.dumps(visible_data(vdl_graph(graph)), allow_nan=False, separators=(",", ":"))
     return atomic_write(os.path.join(directory, f"vdlgraph.{int(time.time()):010d}.log"), text)

@@ -18,7 +18,7 @@ import zlib
 from collections import defaultdict
 from typing import Any
 
-from ..escape import vdl_graph_name, vdl_tag
+from ..escape import vdl_graph_name, vdl_tag, visible
 from .base import (LAYER_NORM_GROUP, SAVED_MEMORY_GROUP, SCALAR_GROUP, CaptureData, CapturePictures, Sink, SinkContext,
                    finite_scalars, png_to_array, suffixed)
 from .vdl_graph import write_vdl_graph
@@ -155,7 +155,7 @@ class VisualDLSink(Sink):
 
     def text(self, tag: str, text: str, step: int) -> None:
         """One text sample under ``tag`` (a :class:`TagPages` tag)."""
-        self._writer.add_text(tag=tag, text_string=text, step=step)
+        self._writer.add_text(tag=tag, text_string=visible(text, lines=True), step=step)
 
     def scalars(self, values: dict[str, float | None], step: int) -> None:
         for tag, value in finite_scalars(values).items():  # the chart cannot draw NaN; counts are logged
