@@ -494,7 +494,7 @@ def test_explore_a_nan_run_in_chromium(tmp_path):
     finally:
         _stop(proc)
     assert outside == []  # not even the page's web font: nothing leaves the machine
-    printed = open(tmp_path / "server.log").read()
+    printed = (tmp_path / "server.log").read_text(encoding="utf-8")
     assert printed.count("http://") == 1 and url in printed  # one address, the one that opens the NaN step
     assert not (tmp_path / "me").exists() or sorted(os.listdir(tmp_path / "me"))  # --out is the user's: kept
     out = Path(__file__).resolve().parents[1] / "test-output"
