@@ -150,7 +150,8 @@ class RecorderOptions:
         if every is not None and steps is not None:
             raise ValueError(f"pass either every= or steps=, not both (got every={every!r}, steps={steps!r})")
         _int("every", every, 1)
-        step_set = frozenset(_int_list("steps", steps, 1, nonempty=True)) if steps is not None else None
+        # steps=[]: no scheduled capture, only the triggers' (on_nonfinite, on_grad_spike, ...)
+        step_set = frozenset(_int_list("steps", steps, 1)) if steps is not None else None
         if steps is None and every is None:
             every = 100
         if isinstance(formats, str):
