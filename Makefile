@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 APT    := $(shell if [ "$$(id -u)" = 0 ]; then echo "apt-get"; elif command -v sudo >/dev/null && sudo -n true 2>/dev/null; then echo "sudo apt-get"; fi)
 
-.PHONY: setup setup-demo engine browser demo test bench clean
+.PHONY: setup setup-demo engine browser demo test docs docs-pictures bench clean
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV) || { echo "python venv failed: install python3-venv (apt-get install -y python3-venv)"; exit 1; }
@@ -19,7 +19,7 @@ $(VENV)/.installed-demo: $(BIN)/activate pyproject.toml setup.cfg
 	touch $@
 
 $(VENV)/.installed-test: $(BIN)/activate pyproject.toml setup.cfg
-	$(BIN)/pip install -q -e '.[pure,test,explorer]'
+	$(BIN)/pip install -q -e '.[pure,test,explorer,docs]'
 	touch $@
 
 # Graphviz's `dot` through apt where we may; otherwise the graphviz-pure extra
@@ -50,8 +50,16 @@ demo: setup-demo
 test: setup browser
 	$(BIN)/python -m pytest -q -ra --doctest-modules paddleviz_hooks tests
 
+# The user guide on http://127.0.0.1:8000 (MkDocs, Material theme; API pages from the docstrings)
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve -a 127.0.0.1:8000
+
+# The pictures the README and the guide show, made anew from real captures
+docs-pictures: setup browser
+	$(BIN)/python docs/pictures.py
+
 bench: setup
 	$(BIN)/python benchmarks/run.py
 
 clean:
-	rm -rf $(VENV) vdl_log demo_out test-output
+	rm -rf $(VENV) vdl_log demo_out test-output site
