@@ -244,6 +244,72 @@ def bench_saved(table: Table, name: str, model, loss_fn, repeats: int) -> None:
 
 
 # --------------------------------------------------------------------------
+# forward source lines (Node.source)
+# --------------------------------------------------------------------------
+def bench_sources(table: Table, name: str, model, loss_fn, repeats: int) -> None:
+    """Captured step with and without source lines; an uncaptured step under a recorder whose
+    trigger watch is active on every step, with and without them (the flag must stay off)."""
+    from paddleviz_hooks import BackwardGraphRecorder
+    from paddleviz_hooks.capture import source
+
+    times, cpu, graph = _interleaved(model, loss_fn, {"without": {"sources": False}, "sources": {}}, repeats)
+    section = name + ":sources"
+    w, v = med(times["without"]), med(times["sources"])
+    table.add(section, "captured, sources=True / sources=False", f"{v / w:.3f}x",
+              f"{fmt_s(v)} vs {fmt_s(w)} per step, CPU time {med(cpu['sources']) / med(cpu['without']):.3f}x, "
+              f"{repeats} repeats", ratio=v / w, cpu_ratio=med(cpu["sources"]) / med(cpu["without"]))
+    ops = [n for n in graph.nodes if n.kind == "op"]
+    table.add(section, "op nodes with a source line", f"{sum(1 for n in ops if n.source)} of {len(ops)}",
+              f"JSON {len(graph.to_json()) / 1e3:.0f} kB with, "
+              f"{len(graph.to_json().encode()) - len(_without_sources(graph).to_json().encode()):+d} bytes for them")
+    flags: list[int] = []
+    arms = [0]
+    real_arm = source.arm
+
+    def counted_arm() -> bool:
+        arms[0] += 1
+        return real_arm()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        recs = {k: BackwardGraphRecorder(os.path.join(tmp, k), model, steps=[10 ** 9], capture_first=False,
+                                         on_structure_change=True, formats=("json",), visualdl=False, verbose=0,
+                                         sources=(k == "sources"))
+                for k in ("without", "sources")}
+        t: dict[str, list[float]] = {k: [] for k in recs}
+        c: dict[str, list[float]] = {k: [] for k in recs}
+        source.arm = counted_arm
+        try:
+            for i in range(repeats + 1):
+                for k, rec in recs.items():
+                    gc.collect()
+                    c0, t0 = time.process_time(), time.perf_counter()
+                    with rec.step(i + 1):
+                        loss = loss_fn()
+                        flags.append(int(paddle.get_flags("FLAGS_call_stack_level")["FLAGS_call_stack_level"]))
+                        loss.backward()
+                    model.clear_gradients()
+                    if i:  # the first is a warm-up
+                        t[k].append(time.perf_counter() - t0)
+                        c[k].append(time.process_time() - c0)
+        finally:
+            source.arm = real_arm
+            for rec in recs.values():
+                rec.close()
+    u, uw = med(t["sources"]), med(t["without"])
+    table.add(section, "uncaptured step (trigger watch on), sources=True / sources=False", f"{u / uw:.3f}x",
+              f"{fmt_s(u)} vs {fmt_s(uw)}, CPU time {med(c['sources']) / med(c['without']):.3f}x (same code: "
+              f"noise); flag armed {arms[0]} times, call-stack flag in those forwards: {sorted(set(flags))}",
+              ratio=u / uw, arms=arms[0])
+
+
+def _without_sources(graph):
+    from dataclasses import replace
+
+    return type(graph)(nodes=[replace(n, source=None, source_note=None) for n in graph.nodes], edges=graph.edges,
+                       layers=graph.layers, meta=graph.meta, calls=graph.calls)
+
+
+# --------------------------------------------------------------------------
 # capture-to-PNG
 # --------------------------------------------------------------------------
 def bench_render(table: Table, name: str, graph, repeats: int) -> dict[str, float]:
@@ -268,7 +334,7 @@ def bench_render(table: Table, name: str, graph, repeats: int) -> dict[str, floa
         if info.get("collapsed_depth") is not None and key == "view":
             how += f", auto-collapsed to depth {info['collapsed_depth']}"
         if info.get("bands", 1) > 1:
-            how += f", {info['bands']} columns"
+            how += f", {info['bands']} rows"
         table.add(name, label, fmt_s(v), how, seconds=v, width=w, height=h, **{f"info_{k}": x for k, x in info.items()})
     # steady state: the same structure captured again reuses the plan
     first_runs = _count_engine_runs(lambda: render_png(graph))  # also primes the plan
@@ -977,7 +1043,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", metavar="PATH", default=DEFAULT_JSON, help=f"results file (default {DEFAULT_JSON})")
     ap.add_argument("--skip", action="append", default=[],
                     choices=["transformer", "resnet50", "cnn", "huge", "fit5", "explorer", "torchviz", "callback", "nan", "saved",
-                             "dp"],
+                             "dp", "sources"],
                     help="leave out a group of rows (repeatable)")
     ap.add_argument("--callback-child", metavar="PATH", help=argparse.SUPPRESS)
     ap.add_argument("--dp-child", metavar="PATH", help=argparse.SUPPRESS)
@@ -1024,11 +1090,13 @@ def main(argv: list[str] | None = None) -> int:
             table.add(name, "graph captured (grad_stats=True)", f"{len(g.nodes)} nodes",
                       f"{sum(1 for e in g.edges if e.grad is not None and e.grad.norm is not None)} gradients measured")
             del model, g
-    if "saved" not in args.skip:
+    for group, bench in (("saved", bench_saved), ("sources", bench_sources)):  # captured step with / without
+        if group in args.skip:
+            continue
         for name, make, n in (("encoder", paddle_transformer, reps["tr_steps"]),
                               ("resnet50", paddle_resnet50, reps["r50_steps"])):
             model, loss_fn = make()
-            bench_saved(table, name, model, loss_fn, n)
+            bench(table, name, model, loss_fn, n)
             del model
     if "huge" not in args.skip:
         bench_huge(table, explorer="explorer" not in args.skip)

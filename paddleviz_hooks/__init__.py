@@ -7,6 +7,9 @@ command work without importing paddle):
 * :class:`BackwardGraphRecorder` - step selection, triggers, files and
   VisualDL records for any training loop.
 * :class:`BackwardGraphCallback` - the recorder driven by ``Model.fit``.
+* :func:`attach` - the recorder driven by a loop you do not edit (its model's
+  forwards and its optimizer's updates); PaddleFormers' ``Trainer`` and
+  PaddleDetection have adapters in ``paddleviz_hooks.integrations``.
 * :func:`capture_backward` - context manager capturing every backward in a block.
 * :func:`find_nonfinite_origin` - the forward op, layer and source line where
   a NaN/Inf is first produced (one checked forward of a batch).
@@ -25,7 +28,7 @@ command work without importing paddle):
 How the modules fit together (data flows one way)::
 
     capture/ -> graph.py -> collapse.py, diff.py -> ranks.py -> text.py, render/ -> sinks/
-                                                   -> pipeline.py -> recorder.py -> callbacks/
+                                                   -> pipeline.py -> recorder.py -> callbacks/, attaching.py -> integrations/
 """
 
 import sys
@@ -35,6 +38,7 @@ from typing import Any
 from ._version import __version__
 
 _WHERE = {
+    "attach": ".attaching",
     "BackwardCapture": ".capture",
     "capture_backward": ".capture",
     "find_nonfinite_origin": ".capture.nan_origin",
@@ -60,6 +64,10 @@ _WHERE = {
     "EngineNotFound": ".render",
     "RenderTimeout": ".render",
     "build_report": ".sinks.report",
+    "Sink": ".sinks.base",
+    "CaptureData": ".sinks.base",
+    "CapturePictures": ".sinks.base",
+    "SinkContext": ".sinks.base",
     "show": ".notebook",
     "explore": ".explore",
     "export_explorer": ".sinks.explorer",

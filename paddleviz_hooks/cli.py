@@ -11,6 +11,12 @@ run is needed.
 Errors are one line on stderr (``paddleviz-hooks: error: ...``); the exit
 status is 2 for bad usage, 1 for files that cannot be read or written, 0 on
 success. Set ``PADDLEVIZ_DEBUG=1`` to see a traceback for unexpected errors.
+
+Inputs are bounded: a step JSON over ``--max-input-mb`` (32 MiB, about
+75,000 nodes) is refused before it is read, anything but a regular file is
+refused, and a graph of more than ``DRAW_MAX_NODES`` nodes is drawn collapsed
+to that many unless ``--max-nodes`` or ``--depth`` says otherwise. ``report``
+skips unreadable or malformed files with a warning naming each.
 """
 
 from __future__ import annotations
@@ -18,7 +24,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
 from typing import Sequence
+
+from ._fileio import MAX_INPUT_BYTES, read_input
+from .escape import visible
+from .render.output import DRAW_MAX_NODES
 
 __all__ = ["main"]
 
@@ -57,6 +68,27 @@ _positive_int = _int_at_least(1, "a positive whole number")
 _nonnegative_int = _int_at_least(0, "a whole number >= 0")
 
 
+def _port(text: str) -> int:
+    v = _nonnegative_int(text)
+    if v > 65535:
+        raise argparse.ArgumentTypeError(f"expected a port from 0 to 65535 (0: a free one), got {text!r}")
+    return v
+
+
+def _path(text: str) -> str:
+    """An argparse type: a path, never empty, without NUL bytes."""
+    if not text or "\0" in text:
+        raise argparse.ArgumentTypeError(f"expected a path, got {text!r}")
+    return text
+
+
+def _megabytes(text: str) -> int:
+    v = _positive_int(text)
+    if v > 1 << 20:  # a terabyte: more is a typo
+        raise argparse.ArgumentTypeError(f"expected a number of MiB from 1 to {1 << 20}, got {text!r}")
+    return v << 20
+
+
 def _ratio_threshold(text: str) -> float:
     try:
         v = float(text)
@@ -80,47 +112,57 @@ def build_parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser("render", help="draw one saved graph as png, svg or dot",
                        description="Draw one saved backward graph (step_*.json) as PNG, SVG or DOT.")
-    r.add_argument("graph", metavar="GRAPH.json", help="a graph saved by paddleviz-hooks")
-    r.add_argument("-o", "--output", required=True, metavar="OUT",
+    r.add_argument("graph", metavar="GRAPH.json", type=_path, help="a graph saved by paddleviz-hooks")
+    r.add_argument("-o", "--output", required=True, metavar="OUT", type=_path,
                    help="output file; .png, .svg, .dot or .json picks the format")
     r.add_argument("--format", choices=("png", "svg", "dot", "json"), help="output format (default: from OUT's suffix)")
     r.add_argument("--depth", type=_nonnegative_int, metavar="N",
                    help="draw layers at depth N as single boxes (1: top-level layers, 0: the whole model)")
     r.add_argument("--max-nodes", type=_positive_int, metavar="N",
-                   help="collapse layers, deepest first, until at most N nodes remain")
+                   help="collapse layers, deepest first, until at most N nodes remain "
+                        f"(default: {DRAW_MAX_NODES} for bigger graphs)")
     r.add_argument("--fold-repeats", action="store_true",
                    help="fold runs of identical sibling layers into one box marked x N")
     r.add_argument("--by-type", action="append", metavar="TYPE",
                    help="collapse every layer of this class (e.g. TransformerEncoderLayer); repeatable")
     _drawing_options(r)
+    _input_limit(r)
 
     d = sub.add_parser("diff", help="compare two saved graphs",
                        description="Compare two saved graphs: print what changed and optionally draw it.")
-    d.add_argument("old", metavar="OLD.json", help="the earlier graph")
-    d.add_argument("new", metavar="NEW.json", help="the later graph")
-    d.add_argument("-o", "--output", metavar="OUT",
+    d.add_argument("old", metavar="OLD.json", type=_path, help="the earlier graph")
+    d.add_argument("new", metavar="NEW.json", type=_path, help="the later graph")
+    d.add_argument("-o", "--output", metavar="OUT", type=_path,
                    help="draw the newer graph with the changes marked (.png, .svg, .dot) or save the diff (.json)")
     d.add_argument("--format", choices=("png", "svg", "dot", "json"), help="output format (default: from OUT's suffix)")
     d.add_argument("--threshold", type=_ratio_threshold, default=10.0, metavar="X",
                    help="gradient-norm ratio counted as a large change (default 10)")
     _drawing_options(d)
+    _input_limit(d)
 
     rep = sub.add_parser("report", help="one self-contained HTML page of every captured step",
                          description="Write one self-contained HTML file (no network needed) showing "
                                      "every step_*.json found under LOG_DIR.")
-    rep.add_argument("log_dir", metavar="LOG_DIR", help="the log directory (searched recursively)")
-    rep.add_argument("-o", "--output", required=True, metavar="REPORT.html", help="the HTML file to write")
+    rep.add_argument("log_dir", metavar="LOG_DIR", type=_path, help="the log directory (searched recursively)")
+    rep.add_argument("-o", "--output", required=True, metavar="REPORT.html", type=_path, help="the HTML file to write")
     rep.add_argument("--title", help="page title")
+    _input_limit(rep)
 
     ex = sub.add_parser("explore", help="open every captured step in Model Explorer (needs the explorer extra)",
                         description="Serve every step_*.json under LOG_DIR, with gradient-norm, NaN/Inf, "
                                     "change and memory overlays, in Google's Model Explorer on this machine "
                                     "until Ctrl-C (pip install 'paddleviz-hooks[explorer]').")
-    ex.add_argument("log_dir", metavar="LOG_DIR", help="the log directory (searched recursively)")
+    ex.add_argument("log_dir", metavar="LOG_DIR", type=_path, help="the log directory (searched recursively)")
     ex.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    ex.add_argument("--port", type=_nonnegative_int, metavar="N", help="port (default: a free one)")
-    ex.add_argument("--out", metavar="DIR", help="write the Model Explorer files here (default: a temporary directory)")
+    ex.add_argument("--port", type=_port, metavar="N", help="port (default: a free one)")
+    ex.add_argument("--out", metavar="DIR", type=_path,
+                    help="write the Model Explorer files here (default: a temporary directory, removed at exit)")
     return p
+
+
+def _input_limit(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-input-mb", type=_megabytes, default=MAX_INPUT_BYTES, metavar="N", dest="max_input",
+                   help=f"refuse step files over N MiB unread (default {MAX_INPUT_BYTES >> 20})")
 
 
 def _drawing_options(p: argparse.ArgumentParser) -> None:
@@ -165,19 +207,21 @@ def _check_output(path: str) -> None:
         raise FileError(f"cannot write {path}: the file is not writable")
 
 
-def load_graph(path: str):
-    """Read a saved graph; raises :class:`FileError` with a readable reason."""
+def load_graph(path: str, max_bytes: int = MAX_INPUT_BYTES):
+    """Read a saved graph; raises :class:`FileError` with a readable reason.
+
+    Only a regular file of at most ``max_bytes`` is read (checked first).
+    """
     from .graph import BackwardGraph
 
     try:
-        with open(path, "rb") as f:
-            data = f.read()
+        data = read_input(path, max_bytes)
     except FileNotFoundError:
         raise FileError(f"cannot read {path}: no such file") from None
-    except IsADirectoryError:
-        raise FileError(f"cannot read {path}: it is a directory") from None
     except OSError as exc:
         raise FileError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except ValueError as exc:  # over the size limit
+        raise FileError(str(exc)) from None
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError:
@@ -193,13 +237,17 @@ def load_graph(path: str):
 
 def _cmd_render(args: argparse.Namespace) -> int:
     fmt = _out_format(args, ("png", "svg", "dot", "json"))
-    graph = load_graph(args.graph)
+    graph = load_graph(args.graph, args.max_input)
     _check_output(args.output)
     opts = _draw_opts(args)
     if args.depth is not None:
         opts["depth"] = args.depth
     if args.max_nodes is not None:
         opts["max_nodes"] = args.max_nodes
+    elif args.depth is None and fmt != "json" and len(graph.nodes) > DRAW_MAX_NODES:
+        opts["max_nodes"] = DRAW_MAX_NODES
+        print(f"{args.graph} has {len(graph.nodes):,} nodes: drawn collapsed to at most {DRAW_MAX_NODES} "
+              "(choose with --max-nodes N or --depth N)", flush=True)
     if args.fold_repeats:
         opts["fold_repeats"] = True
     if args.by_type:
@@ -222,16 +270,19 @@ def _cmd_diff(args: argparse.Namespace) -> int:
     from .text import diff_summary
 
     fmt = _out_format(args, ("png", "svg", "dot", "json")) if args.output else None
-    older = load_graph(args.old)
-    newer = load_graph(args.new)
+    older = load_graph(args.old, args.max_input)
+    newer = load_graph(args.new, args.max_input)
     if args.output:
         _check_output(args.output)
     d = diff_graphs(older, newer, threshold=args.threshold)
-    print(diff_summary(d))
+    print(visible(diff_summary(d), lines=True))
     if args.output:
         from .render.diff import render_diff
 
-        render_diff(d, newer, older, args.output, format=fmt, **_draw_opts(args))
+        opts = _draw_opts(args)
+        if fmt != "json" and max(len(older.nodes), len(newer.nodes)) > DRAW_MAX_NODES:
+            opts["max_nodes"] = DRAW_MAX_NODES
+        render_diff(d, newer, older, args.output, format=fmt, **opts)
         print(f"wrote {args.output}")
     return 0
 
@@ -244,40 +295,59 @@ def _cmd_report(args: argparse.Namespace) -> int:
         raise FileError(f"cannot read log directory {args.log_dir}: {what}")
     _check_output(args.output)
     try:
-        path = build_report(args.log_dir, args.output, title=args.title)
+        with warnings.catch_warnings(record=True) as skipped:
+            warnings.simplefilter("always", RuntimeWarning)
+            path = build_report(args.log_dir, args.output, title=args.title, max_input_bytes=args.max_input)
     except ReportError as exc:
         raise FileError(str(exc)) from None
+    finally:
+        for w in skipped:  # malformed, unreadable, too large or not regular files: each named
+            print(f"{PROG}: warning: {visible(' '.join(str(w.message).split()))}", file=sys.stderr)
     print(f"wrote {path}")
     return 0
 
 
 def _cmd_explore(args: argparse.Namespace) -> int:
+    import shutil
+    import signal
     import tempfile
 
-    from .explore import ExplorerMissing, serve
+    from .explore import ExplorerMissing, check_host_port, serve
     from .sinks.explorer import export_explorer
     from .sinks.report import ReportError
 
+    check_host_port(args.host, args.port)  # before anything is made
     if not os.path.isdir(args.log_dir):
         what = "no such directory" if not os.path.exists(args.log_dir) else "not a directory"
         raise FileError(f"cannot read log directory {args.log_dir}: {what}")
+    # SIGTERM ends the server like Ctrl-C does, so the temporary folder is removed on every exit
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    temp_dir = None if args.out else tempfile.mkdtemp(prefix="paddleviz-explorer-")
     try:
-        files = export_explorer(args.log_dir, args.out or tempfile.mkdtemp(prefix="paddleviz-explorer-"))
-    except ReportError as exc:
-        raise FileError(str(exc)) from None
-    print(f"{len(files.graph_ids)} captures, overlays: {', '.join(files.overlays)}; files in "
-          f"{os.path.dirname(files.graphs)}", flush=True)
-    try:
-        serve(files, args.host, args.port)
-    except ExplorerMissing as exc:
-        raise FileError(str(exc)) from None
+        try:
+            files = export_explorer(args.log_dir, args.out or temp_dir)
+        except ReportError as exc:
+            raise FileError(str(exc)) from None
+        print(f"{len(files.graph_ids)} captures, overlays: {', '.join(files.overlays)}", flush=True)
+        try:
+            serve(files, args.host, args.port)
+        except ExplorerMissing as exc:
+            raise FileError(str(exc)) from None
+    finally:
+        if temp_dir is not None:
+            shutil.rmtree(temp_dir, ignore_errors=True)
+        signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # unwinds through the server's loop and every finally
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (never raises for bad input).
 
-    Example:
+    Examples:
         >>> main(["render", "no_such_step.json", "-o", "x.png"])
         1
     """
@@ -323,7 +393,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _error(message: str) -> None:
-    message = " ".join(str(message).split())  # one line
+    message = visible(" ".join(str(message).split()))  # one line, nothing hidden
     print(f"{PROG}: error: {message}", file=sys.stderr)
 
 

@@ -20,6 +20,9 @@ which whole layers are single boxes (``Node(kind="layer")``):
   one box ``layers.0-5  TransformerEncoderLayer x6``.
 * ``max_nodes``: the deepest depth whose drawing has at most this many nodes
   is picked automatically.
+* ``by="source"``: instead of layers, the user functions that made the ops
+  (``Node.source``, innermost frame) are the boxes, one per call site: for
+  models written as functions rather than layers.
 
 Each call of a layer is its own box: a ``relu`` called twice in a block is
 two boxes (``BackwardGraph.calls``, the layer-call tree of the forward, says
@@ -37,18 +40,24 @@ stays a node of its own).
 Nodes outside every box (the root, loss ops outside the model, ops of a layer
 above the cut depth, input leaves) stay as they are. Edges between boxes keep
 their gradient metadata; parallel edges between the same two nodes with the
-same gradient shape are merged into one (norms combined root-sum-square).
+same gradient shape are merged into one: when they are every edge into one
+node, it carries the exact sum of their gradients (``Node.received``, summed
+at capture time, or the parameter's gradient); otherwise its figure is marked
+as combining several gradients (``GradMeta.parts``, root-sum-square of their
+norms), never passed off as one gradient's norm.
 Nothing here imports paddle, and the input graph is never modified.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import re
 from collections import defaultdict
 from dataclasses import replace
 from typing import Iterable, Sequence
 
+from .findings import record_of
 from .graph import BackwardGraph, Edge, Node, merge_grad_metas
 
 __all__ = ["collapse_graph", "collapse_with_map", "collapse_alike", "layer_depths", "call_paths", "CONTAINER_TYPES"]
@@ -118,7 +127,7 @@ class _Layers:
 def layer_depths(graph: BackwardGraph) -> dict[str, int]:
     """Depth of every layer path of ``graph`` as :func:`collapse_graph` counts it.
 
-    Example:
+    Examples:
         >>> from paddleviz_hooks.graph import BackwardGraph
         >>> g = BackwardGraph(layers={"": "Encoder", "layers": "LayerList", "layers.0": "EncoderLayer",
         ...                           "layers.0.self_attn": "MultiHeadAttention"})
@@ -166,7 +175,7 @@ def call_paths(graph: BackwardGraph) -> list[tuple[tuple[str, int], ...]]:
         lies in the innermost call holding all the ops that used it, never
         deeper than its owner. A collapsed box lies in the calls around it.
 
-    Example:
+    Examples:
         >>> g = BackwardGraph([Node(0, "root", "loss"), Node(1, "op", "ReluGradNode", "Relu", layer="b.act", call=1),
         ...                    Node(2, "op", "ReluGradNode", "Relu", layer="b.act", call=0)],
         ...                   [Edge(0, 1), Edge(1, 2)], layers={"": "Net", "b": "Block", "b.act": "ReLU"},
@@ -528,12 +537,13 @@ def _collapse_once(
         k = (s, d, None if g is None else (g.shape, g.dtype))
         groups.setdefault(k, []).append(e)
     new_edges = []
+    into = graph.in_edges()
     for (s, d, _), es in groups.items():
-        metas = [e.grad for e in es if e.grad is not None]
-        grad = merge_grad_metas(metas) if metas else None
+        grad = _merged_grad(graph, es, into)
         if grad is not None:
             grad = replace(grad)  # never share a GradMeta with the input graph
-        new_edges.append(Edge(s, d, min(e.slot for e in es), grad))
+        new_edges.append(Edge(s, d, min(e.slot for e in es), grad,
+                              next((e.note for e in es if e.note is not None), None)))
 
     # box summaries
     param_meta = graph.params()
@@ -560,7 +570,63 @@ def _collapse_once(
         layers=dict(graph.layers),
         meta=dict(graph.meta),
         calls=dict(graph.calls),
+        nonfinite=record_of(graph),  # the full graph's facts; views find their boxes (findings.marks)
     ), new_id, opened
+
+
+def _merged_grad(graph: BackwardGraph, es: list[Edge], into: dict[int, list[Edge]]):
+    """The gradient of one drawn edge standing for the real edges ``es``.
+
+    Several real edges into one node that are all of its incoming edges carry
+    the parts of the one gradient that node received: the edge gets their
+    exact sum, summed at capture time (``Node.received``; for a parameter the
+    gradient added to ``param.grad``). Otherwise the figure is a combination
+    of different gradients and says so (``GradMeta.parts``).
+    """
+    metas = [e.grad for e in es if e.grad is not None]
+    if len(es) == 1 or not metas:
+        return metas[0] if metas else None
+    dsts = {e.dst for e in es}
+    if len(dsts) == 1:
+        d = graph.nodes[next(iter(dsts))]
+        whole = d.grad if d.kind == "param" else d.received
+        if whole is not None and {id(e) for e in es} == {id(e) for e in into.get(d.id, [])}:
+            return whole
+    return merge_grad_metas(metas)
+def _source_view(graph: BackwardGraph) -> BackwardGraph:
+    """A copy of ``graph`` in which each op's "layer" is the user function that made it.
+
+    The function is the innermost frame of ``Node.source``; each distinct
+    place it was called from (the outer frames) is one call of it. Functions
+    are flat paths (a function name, ``~2`` for a second file with the same
+    name), typed ``def in <file>``; ops without a source lie outside every box.
+    """
+    names: dict[tuple[str, str], str] = {}
+    types: dict[str, str] = {}
+    calls: dict[tuple[str, tuple], int] = {}
+    ncalls: dict[str, int] = defaultdict(int)
+    nodes: list[Node] = []
+    for n in graph.nodes:
+        if n.kind == "op" and n.source:
+            inner = n.source[-1]
+            path = names.get((inner.file, inner.function))
+            if path is None:
+                base = inner.function.replace(".", "_") or "?"
+                path, k = base, 2
+                while path in types:
+                    path, k = f"{base}~{k}", k + 1
+                names[(inner.file, inner.function)] = path
+                types[path] = "def in " + (os.path.basename(inner.file) or inner.file)
+            site = (path, tuple(n.source[:-1]))
+            if site not in calls:
+                calls[site] = ncalls[path]
+                ncalls[path] += 1
+            nodes.append(replace(n, layer=path, call=calls[site]))
+        elif n.kind in ("op", "param"):
+            nodes.append(replace(n, layer=None, call=0, param=None if n.kind == "op" else n.param))
+        else:
+            nodes.append(replace(n))
+    return BackwardGraph(nodes=nodes, edges=list(graph.edges), layers=types, meta=dict(graph.meta))
 
 
 def _check(depth, by_type, fold_repeats, max_nodes) -> frozenset[str]:
@@ -593,6 +659,7 @@ def collapse_graph(
     by_type: Iterable[str] | str = (),
     fold_repeats: bool = False,
     max_nodes: int | None = None,
+    by: str = "layer",
 ) -> BackwardGraph:
     """A new, smaller graph in which layers are single boxes.
 
@@ -610,6 +677,11 @@ def collapse_graph(
             None) and going shallower, the first depth whose result has at
             most ``max_nodes`` nodes is used; when none fits, the shallowest
             (depth 0) is returned.
+        by: ``"layer"`` (the default) boxes layers; ``"source"`` boxes the
+            user functions that made the ops instead (from ``Node.source``,
+            one box per call site of a function; ``depth``, ``by_type``,
+            ``fold_repeats`` and ``max_nodes`` do not apply), for models
+            written as functions rather than layers.
 
     Returns:
         A new :class:`BackwardGraph`. Boxes are ``Node(kind="layer",
@@ -627,7 +699,7 @@ def collapse_graph(
         ValueError: ``depth`` or ``max_nodes`` out of range.
         TypeError: ``by_type`` or ``fold_repeats`` of the wrong type.
 
-    Example:
+    Examples:
         >>> import paddle
         >>> from paddleviz_hooks import capture_backward
         >>> enc = paddle.nn.TransformerEncoder(paddle.nn.TransformerEncoderLayer(16, 2, 32), 3)
@@ -638,7 +710,7 @@ def collapse_graph(
         ['layers.0-2']
     """
     return collapse_with_map(graph, depth=depth, by_type=by_type, fold_repeats=fold_repeats,
-                             max_nodes=max_nodes)[0]
+                             max_nodes=max_nodes, by=by)[0]
 
 
 def collapse_with_map(
@@ -648,18 +720,19 @@ def collapse_with_map(
     by_type: Iterable[str] | str = (),
     fold_repeats: bool = False,
     max_nodes: int | None = None,
+    by: str = "layer",
 ) -> tuple[BackwardGraph, list[int]]:
     """:func:`collapse_graph`, and where each node of ``graph`` went.
 
     Args:
-        graph, depth, by_type, fold_repeats, max_nodes: as for
+        graph, depth, by_type, fold_repeats, max_nodes, by: as for
             :func:`collapse_graph`.
 
     Returns:
         ``(collapsed, node_of)``: ``collapsed.nodes[node_of[i]]`` is the box
         (or the copy) that holds ``graph.nodes[i]``.
 
-    Example:
+    Examples:
         >>> from paddleviz_hooks.graph import BackwardGraph, Edge, Node
         >>> g = BackwardGraph([Node(0, "root", "loss"), Node(1, "op", "ExpGradNode", "Exp", layer="f"),
         ...                    Node(2, "op", "TanhGradNode", "Tanh", layer="f")],
@@ -669,6 +742,10 @@ def collapse_with_map(
         ([0, 1, 1], ['root', 'layer'])
     """
     types = _check(depth, by_type, fold_repeats, max_nodes)
+    if by == "source":
+        return _collapse_by_source(graph)
+    if by != "layer":
+        raise ValueError(f"by must be 'layer' or 'source', got {by!r}")
     lay = _Layers(graph)
     if max_nodes is None:
         candidates: list[int | None] = [depth]
@@ -684,6 +761,21 @@ def collapse_with_map(
             break
     assert result is not None
     _note(result, graph, chosen, types, fold_repeats, max_nodes, len(opened))
+    return result, node_of
+
+
+def _collapse_by_source(graph: BackwardGraph) -> tuple[BackwardGraph, list[int]]:
+    """:func:`collapse_with_map` with ``by="source"``."""
+    view = _source_view(graph)
+    result, node_of, opened = _collapse_once(view, _Layers(view), 1, frozenset(), False)
+    for n in graph.nodes:  # nodes left out of every box are the graph's own again
+        j = node_of[n.id]
+        if result.nodes[j].kind != "layer":
+            result.nodes[j] = replace(n, id=j)
+    result.layers = {**graph.layers, **view.layers}
+    result.calls = dict(graph.calls)
+    _note(result, graph, None, frozenset(), False, None, len(opened))
+    result.meta["collapse"]["by"] = "source"
     return result, node_of
 
 
@@ -723,7 +815,7 @@ def collapse_alike(
     Returns:
         The collapsed graphs, in the order given.
 
-    Example:
+    Examples:
         >>> from paddleviz_hooks.graph import BackwardGraph, Edge, Node
         >>> layers = {"": "Net", "e": "Linear", "b": "Block", "b.p": "Linear", "b.q": "Linear", "h": "Linear"}
         >>> op = lambda i, layer: Node(i, "op", "MatmulGradNode", "Matmul", layer=layer)

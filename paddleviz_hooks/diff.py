@@ -18,12 +18,13 @@ import json
 import math
 import weakref
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from .graph import BackwardGraph, Node, float_from_json, float_to_json, merge_grad_metas, parse_json
+from .findings import record_of
+from .graph import BackwardGraph, Edge, Node, float_from_json, float_to_json, merge_grad_metas, parse_json
 
-__all__ = ["GraphDiff", "diff_graphs", "node_norms", "edge_metas", "norm_ratio", "align_calls", "pair_leftovers",
+__all__ = ["GraphDiff", "diff_graphs", "from_model_output", "node_norms", "edge_metas", "norm_ratio", "align_calls", "pair_leftovers",
            "DEFAULT_THRESHOLD"]
 
 DIFF_FORMAT = "paddleviz-hooks/graph-diff"
@@ -98,8 +99,14 @@ class GraphDiff:
         global_norm_ratio: newer/older global gradient norm.
         new_nonfinite / resolved_nonfinite: keys of NaN/Inf sites only in the
             newer / only in the older graph.
-        nonfinite_origin: the origin NaN/Inf site of the newer graph
-            (``{"key", "kind", "name", "op", "layer", "call", "param"}``), None when it has none.
+        first_nonfinite: the newer graph's first non-finite gradient (its
+            record's ``first_gradient``: ``{"key", "kind", "name", "op",
+            "layer", "call", "param"}``), None when it has none.
+        replayed: ``"newer"`` or ``"older"`` when that graph (and only it) was
+            replayed from the model output (``meta["replayed"]``): the other
+            graph's part above the model output (the loss ops) was left out
+            of the comparison; None otherwise.
+        left_out: the keys of that part (in the other graph).
         node_info: kind, op, layer and param of every key listed above, so
             the diff reads well without the graphs.
         threshold: ratios above ``threshold`` or below ``1/threshold`` count
@@ -120,7 +127,9 @@ class GraphDiff:
     global_norm_ratio: float | None = None
     new_nonfinite: list[str] = field(default_factory=list)
     resolved_nonfinite: list[str] = field(default_factory=list)
-    nonfinite_origin: dict[str, Any] | None = None
+    first_nonfinite: dict[str, Any] | None = None
+    replayed: str | None = None
+    left_out: list[str] = field(default_factory=list)
     node_info: dict[str, dict[str, Any]] = field(default_factory=dict)
     threshold: float = DEFAULT_THRESHOLD
 
@@ -194,7 +203,9 @@ class GraphDiff:
             "global_norm_ratio": float_to_json(self.global_norm_ratio),
             "new_nonfinite": list(self.new_nonfinite),
             "resolved_nonfinite": list(self.resolved_nonfinite),
-            "nonfinite_origin": self.nonfinite_origin,
+            "first_nonfinite": self.first_nonfinite,
+            "replayed": self.replayed,
+            "left_out": list(self.left_out),
             "node_info": self.node_info,
             "threshold": self.threshold,
         }
@@ -228,7 +239,9 @@ class GraphDiff:
                 global_norm_ratio=float_from_json(d.get("global_norm_ratio")),
                 new_nonfinite=list(d["new_nonfinite"]),
                 resolved_nonfinite=list(d["resolved_nonfinite"]),
-                nonfinite_origin=d.get("nonfinite_origin"),
+                first_nonfinite=d.get("first_nonfinite", d.get("nonfinite_origin")),  # older files: its old name
+                replayed=d.get("replayed"),
+                left_out=list(d.get("left_out") or ()),
                 node_info={k: dict(v) for k, v in d.get("node_info", {}).items()},
                 threshold=float(d.get("threshold", DEFAULT_THRESHOLD)),
             )
@@ -303,7 +316,7 @@ def align_calls(older: BackwardGraph, newer: BackwardGraph) -> dict[str, str]:
     shows as removed even when a newer call took its index. Layers called
     more than about 500 times in both graphs are left as they are.
 
-    Example:
+    Examples:
         >>> from paddleviz_hooks.graph import Edge
         >>> def chain(*ops):  # the loss, then each op feeding the one before (gradient-flow order)
         ...     nodes = [Node(0, "root", "loss", "loss")] + [
@@ -391,7 +404,7 @@ def pair_leftovers(
     Returns:
         Older key -> newer key for every pair found here.
 
-    Example:
+    Examples:
         >>> from paddleviz_hooks.graph import Edge
         >>> def chain(*ops):  # a loss and a chain of ops in layer "block"
         ...     nodes = [Node(0, "root", "loss", "loss")] + [
@@ -448,6 +461,57 @@ def pair_leftovers(
     return found
 
 
+def from_model_output(graph: BackwardGraph) -> tuple[BackwardGraph, list[Node]]:
+    """``graph`` as a replay would have captured it: rooted at the model output.
+
+    A replayed step's graph (``meta["replayed"]``) starts at the model's
+    outputs; an ordinary one at the loss, with the loss ops (ops outside
+    every layer) between. Those ops, as far as they are reached from the
+    root through ops outside every layer, are left out; the root sends
+    their gradients straight to the model ops they fed.
+
+    Returns:
+        (the trimmed graph, keys kept; the nodes left out, in gradient-flow order).
+
+    Examples:
+        >>> from paddleviz_hooks.graph import Edge
+        >>> g = BackwardGraph([Node(0, "root", "loss", "loss"), Node(1, "op", "MeanAllGradNode", "MeanAll"),
+        ...                    Node(2, "op", "MatmulGradNode", "Matmul", layer="fc")], [Edge(0, 1), Edge(1, 2)])
+        >>> g.assign_keys()
+        >>> trimmed, gone = from_model_output(g)
+        >>> [n.op for n in gone], [(trimmed.nodes[e.src].op, trimmed.nodes[e.dst].op) for e in trimmed.edges]
+        (['MeanAll'], [('loss', 'Matmul')])
+    """
+    out = graph.out_edges()
+    roots = [n.id for n in graph.nodes if n.kind == "root"]
+    above: set[int] = set()
+    stack = list(roots)
+    while stack:
+        for e in out.get(stack.pop(), []):
+            n = graph.nodes[e.dst]
+            if n.kind == "op" and n.layer is None and n.id not in above:
+                above.add(n.id)
+                stack.append(n.id)
+    if not above:
+        return graph, []
+    kept = [n for n in graph.nodes if n.id not in above]
+    ids = {n.id: i for i, n in enumerate(kept)}
+    root = roots[0]
+    edges, seen = [], set()
+    for e in graph.edges:
+        if e.dst in above:
+            continue
+        src = root if e.src in above else e.src
+        if e.src in above and (src, e.dst) in seen:  # two loss ops fed the same model op
+            continue
+        seen.add((src, e.dst))
+        edges.append(Edge(ids[src], ids[e.dst], e.slot, e.grad))
+    nodes = [replace(n, id=ids[n.id]) for n in kept]
+    trimmed = BackwardGraph(nodes, edges, dict(graph.layers), dict(graph.meta), dict(graph.calls))
+    order = graph.topo_order()
+    return trimmed, [graph.nodes[i] for i in order if i in above]
+
+
 def _ensure_keys(graph: BackwardGraph) -> None:
     """Keys for a graph without them, or saved with keys of an older kind (not a collapsed one:
     its boxes have keys of their own)."""
@@ -486,7 +550,7 @@ def diff_graphs(
         TypeError: an argument is not a :class:`BackwardGraph`.
         ValueError: ``threshold`` is not a number above 1.
 
-    Example:
+    Examples:
         >>> import paddle
         >>> from paddleviz_hooks import capture_backward
         >>> net = paddle.nn.Sequential(paddle.nn.Linear(3, 3), paddle.nn.Linear(3, 1))
@@ -507,6 +571,16 @@ def diff_graphs(
         raise ValueError(f"layer_depth must be a positive int or None, got {layer_depth!r}")
     _ensure_keys(older)
     _ensure_keys(newer)
+    first = record_of(newer).first_gradient
+    compared = (weakref.ref(older), weakref.ref(newer))  # for drawing it (see compared_graphs)
+    replayed, left_out = None, []
+    if bool(older.meta.get("replayed")) != bool(newer.meta.get("replayed")):
+        # one graph starts at the model output: compare the other from there too
+        replayed = "older" if older.meta.get("replayed") else "newer"
+        if replayed == "older":
+            newer, left_out = from_model_output(newer)
+        else:
+            older, left_out = from_model_output(older)
 
     def ordered(g: BackwardGraph) -> list[Node]:
         return [g.nodes[i] for i in g.topo_order()]
@@ -553,14 +627,12 @@ def diff_graphs(
     new_site_keys = {n.key for n in new_sites}
     new_bad = [n for n in new_sites if n.key not in old_site_keys]
     resolved = [n for n in old_sites if same(n.key) not in new_site_keys]
-    origin = None
-    if new_sites:
-        origin = {"key": new_sites[0].key, **_info(new_sites[0])}
+    first_bad = {**asdict(first), "name": ""} if first is not None else None
 
     info: dict[str, dict[str, Any]] = {}
-    for n in added + new_bad + new_sites[:1]:
+    for n in added + new_bad:
         info[n.key] = _info(n)
-    for n in removed + resolved:
+    for n in removed + resolved + left_out:
         info.setdefault(n.key, _info(n))
     d = GraphDiff(
         older_step=older.meta.get("step"),
@@ -577,12 +649,14 @@ def diff_graphs(
         global_norm_ratio=norm_ratio(older.global_grad_norm(), newer.global_grad_norm()),
         new_nonfinite=[n.key for n in new_bad],
         resolved_nonfinite=[n.key for n in resolved],
-        nonfinite_origin=origin,
+        first_nonfinite=first_bad,
+        replayed=replayed,
+        left_out=[n.key for n in left_out],
         node_info=info,
         threshold=float(threshold),
     )
     by_key = {n.key: n for n in new_nodes}
     for key in d.large_node_changes():
         info.setdefault(key, _info(by_key[key]))
-    d._graphs = (weakref.ref(older), weakref.ref(newer))  # for drawing it (see compared_graphs)
+    d._graphs = compared
     return d

@@ -1,7 +1,11 @@
 """Every escaping rule, in one place.
 
 Layer names, op names, parameter names and user tags come from models and
-users. They reach DOT source (:func:`dot_quote`, :func:`dot_label`),
+users. Whatever view they reach, characters that could hide or reorder the
+text around them (controls, bidi overrides and isolates, zero-width and other
+invisible format characters) are first made visible as ``\\u202e``
+(:func:`visible`, :func:`visible_data`). They reach DOT source
+(:func:`dot_quote`, :func:`dot_label`),
 Graphviz HTML-like labels (:func:`dot_html_table`), HTML pages
 (:func:`html_escape`), JSON inside ``<script>`` (:func:`json_for_script`),
 VisualDL tags (:func:`vdl_tag`), VisualDL graph node and folder names
@@ -28,13 +32,65 @@ __all__ = [
     "dot_quote",
     "html_escape",
     "json_for_script",
+    "markdown_literal",
     "safe_filename",
     "shorten",
     "vdl_graph_name",
     "vdl_tag",
+    "visible",
+    "visible_data",
 ]
 
 MAX_TEXT = 120
+# kept as they are: zero-width (non-)joiners, which some scripts and emoji need
+_KEEP = {"\u200c", "\u200d"}
+# controls (Cc), line/paragraph separators (Zl, Zp), invisible format characters (Cf: bidi marks,
+# embeddings, overrides and isolates, zero-width space, word joiner, BOM, tags...), unassigned
+# and private-use code points, surrogates
+_HIDDEN_CATEGORIES = {"Cc", "Cf", "Zl", "Zp", "Cn", "Co", "Cs"}
+# a candidate is any character outside printable ASCII; its category decides
+_CANDIDATE = re.compile(r"[^\x20-\x7e]")
+_CANDIDATE_BUT_LINES = re.compile(r"[^\x20-\x7e\n]")
+
+
+def _shown(m: re.Match) -> str:
+    ch = m.group()
+    c = ord(ch)
+    if ch in _KEEP or unicodedata.category(ch) not in _HIDDEN_CATEGORIES or 0xE000 <= c <= 0xF8FF or c >= 0xF0000:
+        return ch  # letters of any script, symbols, private-use icons
+    return f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}" if c < 0x10000 else f"\\U{c:08x}"
+
+
+def visible(text: Any, *, lines: bool = False) -> str:
+    """``text`` with every character that could hide or reorder what is read made visible.
+
+    Controls, bidi embeddings, overrides, isolates and marks, zero-width
+    spaces and other invisible format characters become ``\\x07``,
+    ``\\u202e``..., so a right-to-left override in a layer name cannot make
+    ``1.07`` read ``70.1``. Newlines stay when ``lines`` is true.
+
+    Examples:
+        >>> print(visible("fc.weight\\u202e 1.07"))
+        fc.weight\\u202e 1.07
+        >>> visible("a\\nb", lines=True) == "a\\nb"
+        True
+    """
+    return (_CANDIDATE_BUT_LINES if lines else _CANDIDATE).sub(_shown, str(text))
+
+
+def visible_data(data: Any) -> Any:
+    """JSON-like data with :func:`visible` applied to every string (keys included; newlines kept)."""
+    if isinstance(data, str):
+        return visible(data, lines=True)
+    if isinstance(data, dict):
+        return {visible_data(k): visible_data(v) for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [visible_data(v) for v in data]
+    return data
+
+
+#: Hover text holds a node's forward call stack (a few frames with their code lines)
+MAX_TOOLTIP = 1500
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
 
 
@@ -48,20 +104,20 @@ def shorten(text: str, limit: int = MAX_TEXT) -> str:
 
 
 def _clean_line(text: str) -> str:
-    return _CONTROL.sub("?", str(text).replace("\t", " "))
+    return visible(str(text).replace("\t", " ").replace("\r", " ").replace("\n", " "))
 
 
-def dot_quote(text: str) -> str:
+def dot_quote(text: str, limit: int = MAX_TEXT) -> str:
     """A DOT double-quoted string holding ``text`` literally (one line).
 
     Backslashes are doubled so Graphviz escapes such as ``\\N`` or ``\\l``
     cannot be injected; quotes are escaped; newlines become spaces.
 
-    Example:
+    Examples:
         >>> dot_quote('a"b')
         '"a\\\\"b"'
     """
-    text = _clean_line(shorten(text)).replace("\r", " ").replace("\n", " ")
+    text = _clean_line(shorten(text, limit))
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
@@ -69,19 +125,20 @@ def dot_label(*lines: str) -> str:
     """A DOT quoted label whose lines are each escaped and centred."""
     parts = []
     for line in lines:
-        text = _clean_line(shorten(line)).replace("\r", " ").replace("\n", " ")
+        text = _clean_line(shorten(line))
         parts.append(text.replace("\\", "\\\\").replace('"', '\\"'))
     return '"' + "\\n".join(parts) + '"'
 
 
 def dot_attrs(attrs: Mapping[str, Any]) -> str:
-    """``key="value", ...`` for a DOT attribute list, every value quoted.
+    """``key="value", ...`` for a DOT attribute list, every value quoted
+    (a ``tooltip`` may be longer than other text, up to ``MAX_TOOLTIP``).
 
-    Example:
+    Examples:
         >>> print(dot_attrs({"label": 'say "hi"', "color": "red"}))
         label="say \\"hi\\"", color="red"
     """
-    return ", ".join(f"{k}={dot_quote(v)}" for k, v in attrs.items())
+    return ", ".join(f"{k}={dot_quote(v, MAX_TOOLTIP if k == 'tooltip' else MAX_TEXT)}" for k, v in attrs.items())
 
 
 def dot_html_table(title: str, rows: Iterable[tuple[Mapping[str, str], str]], *, spacing: int = 1) -> str:
@@ -93,7 +150,7 @@ def dot_html_table(title: str, rows: Iterable[tuple[Mapping[str, str], str]], *,
             makes the text span both columns.
         spacing: ``CELLSPACING`` of the table.
 
-    Example:
+    Examples:
         >>> dot_html_table("legend", [({"BGCOLOR": "#ff0000"}, "a <b>")])[:40]
         '<<TABLE BORDER="0" CELLBORDER="0" CELLSP'
         >>> "a &lt;b&gt;" in dot_html_table("legend", [({}, "a <b>")])
@@ -111,26 +168,37 @@ def dot_html_table(title: str, rows: Iterable[tuple[Mapping[str, str], str]], *,
 
 
 def html_escape(text: Any) -> str:
-    """Escape text for HTML element content and quoted attributes.
+    """Escape text for HTML element content and quoted attributes (hidden characters made :func:`visible`).
 
-    Example:
+    Examples:
         >>> html_escape('<a href="x">')
         '&lt;a href=&quot;x&quot;&gt;'
     """
-    return html.escape(str(text), quote=True)
+    return html.escape(visible(text, lines=True), quote=True)
+
+
+def markdown_literal(text: Any) -> str:
+    """Text shown as it is by a Markdown renderer (TensorBoard's text tab): an indented
+    code block, so line breaks stay and nothing in it is read as markup or HTML.
+
+    Examples:
+        >>> markdown_literal("a <b>\\n*c*")
+        '    a <b>\\n    *c*'
+    """
+    return "\n".join("    " + line for line in visible(_CONTROL.sub(" ", str(text)), lines=True).splitlines())
 
 
 def json_for_script(data: Any) -> str:
-    """JSON that can sit inside ``<script type="application/json">``.
+    """JSON that can sit inside ``<script type="application/json">`` (every string made :func:`visible`).
 
     ``<``, ``>`` and ``&`` are written as ``\\u003c`` etc., so no text can end
     the script element.
 
-    Example:
+    Examples:
         >>> json_for_script({"name": "</script>"})
         '{"name":"\\\\u003c/script\\\\u003e"}'
     """
-    text = json.dumps(data, ensure_ascii=True, allow_nan=False, separators=(",", ":"))
+    text = json.dumps(visible_data(data), ensure_ascii=True, allow_nan=False, separators=(",", ":"))
     return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
 
 
@@ -144,7 +212,7 @@ def vdl_tag(text: str) -> str:
 
     Letters, digits, ``_ . - / ~`` stay (``~`` sorts our groups last).
 
-    Example:
+    Examples:
         >>> vdl_tag("grad norm/../50%")
         'grad_norm/_/50_'
     """
@@ -163,7 +231,7 @@ def vdl_graph_name(text: str, limit: int = 60) -> str:
     ASCII letters, digits, ``_`` and ``-`` only (no ``/``, ``.``, ``&``,
     ``#``, ``+``, ``%`` or spaces), never empty.
 
-    Example:
+    Examples:
         >>> vdl_graph_name("PyLayer:My Op+1"), vdl_graph_name("../")
         ('PyLayer_My_Op_1', 'unnamed')
     """
@@ -179,7 +247,7 @@ def safe_filename(text: str, limit: int = 80) -> str:
 
     Never empty, never ``.``/``..``, no path separators, ASCII only.
 
-    Example:
+    Examples:
         >>> safe_filename("../../etc/passwd")
         'etc_passwd'
     """
@@ -220,7 +288,7 @@ def clean_svg(text: str) -> str | None:
     attribute may not load anything. Text and attribute values are escaped
     by the engine and may say anything.
 
-    Example:
+    Examples:
         >>> clean_svg('<svg xmlns="http://www.w3.org/2000/svg"><g id="a"/></svg>')
         '<svg xmlns="http://www.w3.org/2000/svg"><g id="a"/></svg>'
         >>> clean_svg('<svg xmlns="http://www.w3.org/2000/svg"><set attributeName="href" to="javascript:x()"/></svg>') is None

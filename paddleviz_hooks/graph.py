@@ -17,13 +17,18 @@ import math
 import re
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable
+from typing import Any, Iterable, NamedTuple
 
 __all__ = [
     "BackwardGraph",
     "Edge",
     "GradMeta",
     "Node",
+    "UNOBSERVED_REASONS",
+    "NonfiniteOrigin",
+    "NonfiniteRecord",
+    "NonfiniteSite",
+    "SourceFrame",
     "float_from_json",
     "float_to_json",
     "is_communication",
@@ -34,6 +39,14 @@ __all__ = [
 
 FORMAT_VERSION = 1
 NODE_KINDS = ("root", "op", "param", "input", "layer")
+
+#: Why a gradient's values were not observed (``GradMeta.note``):
+#: ``overwritten``: read after the receiving op's backward ran, which rewrote
+#: the buffer it received in place (``ReluGradNode`` and many more) and whose
+#: producer takes no hook; ``not_computed``: ``paddle.grad`` did not compute
+#: this slot (it leads to no requested input); ``unpaired``: the gradients a
+#: node passed on could not be matched with its edges one to one.
+UNOBSERVED_REASONS = ("overwritten", "not_computed", "unpaired")
 
 
 def op_display_name(grad_node_name: str) -> str:
@@ -47,7 +60,7 @@ def op_display_name(grad_node_name: str) -> str:
         ``"Conv2dGradNodeFinal"`` gives ``"Conv2d"``, a PyLayer node
         ``"GradNodePyLayer_MyOp_..."`` gives ``"PyLayer:MyOp"``.
 
-    Example:
+    Examples:
         >>> op_display_name("CrossEntropyWithSoftmaxGradNode")
         'CrossEntropyWithSoftmax'
         >>> op_display_name("GradNodePyLayer__Twice")
@@ -81,11 +94,31 @@ COMMUNICATION_OPS = frozenset({
 def is_communication(op: str) -> bool:
     """Whether a readable op name is a grad node that communicates between ranks.
 
-    Example:
+    Examples:
         >>> is_communication(op_display_name("ReshardGradNode")), is_communication("Matmul")
         (True, False)
     """
     return op in COMMUNICATION_OPS
+
+
+class SourceFrame(NamedTuple):
+    """One frame of the user's code on the way to a forward op call.
+
+    ``code`` is the source line as Paddle recorded it (stripped; ``""`` when
+    the file could not be read).
+    """
+
+    file: str
+    line: int
+    function: str
+    code: str = ""
+
+
+#: Why an op node has no :attr:`Node.source` (worded in ``paddleviz_hooks.text``):
+#: ``"static"`` an op inside a to_static program; ``"internal"`` made by Paddle
+#: with no Python caller of the user's; ``"unrecorded"`` its forward ran before
+#: the capture was armed or decided (or with Paddle's own dump path in use).
+SOURCE_NOTES = ("static", "internal", "unrecorded")
 
 
 @dataclass
@@ -101,6 +134,13 @@ class GradMeta:
     dimension (``"Shard(dim=1)"``, ``"Replicate()"``, ``"Partial(...)"``);
     its statistics are those of this rank's shard (reading the whole tensor
     would need communication). Both are None for an ordinary tensor.
+
+    ``note`` says why the values of a gradient were not observed, as one of
+    the codes in :data:`UNOBSERVED_REASONS` (worded by ``text.py``); its
+    statistics are then None. ``parts`` is 1 for one gradient; more for a
+    figure combining that many different gradients (an edge of a collapsed
+    view standing for several real edges): its ``norm`` is then the
+    root-sum-square of their norms, which is not the norm of any one tensor.
     """
 
     shape: tuple[int, ...] | None = None
@@ -112,6 +152,8 @@ class GradMeta:
     inf: int = 0
     local_shape: tuple[int, ...] | None = None
     placements: tuple[str, ...] | None = None
+    note: str | None = None
+    parts: int = 1
 
     @property
     def nonfinite(self) -> int:
@@ -135,6 +177,10 @@ class GradMeta:
                 del d[k]
             else:
                 d[k] = list(d[k])
+        if d["note"] is None:  # written only when set: older readers stay able to load the file
+            del d["note"]
+        if d["parts"] == 1:
+            del d["parts"]
         return d
 
     @classmethod
@@ -149,6 +195,8 @@ class GradMeta:
             inf=int(d.get("inf", 0)),
             local_shape=tuple(d["local_shape"]) if d.get("local_shape") is not None else None,
             placements=tuple(d["placements"]) if d.get("placements") is not None else None,
+            note=d.get("note"),
+            parts=int(d.get("parts", 1)),
         )
 
 
@@ -201,6 +249,18 @@ class Node:
         local_grad: under multi-process data parallel, the gradient this
             rank's own backward produced for the parameter, before
             synchronisation (see ``meta["grad_sync"]``); None otherwise.
+        received: for an op that received gradients over several edges (a
+            forward tensor used several times), the sum of what arrived, read
+            when it ran (the norm of a sum cannot be had from the norms of its
+            parts); for the node of a non-leaf ``paddle.grad`` input, what
+            ``paddle.grad`` returned for it. None otherwise or when not
+            observed.
+        source: for an op, where its forward op was called: the frames of
+            the user's code (:class:`SourceFrame`; Paddle, the standard
+            library and this package left out), outermost first; None when
+            not recorded.
+        source_note: for an op without ``source``, why (one of
+            :data:`SOURCE_NOTES`); None otherwise.
     """
 
     id: int
@@ -225,12 +285,17 @@ class Node:
     grad: GradMeta | None = None
     saved_bytes: int = 0
     local_grad: GradMeta | None = None
+    received: GradMeta | None = None
+    source: tuple[SourceFrame, ...] | None = None
+    source_note: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        d["source"] = [list(f) for f in self.source] if self.source is not None else None
         d["shape"] = list(self.shape) if self.shape is not None else None
         d["grad"] = self.grad.to_dict() if self.grad is not None else None
         d["local_grad"] = self.local_grad.to_dict() if self.local_grad is not None else None
+        d["received"] = self.received.to_dict() if self.received is not None else None
         # Box-only fields are written only when set, so graphs without boxes
         # stay readable by versions that do not know them.
         for k, default in _NODE_BOX_DEFAULTS.items():
@@ -251,11 +316,15 @@ class Node:
             d["grad"] = GradMeta.from_dict(d["grad"])
         if d.get("local_grad") is not None:
             d["local_grad"] = GradMeta.from_dict(d["local_grad"])
+        if d.get("received") is not None:
+            d["received"] = GradMeta.from_dict(d["received"])
+        if d.get("source") is not None:
+            d["source"] = tuple(SourceFrame(str(f[0]), int(f[1]), str(f[2]), str(f[3])) for f in d["source"])
         return cls(**d)
 
 
 _NODE_BOX_DEFAULTS = {"count": 1, "calls": 1, "ops": 0, "unhooked": 0, "params": 0, "norm": None, "nonfinite": 0,
-                      "grad": None, "saved_bytes": 0, "local_grad": None}
+                      "grad": None, "saved_bytes": 0, "local_grad": None, "received": None, "source": None, "source_note": None}
 
 
 @dataclass
@@ -264,26 +333,174 @@ class Edge:
 
     ``slot`` is the position of ``dst`` among ``src``'s next functions;
     ``grad`` is None when the gradient could not be observed (the producing
-    node cannot be hooked safely, see ``paddleviz_hooks.hazards``).
+    node cannot be hooked safely, see ``paddleviz_hooks.hazards``); ``note``
+    then says why, when known.
     """
 
     src: int
     dst: int
     slot: int = 0
     grad: GradMeta | None = None
+    note: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        d = {
             "src": self.src,
             "dst": self.dst,
             "slot": self.slot,
             "grad": self.grad.to_dict() if self.grad is not None else None,
         }
+        if self.note is not None:  # written only when there is one
+            d["note"] = self.note
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Edge":
         g = d.get("grad")
-        return cls(d["src"], d["dst"], d.get("slot", 0), GradMeta.from_dict(g) if g else None)
+        return cls(d["src"], d["dst"], d.get("slot", 0), GradMeta.from_dict(g) if g else None,
+                   d.get("note") if isinstance(d.get("note"), str) else None)
+
+
+#: What made a capture's NaN/Inf (``NonfiniteOrigin.kind``):
+#: ``forward``: an op of the model's forward (op, layer, file, line, code);
+#: ``input``: the batch itself holds NaN/Inf;
+#: ``weights``: a trainable parameter already holds NaN/Inf (an earlier update
+#: wrote it; ``layer`` is the layer of the first such parameter);
+#: ``outside``: the model's outputs were finite, so the loss function (or the
+#: labels) made it;
+#: ``backward``: the forward is finite everywhere; the NaN/Inf is made in the backward;
+#: ``not_reproduced``: the replay of the step was finite although the step was not.
+ORIGIN_KINDS = ("forward", "input", "weights", "outside", "backward", "not_reproduced")
+
+
+@dataclass
+class NonfiniteOrigin:
+    """Where a step's NaN/Inf was first made, as found by replaying its forward.
+
+    Attributes:
+        kind: one of :data:`ORIGIN_KINDS`.
+        op: Paddle's op type of a ``forward`` origin (``"log"``, ``"sqrt"``).
+        layer: dotted sublayer path whose forward called it (``""``: the
+            model's own forward; None: outside every layer, or unknown).
+        layer_class: that layer's class name.
+        call: which call of that layer (0 first), when the op's grad node is
+            in the graph; None when unknown.
+        file / line / code: the user's source line that called the op.
+        key: the key of the op's grad node in the captured graph; None when
+            the graph has none (the op worked on data that needs no gradient,
+            or inside a compiled program, or the kind is not ``forward``).
+        needs_grad: whether the tensor the op produced needs a gradient (any
+            of its floating-point inputs does, with gradients on); None when
+            it could not be seen.
+        dtype / nan / inf: the tensor the op produced: its dtype and how
+            many NaN and Inf elements it held (read from Paddle's checker);
+            None when unknown.
+        in_program: the op ran inside a compiled program (``to_static``):
+            the graph holds the program's ops, not this one.
+    """
+
+    kind: str
+    op: str | None = None
+    layer: str | None = None
+    layer_class: str | None = None
+    call: int | None = None
+    file: str | None = None
+    line: int | None = None
+    code: str | None = None
+    key: str | None = None
+    needs_grad: bool | None = None
+    dtype: str | None = None
+    nan: int | None = None
+    inf: int | None = None
+    in_program: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "NonfiniteOrigin":
+        known = {k: d[k] for k in cls.__dataclass_fields__ if k in d}
+        return cls(**known)
+
+
+@dataclass
+class NonfiniteSite:
+    """A node of the graph, as a fact that outlives collapsing: its key and where it ran."""
+
+    key: str
+    kind: str = "op"
+    op: str = ""
+    layer: str | None = None
+    call: int = 0
+    param: str | None = None
+
+    @classmethod
+    def of(cls, node: "Node") -> "NonfiniteSite":
+        return cls(node.key, node.kind, node.op, node.layer, node.call, node.param)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "NonfiniteSite":
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+
+
+@dataclass
+class NonfiniteRecord:
+    """The NaN/Inf story of one capture, computed once (``paddleviz_hooks.findings``)
+    and read by every view.
+
+    Attributes:
+        origin: where the NaN/Inf was first made (a replay of the step's
+            forward); None when it was not located (no replay: a graph
+            captured by hand, or the inputs were not kept).
+        first_gradient: a different fact: the first node whose *gradient*
+            turned non-finite (it received finite gradients and passed a
+            non-finite one on, see :meth:`BackwardGraph.nonfinite_sites`);
+            None when every gradient is finite.
+        gradient_sites: how many nodes produced a non-finite gradient.
+        entry: when the origin's op has no grad node in the graph, the node
+            where its output enters the graph (its first op in the forward
+            inside the origin's layer call); None otherwise.
+        weights: trainable parameters whose values hold NaN/Inf (an earlier
+            update wrote them).
+        buffers: non-trainable tensors (BatchNorm running statistics) whose
+            values hold NaN/Inf: written by the forward, not by an update.
+    """
+
+    origin: NonfiniteOrigin | None = None
+    first_gradient: NonfiniteSite | None = None
+    gradient_sites: int = 0
+    entry: NonfiniteSite | None = None
+    weights: tuple[str, ...] = ()
+    buffers: tuple[str, ...] = ()
+
+    @property
+    def any(self) -> bool:
+        """Whether there is anything non-finite to tell."""
+        return bool(self.origin or self.first_gradient or self.weights or self.buffers)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "origin": self.origin.to_dict() if self.origin is not None else None,
+            "first_gradient": self.first_gradient.to_dict() if self.first_gradient is not None else None,
+            "gradient_sites": self.gradient_sites,
+            "entry": self.entry.to_dict() if self.entry is not None else None,
+            "weights": list(self.weights),
+            "buffers": list(self.buffers),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "NonfiniteRecord":
+        return cls(
+            origin=NonfiniteOrigin.from_dict(d["origin"]) if d.get("origin") else None,
+            first_gradient=NonfiniteSite.from_dict(d["first_gradient"]) if d.get("first_gradient") else None,
+            gradient_sites=int(d.get("gradient_sites", 0)),
+            entry=NonfiniteSite.from_dict(d["entry"]) if d.get("entry") else None,
+            weights=tuple(d.get("weights") or ()),
+            buffers=tuple(d.get("buffers") or ()),
+        )
 
 
 @dataclass
@@ -305,12 +522,14 @@ class BackwardGraph:
             ``by_layer`` ("path#call" -> bytes, ``"?"`` outside any layer
             call), ``by_op``, ``by_dtype``, ``params_bytes``, ``allocated_growth``,
             ``recompute`` (call -> held/inputs/frees bytes), ``unobserved``)...
+        nonfinite: the capture's NaN/Inf story (:class:`NonfiniteRecord`),
+            set once by ``paddleviz_hooks.findings``; None until then.
 
     It is plain data: capturing (``paddleviz_hooks.capture``) builds it;
     collapsing, diffing, wording and drawing are functions elsewhere that take
     it (``paddleviz_hooks.collapse``, ``.diff``, ``.text``, ``.render``).
 
-    Example:
+    Examples:
         >>> g = BackwardGraph(
         ...     nodes=[Node(0, "root", "loss", "loss"), Node(1, "op", "MatmulGradNode", "Matmul"),
         ...            Node(2, "param", "GradNodeAccumulation", "Parameter", param="fc.weight")],
@@ -328,6 +547,7 @@ class BackwardGraph:
     layers: dict[str, str] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
     calls: dict[str, str] = field(default_factory=dict)
+    nonfinite: NonfiniteRecord | None = None
 
     # ------------------------------------------------------------------ queries
     def node_by_key(self) -> dict[str, Node]:
@@ -394,7 +614,7 @@ class BackwardGraph:
             layer path -> call index, for ``layer`` and every call it ran
             inside as far as ``calls`` knows (just ``{layer: call}`` without it).
 
-        Example:
+        Examples:
             >>> g = BackwardGraph(calls={"block.relu#1": "block#0", "block#0": "#0"})
             >>> g.call_chain("block.relu", 1)
             {'block.relu': 1, 'block': 0, '': 0}
@@ -512,7 +732,7 @@ class BackwardGraph:
             ``"(self)"``, saves outside any layer call to ``"(outside)"``;
             empty when saved memory was not recorded.
 
-        Example:
+        Examples:
             >>> g = BackwardGraph(meta={"saved_memory": {"by_layer": {
             ...     "enc.layers.0#0": 5, "enc.layers.1#0": 7, "#0": 2, "?": 1}}})
             >>> g.saved_bytes_by_layer()
@@ -642,6 +862,11 @@ class BackwardGraph:
         }
         if self.calls:  # written only when known, like the box fields
             d["calls"] = self.calls
+        frames = _frame_table(d["nodes"])
+        if frames:
+            d["frames"] = frames
+        if self.nonfinite is not None:
+            d["nonfinite"] = self.nonfinite.to_dict()
         return d
 
     def to_json(self, indent: int | None = None) -> str:
@@ -661,15 +886,24 @@ class BackwardGraph:
                 f"paddleviz-hooks understands ({FORMAT_VERSION}); upgrade paddleviz-hooks"
             )
         try:
-            return cls(
-                nodes=[Node.from_dict(n) for n in d["nodes"]],
+            table = d.get("frames") or []
+            graph = cls(
+                nodes=[Node.from_dict(_frames_of(n, table)) for n in d["nodes"]],
                 edges=[Edge.from_dict(e) for e in d["edges"]],
                 layers=dict(d.get("layers", {})),
                 meta=_meta_from_json(dict(d.get("meta", {}))),
                 calls=dict(d.get("calls", {})),
+                nonfinite=NonfiniteRecord.from_dict(d["nonfinite"]) if d.get("nonfinite") else None,
             )
-        except (KeyError, TypeError) as exc:
+        except (KeyError, TypeError, IndexError) as exc:
             raise ValueError(f"malformed backward graph JSON: {exc!r}") from None
+        ids = {n.id for n in graph.nodes}
+        for i, e in enumerate(graph.edges):  # a hand-edited file: say which edge, not a KeyError later
+            for end in (e.src, e.dst):
+                if end not in ids:
+                    raise ValueError(f"malformed backward graph JSON: edge {i} ({e.src} -> {e.dst}) points at "
+                                     f"node {end!r}, which is not among its {len(graph.nodes)} nodes")
+        return graph
 
     @classmethod
     def from_json(cls, text: str | bytes) -> "BackwardGraph":
@@ -685,6 +919,36 @@ class BackwardGraph:
             f"BackwardGraph({len(self.nodes)} nodes, {len(self.edges)} edges, "
             f"step={self.meta.get('step')})"
         )
+
+
+def _frame_table(nodes: list[dict[str, Any]]) -> list[list[Any]]:
+    """Replace each node dict's ``source`` frames by indices into one table of
+    unique frames (a frame shared by many ops, such as the training loop's
+    line, is written once); returns the table."""
+    index: dict[tuple, int] = {}
+    table: list[list[Any]] = []
+    for n in nodes:
+        src = n.get("source")
+        if src is None:
+            continue
+        ids = []
+        for f in src:
+            k = tuple(f)
+            i = index.get(k)
+            if i is None:
+                i = index[k] = len(table)
+                table.append(list(f))
+            ids.append(i)
+        n["source"] = ids
+    return table
+
+
+def _frames_of(node: dict[str, Any], table: list[list[Any]]) -> dict[str, Any]:
+    """A node dict of the JSON with its ``source`` indices turned back into frames."""
+    src = node.get("source")
+    if src is None:
+        return node
+    return {**node, "source": [table[i] for i in src]}
 
 
 _SIGNED_KEY = re.compile(r"#[0-9a-f]{6}(\.\d+)?$")
@@ -711,10 +975,14 @@ def parse_json(text: str | bytes) -> Any:
 
 
 def merge_grad_metas(metas: Iterable[GradMeta]) -> GradMeta | None:
-    """Combine the gradients a node received over several edges.
+    """Combine several gradients into one figure, marked as combined (``parts``).
 
     The norm of a sum is not known from the norms of its parts: the
-    root-sum-square given here is exact only for orthogonal contributions.
+    root-sum-square given here is the norm of no real tensor, so the result
+    says how many gradients it stands for (``GradMeta.parts``) and every
+    view words it as a combined figure. Where the exact sum is known (the
+    gradient a node received, summed at capture time: ``Node.received``),
+    use that instead.
     """
     metas = list(metas)
     if not metas:
@@ -733,6 +1001,7 @@ def merge_grad_metas(metas: Iterable[GradMeta]) -> GradMeta | None:
         # Norm of the sum is not known from the parts; the root-sum-square is
         # exact for orthogonal contributions and a fair summary otherwise.
         norm=None if None in norms else math.sqrt(sum(v * v for v in norms)),
+        parts=sum(m.parts for m in metas),
         min=None if None in mins else min(mins),
         max=None if None in maxs else max(maxs),
         nan=sum(m.nan for m in metas),
@@ -743,7 +1012,7 @@ def merge_grad_metas(metas: Iterable[GradMeta]) -> GradMeta | None:
 def float_to_json(v: float | None) -> float | str | None:
     """A float for strict JSON: NaN and +-Inf become ``"nan"``, ``"inf"``, ``"-inf"``.
 
-    Example:
+    Examples:
         >>> float_to_json(float("inf")), float_to_json(1.5)
         ('inf', 1.5)
     """

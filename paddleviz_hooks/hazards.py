@@ -6,8 +6,10 @@ proves the list sufficient: it sweeps 150 op cases reaching 131 grad node
 kinds, and every kind it reaches is either hooked (119 kinds, gradients
 bit-identical to an uncaptured run) or listed here; ``test_hazard_entries_are_necessary`` proves
 each measurable entry necessary by hooking it and watching backward fail.
-Nodes listed here are still drawn; they just carry no gradient data on their
-outgoing edges (``capture.py`` fills what it can from the receiving nodes).
+Nodes listed here are still drawn; their outgoing edges are filled where that
+is exact: from the receiving node's hook (unless its kernel rewrote what it
+received, see :data:`INPLACE_BACKWARD`), cut from what a Concat or Stack
+received (``capture/cut.py``), or an ``add_n``'s incoming gradient.
 
 The mechanism behind :data:`MULTI_TENSOR_INPUT`: Paddle converts a post-hook's
 return value back with one tensor per forward input slot. A node whose
@@ -22,8 +24,8 @@ safely), and so is a ``Tensor[]`` input that takes no gradient (the integer
 
 from __future__ import annotations
 
-__all__ = ["hook_hazard", "MULTI_TENSOR_INPUT", "UNMEASURED", "NEVER_FIRES_PREFIXES", "PROGRAM_OP_NOTE",
-           "RECOMPUTE_INPUT_NOTE"]
+__all__ = ["hook_hazard", "EDGE_NOTES", "MULTI_TENSOR_INPUT", "UNMEASURED", "NEVER_FIRES_PREFIXES", "PROGRAM_OP_NOTE",
+           "RECOMPUTE_INPUT_NOTE", "INPLACE_BACKWARD", "SHARES_RECEIVED_UNCHANGED"]
 
 #: Measured: hooking these makes ``backward()`` raise (op cases in brackets).
 MULTI_TENSOR_INPUT = frozenset(
@@ -73,6 +75,45 @@ PROGRAM_OP_NOTE = "inside a compiled program: not observed"
 #: that the PyLayer held; its gradient leaves the block through the PyLayer.
 RECOMPUTE_INPUT_NOTE = "input of the recomputed block (a detached copy): the PyLayer passes its gradient on"
 
+#: Why an edge leaving a node without a hook carries no gradient (``Edge.note``,
+#: ``capture/joins.py``); ``{op}`` is the node's readable op name. A Concat's and an
+#: AddN's outgoing gradients are read from what they received whenever that is exact.
+EDGE_NOTES = {
+    "received": "{op} takes no hook; what it received was not seen",
+    "sizes": "{op} takes no hook; the sizes of its inputs are not known",
+    "shared": "{op} takes no hook; its receiver adds it to other gradients",
+    "other": "{op} takes no hook",
+}
+
+
+#: Measured (``tests/test_edge_truth.py`` checks each entry): the backward
+#: kernels of these kinds write what they pass on into the very buffer they
+#: received, whenever nothing else holds it (Paddle checks the buffer's use
+#: count). Read after the node ran, that buffer holds the node's output, not
+#: its input. A producer with a hook holds the buffer (no rewrite then); after
+#: a producer without one (Concat, Stack, AddN...) or at the root, the
+#: received gradient can only be read before the kernel runs (a tensor hook on
+#: the root) or is recorded as not observed. The capture does not depend on
+#: this list: it compares buffer addresses at run time.
+INPLACE_BACKWARD = frozenset({
+    "AcosGradNode", "AcoshGradNode", "AsinGradNode", "AsinhGradNode", "AtanGradNode", "AtanhGradNode",
+    "CeilGradNode", "CeluGradNode", "ClipGradNode", "CosGradNode", "CoshGradNode", "EluGradNode",
+    "ExpGradNode", "Expm1GradNode", "FloorGradNode", "GroupNormGradNode", "HardshrinkGradNode",
+    "HardsigmoidGradNode", "HardswishGradNode", "HardtanhGradNode", "LeakyReluGradNode", "Log10GradNode",
+    "Log1pGradNode", "Log2GradNode", "LogGradNode", "LogsigmoidGradNode", "MaskedFillGradNode",
+    "MishGradNode", "PowGradNode", "ReciprocalGradNode", "Relu6GradNode", "ReluGradNode", "RoundGradNode",
+    "RsqrtGradNode", "SigmoidGradNode", "SiluGradNode", "SinGradNode", "SinhGradNode", "SoftplusGradNode",
+    "SoftshrinkGradNode", "SoftsignGradNode", "SqrtGradNode", "SquareGradNode", "SwishGradNode",
+    "TanGradNode", "TanhGradNode", "TanhShrinkGradNode", "ThresholdedReluGradNode",
+})
+
+#: Measured: these pass the received buffer on as it is (same values, maybe
+#: another shape): sharing it does not change what was received.
+SHARES_RECEIVED_UNCHANGED = frozenset({
+    "AddGradNode", "FlattenGradNode", "IndexAddGradNode", "ReshapeGradNode", "SqueezeGradNode",
+    "SubtractGradNode", "TransposeGradNode",
+})
+
 
 def hook_hazard(node_name: str) -> str | None:
     """Why a node of this kind is not hooked, or None when hooking is safe.
@@ -83,7 +124,7 @@ def hook_hazard(node_name: str) -> str | None:
     Returns:
         A short reason shown in the graph, or None.
 
-    Example:
+    Examples:
         >>> hook_hazard("ConcatGradNode")
         'multi-tensor input: a post-hook breaks backward'
         >>> hook_hazard("MatmulGradNode") is None

@@ -4,7 +4,7 @@ One rule for every option: a value of the wrong *type* raises ``TypeError``,
 a value of the right type that is out of range raises ``ValueError``; both
 name the option and quote the value received.
 
-Example:
+Examples:
     >>> RecorderOptions.check(every=0)
     Traceback (most recent call last):
     ...
@@ -19,13 +19,19 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 from dataclasses import dataclass, fields
 from typing import Any, Iterable
 
+from .argcheck import check_path, reject_unknown
 from .escape import safe_filename
 from .render.dot import check_color_by
+from .sinks.hub import DEFAULT_SINKS, check_sinks
 
 __all__ = ["RecorderOptions", "FORMATS"]
+
+#: The longest wait an option may ask for (a year; far below ``threading.TIMEOUT_MAX``).
+_MAX_WAIT = min(365 * 86400.0, threading.TIMEOUT_MAX / 4)
 
 #: Files a capture can be written as.
 FORMATS = ("png", "svg", "dot", "json")
@@ -42,6 +48,18 @@ def _int(name: str, value: Any, minimum: int, allow_none: bool = True, what: str
     return value
 
 
+#: The widest picture an option may ask for: PNG drawing (cairo) stops at 32767 pixels a side.
+_MAX_PX = 32767
+
+
+def _px(name: str, value: Any, allow_none: bool = True) -> int | None:
+    text = f"{name} must be an int from 64 to {_MAX_PX}{' or None' if allow_none else ''}"
+    v = _int(name, value, 64, allow_none, what=text)
+    if v is not None and v > _MAX_PX:
+        raise ValueError(f"{text}, got {value!r}")
+    return v
+
+
 def _bool(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be True or False, got {value!r}")
@@ -56,10 +74,12 @@ def _number(name: str, value: Any, text: str, ok) -> float:
     return float(value)
 
 
-def _int_list(name: str, value: Any, minimum: int) -> list[int]:
+def _int_list(name: str, value: Any, minimum: int, nonempty: bool = False) -> list[int]:
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
         raise TypeError(f"{name} must be a list of ints >= {minimum}, got {value!r}")
     items = list(value)
+    if nonempty and not items:
+        raise ValueError(f"{name} must be a non-empty list of ints >= {minimum}, got {value!r}")
     for v in items:
         _int(f"each of {name}", v, minimum, allow_none=False,
              what=f"{name} must be a list of ints >= {minimum}; each of {name}")
@@ -80,14 +100,17 @@ class RecorderOptions:
     max_captures: int | None = None
     grad_stats: bool = True
     saved_memory: bool = False
+    sources: bool = True
     color_by: str | None = None
     view_max_nodes: int | None = None
     view_max_px: int = 2000
     viewer_px: int | None = 1280
     formats: tuple[str, ...] = FORMATS
     visualdl: bool = True
+    sinks: tuple[Any, ...] = DEFAULT_SINKS  # checked: names and sink objects ("visualdl" dropped by visualdl=False)
     visualdl_graphs: bool = True
     visualdl_diagnostics: bool = False
+    scalar_depth: int | None = None
     run_name: str = "backward_graph"
     ranks: frozenset[int] | str | int = 0  # checked: a frozenset of ints, or "all"
     on_nonfinite: bool = False
@@ -111,24 +134,23 @@ class RecorderOptions:
         Options not given take the defaults of the fields above.
         """
         known = {f.name for f in fields(cls)} - {"log_dir", "every", "steps"}
-        unknown = sorted(set(options) - known)
-        if unknown:
-            raise TypeError(f"unknown option {unknown[0]!r}; the options are: {', '.join(sorted(known))}")
+        reject_unknown("RecorderOptions.check", options, known)
         o = {f.name: f.default for f in fields(cls) if f.name in known}
         o.update(options)
         capture_first, max_captures, grad_stats = o["capture_first"], o["max_captures"], o["grad_stats"]
         saved_memory, color_by = o["saved_memory"], o["color_by"]
         view_max_nodes, view_max_px, formats, visualdl = o["view_max_nodes"], o["view_max_px"], o["formats"], o["visualdl"]
         visualdl_graphs, visualdl_diagnostics = o["visualdl_graphs"], o["visualdl_diagnostics"]
+        sinks = check_sinks(o["sinks"], require_installed=True)
         viewer_px = o["viewer_px"]
         run_name, ranks, on_nonfinite, on_grad_spike = o["run_name"], o["ranks"], o["on_nonfinite"], o["on_grad_spike"]
         on_structure_change, cooldown, queue_size = o["on_structure_change"], o["cooldown"], o["queue_size"]
         render_timeout, close_timeout, verbose = o["render_timeout"], o["close_timeout"], o["verbose"]
-        if not isinstance(log_dir, (str, os.PathLike)) or not os.fspath(log_dir):
-            raise TypeError(f"log_dir must be a non-empty path (str or os.PathLike), got {log_dir!r}")
+        log_dir = check_path("log_dir", log_dir)
         if every is not None and steps is not None:
             raise ValueError(f"pass either every= or steps=, not both (got every={every!r}, steps={steps!r})")
         _int("every", every, 1)
+        # steps=[]: no scheduled capture, only the triggers' (on_nonfinite, on_grad_spike, ...)
         step_set = frozenset(_int_list("steps", steps, 1)) if steps is not None else None
         if steps is None and every is None:
             every = 100
@@ -137,6 +159,8 @@ class RecorderOptions:
         if isinstance(formats, (bytes, type(None))) or not isinstance(formats, Iterable):
             raise TypeError(f"formats must be a non-empty subset of {FORMATS}, got {formats!r}")
         formats = tuple(formats)
+        if any(not isinstance(f, str) for f in formats):
+            raise TypeError(f"formats must be a non-empty subset of {FORMATS}, got {formats!r}")
         if not formats or any(f not in FORMATS for f in formats):
             raise ValueError(f"formats must be a non-empty subset of {FORMATS}, got {formats!r}")
         if ranks == "all":
@@ -144,7 +168,7 @@ class RecorderOptions:
         elif isinstance(ranks, str):
             raise ValueError(f"ranks must be an int, a list of ints or 'all', got {ranks!r}")
         else:
-            rank_set = frozenset(_int_list("ranks", [ranks] if isinstance(ranks, int) else ranks, 0))
+            rank_set = frozenset(_int_list("ranks", [ranks] if isinstance(ranks, int) else ranks, 0, nonempty=True))
         if not isinstance(run_name, str):
             raise TypeError(f"run_name must be a str, got {run_name!r}")
         if safe_filename(run_name) != run_name:
@@ -159,24 +183,27 @@ class RecorderOptions:
         if isinstance(verbose, bool):
             verbose = int(verbose)
         _int("verbose", verbose, 0, allow_none=False, what="verbose must be 0 (silent) or 1 (print notices)")
-        if verbose > 2:
+        if verbose > 1:
             raise ValueError(f"verbose must be 0 (silent) or 1 (print notices), got {verbose!r}")
         return cls(
-            log_dir=os.fspath(log_dir),
+            log_dir=log_dir,
             every=every,
             steps=step_set,
             capture_first=_bool("capture_first", capture_first),
             max_captures=_int("max_captures", max_captures, 1),
             grad_stats=_bool("grad_stats", grad_stats),
             saved_memory=_bool("saved_memory", saved_memory),
+            sources=_bool("sources", o["sources"]),
             color_by=color_by,
             view_max_nodes=_int("view_max_nodes", view_max_nodes, 2),
-            view_max_px=_int("view_max_px", view_max_px, 64, allow_none=False),
-            viewer_px=_int("viewer_px", viewer_px, 64),
+            view_max_px=_px("view_max_px", view_max_px, allow_none=False),
+            viewer_px=_px("viewer_px", viewer_px),
             formats=formats,
             visualdl=_bool("visualdl", visualdl),
+            sinks=tuple(s for s in sinks if visualdl or s != "visualdl"),
             visualdl_graphs=_bool("visualdl_graphs", visualdl_graphs),
             visualdl_diagnostics=_bool("visualdl_diagnostics", visualdl_diagnostics),
+            scalar_depth=_int("scalar_depth", o["scalar_depth"], 1),
             run_name=run_name,
             ranks=rank_set,
             on_nonfinite=_bool("on_nonfinite", on_nonfinite),
@@ -186,17 +213,18 @@ class RecorderOptions:
             on_structure_change=_bool("on_structure_change", on_structure_change),
             cooldown=_int("cooldown", cooldown, 0, allow_none=False),
             queue_size=_int("queue_size", queue_size, 1, allow_none=False),
-            render_timeout=_number("render_timeout", render_timeout, "a positive number of seconds",
-                                   lambda v: 0 < v < math.inf),
-            close_timeout=_number("close_timeout", close_timeout, "a number of seconds >= 0",
-                                  lambda v: 0 <= v < math.inf),
+            # threads and subprocesses wait at most threading.TIMEOUT_MAX (OverflowError beyond)
+            render_timeout=_number("render_timeout", render_timeout,
+                                   f"a positive number of seconds up to {_MAX_WAIT:g}", lambda v: 0 < v <= _MAX_WAIT),
+            close_timeout=_number("close_timeout", close_timeout, f"a number of seconds from 0 to {_MAX_WAIT:g}",
+                                  lambda v: 0 <= v <= _MAX_WAIT),
             verbose=verbose,
         )
 
     def scheduled(self, step: int) -> bool:
         """Whether ``step`` is selected by ``capture_first``, ``steps`` or ``every``.
 
-        Example:
+        Examples:
             >>> o = RecorderOptions.check(every=10)
             >>> [s for s in range(1, 31) if o.scheduled(s)]
             [1, 10, 20, 30]

@@ -1,10 +1,10 @@
-"""The pipeline from a captured graph to files and VisualDL records.
+"""The pipeline from a captured graph to files and dashboard sinks (VisualDL by default).
 
 The training thread only hands a captured graph over (:meth:`CapturePipeline.submit`).
 Two background threads do the rest. The data thread writes every capture's
-JSON, DOT, diff JSON, summary text and scalars at once, never waiting behind
-drawing, and queues the drawing. The drawing thread works through that
-backlog, triggered captures first;
+JSON, DOT, diff JSON, summary text and scalars at once (handing them to the
+sinks), never waiting behind drawing, and queues the drawing. The drawing thread works through that
+backlog, triggered captures first, and hands the pictures to the sinks;
 beyond ``queue_size`` a waiting drawing keeps only the path of its JSON, so
 memory stays bounded however far drawing lags. ``close()`` draws the backlog
 within ``close_timeout`` and names what is left, with the command that draws
@@ -14,9 +14,9 @@ that died is restarted once.
 
 from __future__ import annotations
 
+import errno
 import heapq
 import os
-import re
 import queue
 import shutil
 import sys
@@ -26,16 +26,16 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .diff import GraphDiff, diff_graphs
+from .findings import record_of
 from .graph import BackwardGraph
 from .options import RecorderOptions
-from .escape import vdl_graph_name
-from .render import (EngineNotFound, RenderTimeout, png_size, render_diff_views, render_png, render_svg,
+from .render import (EngineNotFound, RenderTimeout, render_diff_views, render_png, render_svg,
                      render_views, to_dot)
+from .sinks.base import CaptureData, CapturePictures, SinkContext, capture_scalars, suffixed
 from .sinks.files import StepFiles
-from .sinks.vdl_graph import write_vdl_graph
-from .sinks.visualdl import (LAYER_NORM_GROUP, SAVED_MEMORY_GROUP, SCALAR_GROUP, TagPages, VisualDLSink, encode_like_visualdl,
-                             png_to_array)
-from .text import backward_role, capture_title, diff_summary, graph_summary
+from .sinks.hub import SinkSet
+from .text import backward_role, capture_title, diff_summary, graph_summary, redraw_command, undrawn_line
+from ._interrupts import run_all
 from .warn import WarnOnce
 
 __all__ = ["BackgroundWorker", "CaptureJob", "CapturePipeline", "VIEWER_LABEL_PX", "viewer_png"]
@@ -56,7 +56,7 @@ def lower_thread_priority(nice: int = DRAWING_NICE) -> None:
     id, so nothing is changed. Never raises: drawing at normal priority is
     still drawing.
 
-    Example:
+    Examples:
         >>> import threading
         >>> t = threading.Thread(target=lower_thread_priority)
         >>> t.start(); t.join()  # the thread ended at nice 10 (on Linux); this one is untouched
@@ -72,7 +72,7 @@ def lower_thread_priority(nice: int = DRAWING_NICE) -> None:
 
 def viewer_png(graph: BackwardGraph, options: RecorderOptions, title: str, *, timeout: float | None = 60.0,
                info: dict[str, Any] | None = None) -> bytes:
-    """The picture logged to VisualDL, sized for its image viewer.
+    """The picture logged to the dashboards, sized for VisualDL's image viewer.
 
     The viewer fits a picture into the window (about 1300x750 CSS px of a
     1440x900 window) and never enlarges it, so the picture is drawn left to
@@ -80,21 +80,15 @@ def viewer_png(graph: BackwardGraph, options: RecorderOptions, title: str, *, ti
     16:9 when it is a strip, with node labels at least ``VIEWER_LABEL_PX``
     high, collapsing layers into boxes as far as that needs. The same
     structure gets the same layout at every step (the drawing plan is
-    cached), so flipping steps compares like with like.
+    cached), so flipping steps compares like with like. ``render/plan.py``
+    plans it with the other pictures.
     """
     assert options.viewer_px is not None
     width = options.viewer_px
-    height = width * 9 // 16
-    max_px = width
-    for _ in range(4):  # a drawing taller than 16:9 is drawn again, narrower, until it fits
-        png = render_png(graph, max_px=max_px, max_nodes=options.view_max_nodes, rankdir="LR",
-                         min_dpi=VIEWER_LABEL_PX * 72 / 11, timeout=timeout, title=title, info=info,
-                         **_shading(options, graph))
-        w, h = png_size(png)
-        if h <= height or max_px <= 64:
-            break
-        max_px = max(64, min(max_px - 1, int(max(w, h) * height / h)))
-    return png
+    return render_png(graph, max_px=width, max_height_px=max(64, width * 9 // 16), max_nodes=options.view_max_nodes,
+                      rankdir="LR", min_dpi=VIEWER_LABEL_PX * 72 / 11, timeout=timeout, title=title, info=info,
+                      **_shading(options, graph))
+
 
 _STOP = object()
 
@@ -108,7 +102,7 @@ class BackgroundWorker:
         name: thread name (shows in stack dumps).
         warn: how to report problems (default: ``warnings.warn`` once per cause).
 
-    Example:
+    Examples:
         >>> w = BackgroundWorker(print, queue_size=2)
         >>> w.submit("hello")
         True
@@ -171,6 +165,18 @@ class BackgroundWorker:
             )
             return False
 
+    def wait(self, timeout: float) -> bool:
+        """Wait (at most ``timeout`` s) until every job handed over so far is handled."""
+        q = self._queue
+        deadline = time.monotonic() + timeout
+        with q.all_tasks_done:
+            while q.unfinished_tasks and self.alive:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                q.all_tasks_done.wait(min(left, 0.5))
+        return not q.unfinished_tasks
+
     def close(self, timeout: float | None = 300.0) -> bool:
         """Finish queued jobs (waiting at most ``timeout`` s) and stop the thread.
 
@@ -196,6 +202,7 @@ class BackgroundWorker:
         while True:
             job = self._queue.get()
             if job is _STOP:
+                self._queue.task_done()
                 return
             try:
                 self._handler(job)
@@ -203,6 +210,8 @@ class BackgroundWorker:
             except Exception as exc:  # keep serving later jobs
                 self.failed += 1
                 self._warn(f"job-{type(exc).__name__}", f"a capture could not be written: {exc}")
+            finally:
+                self._queue.task_done()
 
 
 @dataclass
@@ -232,17 +241,16 @@ class _Drawing:
     prev_path: str | None = field(compare=False)
     diff: GraphDiff | None = field(compare=False)
     suffix: str = field(default="", compare=False)
-    viewer: bytes | None = field(compare=False, default=None)  # the VisualDL picture, once drawn
-    tags: list[str] = field(compare=False, default_factory=list)  # VisualDL image tags of the picture
-    diff_tag: str = field(compare=False, default="")  # ... and of the diff picture
+    viewer: bytes | None = field(compare=False, default=None)  # the dashboards' picture, once drawn
+    svg: str | None = field(compare=False, default=None)  # the full-detail SVG, once drawn
 
 
 class CapturePipeline:
     """Writes each capture's data at once and draws it when there is time.
 
     Args:
-        options: the recorder's options (formats, sizes, timeouts, VisualDL).
-        files: where the per-step files go; its folder is also the VisualDL run.
+        options: the recorder's options (formats, sizes, timeouts, sinks).
+        files: where the per-step files go; its folder is also the dashboards' run folder.
         display_name: the run's name in the dashboard.
         warn: the recorder's warn-once function.
     """
@@ -253,8 +261,9 @@ class CapturePipeline:
         self.files = files
         self.display_name = display_name
         self._warn = warn
-        self._use_visualdl = options.visualdl
-        self._sink = None
+        #: the dashboards, each created when the first capture reaches it
+        self.sinks = SinkSet(options.sinks, SinkContext(files.directory, options.log_dir, display_name,
+                                                         graphs=options.visualdl_graphs, warn=warn))
         self._prev: dict[str, tuple[BackwardGraph, str]] = {}  # suffix -> last capture and its JSON
         self._backlog: list[_Drawing] = []
         self._lock = threading.Lock()
@@ -264,13 +273,16 @@ class CapturePipeline:
         self.drawn: list[int] = []
         #: steps still undrawn when close() gave up
         self.undrawn_at_close: list[int] = []
+        #: steps whose data could not be written -> why (nothing of them is on disk)
+        self.lost: dict[int, str] = {}
+        #: steps written but not drawn -> why (by close(): every written step is drawn or here)
+        self.not_drawn: dict[int, str] = {}
         self.worker = BackgroundWorker(self._process, queue_size=0, warn=warn)
         self._wake = threading.Condition(self._lock)
         self._closing_at: float | None = None  # set by close(): draw until then, then stop
         self._drawer: threading.Thread | None = None
         self._drawing = 0  # drawings under way (0 or 1)
         self._sink_lock = threading.Lock()  # the data thread and the drawing thread both log
-        self._pages = TagPages()  # given out by the data thread, in capture order
         self._prev_logged: dict[str, BackwardGraph] = {}  # suffix -> the last capture summarised
 
     def submit(self, job: CaptureJob) -> bool:
@@ -283,6 +295,15 @@ class CapturePipeline:
         with self._lock:
             return not self._backlog and not self._drawing and self.worker.pending == 0
 
+    def settle(self, timeout: float) -> bool:
+        """Wait until every capture handed over is written and drawn (at most ``timeout``
+        s; the sinks flush after each record); True when nothing was left waiting."""
+        deadline = time.monotonic() + timeout
+        done = self.worker.wait(timeout)
+        while not self.idle and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return done and self.idle
+
     @property
     def undrawn(self) -> list[int]:
         """Captured steps whose pictures are still waiting."""
@@ -290,7 +311,7 @@ class CapturePipeline:
             return sorted(d.step for d in self._backlog)
 
     def close(self) -> None:
-        """Write what is queued, draw the backlog within ``close_timeout``, close VisualDL."""
+        """Write what is queued, draw the backlog within ``close_timeout``, close the sinks."""
         deadline = time.monotonic() + self.options.close_timeout
         self.worker.close(timeout=max(60.0, self.options.close_timeout))  # data is never cut short
         with self._lock:
@@ -299,25 +320,24 @@ class CapturePipeline:
         if self._drawer is not None:
             # the drawing under way may run up to render_timeout past the deadline
             self._drawer.join(max(0.0, deadline - time.monotonic()) + self.options.render_timeout + 5)
-        left = self.undrawn_at_close = self.undrawn
+        with self._lock:
+            for step in sorted(d.step for d in self._backlog):
+                self.not_drawn.setdefault(step, f"not drawn within close_timeout={self.options.close_timeout:g} s")
+            self._backlog.clear()
+        for step in self.drawn:  # a step with several backwards: drawn when any picture of it is
+            self.not_drawn.pop(step, None)
+        left = self.undrawn_at_close = sorted(self.not_drawn)
         if left:
             formats = [f for f in ("png", "svg") if f in self.options.formats]
-            self._warn("undrawn", (
-                f"{len(left)} captured step(s) were not drawn within close_timeout="
-                f"{self.options.close_timeout:g} s: {', '.join(map(str, left[:10]))}"
-                f"{' ...' if len(left) > 10 else ''}; their data is saved. Draw one later with "
-                f"`paddleviz-hooks render {self.files.path(left[0], 'json')} -o "
-                f"{self.files.path(left[0], formats[0] if formats else 'png')}`"))
-        with self._lock:
-            self._backlog.clear()
+            json_path = self.files.path(left[0], "json") if "json" in self.options.formats else None
+            self._warn("undrawn", undrawn_line(dict(self.not_drawn), redraw_command(
+                json_path, self.files.path(left[0], formats[0] if formats else "png"))))
         shutil.rmtree(self._spool_dir(), ignore_errors=True)
+        run_all(self._close_sinks, self.files.close)  # both, whatever the other raises
+
+    def _close_sinks(self) -> None:
         with self._sink_lock:
-            sink, self._sink = self._sink, None
-        if sink is not None:
-            try:
-                sink.close()
-            except Exception as exc:
-                self._warn("vdl-close", f"closing the VisualDL writer failed: {exc!r}")
+            self.sinks.close()
 
     # ------------------------------------------------------- worker thread
     def _spool_dir(self) -> str:
@@ -338,27 +358,34 @@ class CapturePipeline:
         opts, files = self.options, self.files
         graph, step, trigger, suffix = job.graph, job.step, job.trigger, job.suffix
         prev = self._prev.get(suffix)  # the same backward of an earlier step
-        # a replayed step (the NaN origin's replay) is rooted at the model output, not the loss:
-        # compared with ordinary captures it would report its missing loss ops as a structure change
-        replayed = bool(graph.meta.get("replayed"))
+        # a replayed step (rooted at the model output) is compared too: diff_graphs leaves the
+        # loss ops of the other graph out (GraphDiff.replayed)
         diff = None
-        if prev is not None and not replayed:
+        if prev is not None:
             try:
                 diff = diff_graphs(prev[0], graph)
             except Exception as exc:
                 self._warn("diff", f"comparing with the previous capture failed: {exc!r}")
-        path = self._json_path(graph, step, suffix)
-        if not replayed:
-            self._prev[suffix] = (graph, path)
-        if "dot" in opts.formats:
-            files.write(step, "dot", to_dot(graph, title=_title(step, trigger, graph), **_shading(opts, graph)),
-                        suffix=suffix)
-        if diff is not None and diff.structure_changed and "json" in opts.formats:
-            files.write(step, "json", diff.to_json(), suffix=_join(suffix, "diff"))
-        self._log_data(graph, diff, step, trigger, suffix)
-        self._write_vdl_graph(graph, step, trigger, suffix)
-        self.written.append(step)
-        if not {"png", "svg"} & set(opts.formats) and not opts.visualdl:
+        try:
+            path = self._json_path(graph, step, suffix)
+        except OSError as exc:  # nothing of this capture reaches disk: named, with why
+            why = self._why(exc)
+            self.lost[step] = why
+            self._warn("lost", f"step {step} could not be written ({why}); later steps are tried again")
+            return
+        paths = {"json": path} if "json" in opts.formats else {}
+        self._prev[suffix] = (graph, path)
+        self.written.append(step)  # its data (the JSON) is on disk; the rest is extra
+        try:
+            if "dot" in opts.formats:
+                paths["dot"] = files.write(step, "dot", to_dot(graph, title=_title(step, trigger, graph),
+                                                               **_shading(opts, graph)), suffix=suffix)
+            if diff is not None and diff.structure_changed and "json" in opts.formats:
+                paths["diff.json"] = files.write(step, "json", diff.to_json(), suffix=suffixed(suffix, "diff"))
+        except OSError as exc:
+            self._warn("lost", f"step {step}'s data is saved but not all its records ({self._why(exc)})")
+        self._log_data(graph, diff, step, trigger, suffix, paths)
+        if not {"png", "svg"} & set(opts.formats) and not self.sinks:
             return
         keep = len(self._backlog) < opts.queue_size  # beyond: wait on disk as the JSON
         drawing = _Drawing(0 if trigger != "scheduled" else 1, step, trigger,
@@ -366,13 +393,6 @@ class CapturePipeline:
                            prev[0] if (keep and prev is not None) else None,
                            prev[1] if prev is not None else None,
                            diff if (diff is not None and diff.structure_changed) else None, suffix)
-        if opts.visualdl:
-            base = _join("backward_graph", suffix)
-            drawing.tags = [self._pages.tag(base, step)]
-            if trigger != "scheduled":
-                drawing.tags.append(self._pages.tag(f"{base}/trigger_{trigger}", step))
-            if drawing.diff is not None:
-                drawing.diff_tag = self._pages.tag(f"{base}/structure_change", step)
         with self._lock:
             heapq.heappush(self._backlog, drawing)
             self._wake.notify()
@@ -393,17 +413,44 @@ class CapturePipeline:
                 d = heapq.heappop(self._backlog)
                 self._drawing += 1
             try:
-                graph = d.graph or BackwardGraph.from_json(open(d.path, encoding="utf-8").read())
-                self._draw(d, graph)
-                self.drawn.append(d.step)
-            except Exception as exc:  # keep drawing the others
-                self._warn(f"draw-{type(exc).__name__}", f"step {d.step} could not be drawn: {exc}")
+                self._draw_one(d)
             finally:
                 with self._lock:
                     self._drawing -= 1
 
-    def _draw(self, d: _Drawing, graph: BackwardGraph) -> None:
+    def _draw_one(self, d: _Drawing) -> None:
+        try:
+            if d.graph is not None:
+                graph = d.graph
+            else:
+                with open(d.path, encoding="utf-8") as f:
+                    graph = BackwardGraph.from_json(f.read())
+            why = self._draw(d, graph)
+        except Exception as exc:  # keep drawing the others
+            why = self._why(exc)
+            self._warn(f"draw-{type(exc).__name__}", f"step {d.step} could not be drawn: {exc}")
+        # drawn: a picture of it is on disk (or, with no picture file asked, drawn for the dashboards)
+        pictures = [f for f in ("png", "svg") if f in self.options.formats]
+        if any(os.path.exists(self.files.path(d.step, f, d.suffix)) for f in pictures) or (
+                not pictures and why is None):
+            self.drawn.append(d.step)
+        else:
+            self.not_drawn.setdefault(d.step, why or "no picture was written")
+
+    def _why(self, exc: BaseException) -> str:
+        """Why a file could not be written, in a few words."""
+        if isinstance(exc, OSError):
+            if not os.path.isdir(self.files.directory):
+                return "the run folder was deleted"
+            if exc.errno == errno.ENOSPC:
+                return "no space left on device"
+            return exc.strerror or str(exc)
+        return f"{type(exc).__name__}: {exc}"
+
+    def _draw(self, d: _Drawing, graph: BackwardGraph) -> str | None:
+        """Draw one capture; None when it was drawn, else why not."""
         opts, files = self.options, self.files
+        why = None
         step, trigger, suffix = d.step, d.trigger, d.suffix
         title = _title(step, trigger, graph)
         deadline = time.monotonic() + opts.render_timeout  # bounds all drawing of this capture
@@ -424,69 +471,63 @@ class CapturePipeline:
                 svg = views["svg"] if info["full_detail"] else render_svg(
                     graph, timeout=left(), title=title, **_shading(opts, graph))
                 files.write(step, "svg", svg, suffix=suffix)
-            if opts.visualdl and opts.viewer_px is not None:
+                d.svg = svg if isinstance(svg, str) else svg.decode("utf-8")
+            if self.sinks and opts.viewer_px is not None:
                 seen: dict = {}
                 viewer = viewer_png(graph, opts, title, timeout=left(), info=seen)
                 # a viewer picture that had to shrink the whole model into one box shows less
-                # than the PNG file: VisualDL gets the file's picture then (its viewer can zoom)
+                # than the PNG file: the dashboards get the file's picture then (their viewers can zoom)
                 if not (seen.get("collapsed_depth") == 0 and info.get("collapsed_depth") != 0):
                     d.viewer = viewer
         except (EngineNotFound, RenderTimeout) as exc:
             # JSON, DOT, text and scalars are already written
+            why = ("no layout engine is installed" if isinstance(exc, EngineNotFound)
+                   else f"the layout engine ran past render_timeout={opts.render_timeout:g} s")
             self._warn(type(exc).__name__, f"step {step} was not drawn: {exc}")
         if png is not None and d.diff is not None:
             prev = d.prev
             if prev is None and d.prev_path is not None and os.path.exists(d.prev_path):
-                prev = BackwardGraph.from_json(open(d.prev_path, encoding="utf-8").read())
+                with open(d.prev_path, encoding="utf-8") as f:
+                    prev = BackwardGraph.from_json(f.read())
             if prev is not None:
                 try:
                     diff_png = render_diff_views(d.diff, graph, prev, ("png",), max_px=opts.view_max_px,
                                                  max_nodes=opts.view_max_nodes, timeout=left())["png"]
                 except Exception as exc:
                     self._warn("diff-render", f"drawing the graph diff failed: {exc!r}")
-        self._log_pictures(d, png, diff_png)
+        self._log_pictures(d, png, diff_png, title)
+        if why is None and png is None:
+            why = "the layout engine drew nothing"
+        return why
 
-    def _log_pictures(self, d: _Drawing, png: bytes | None, diff_png: bytes | None) -> None:
+    def _log_pictures(self, d: _Drawing, png: bytes | None, diff_png: bytes | None, title: str) -> None:
         with self._sink_lock:
-            self._log_pictures_locked(d, png, diff_png)
+            self._log_pictures_locked(d, png, diff_png, title)
 
-    def _log_pictures_locked(self, d: _Drawing, png: bytes | None, diff_png: bytes | None) -> None:
+    def _log_pictures_locked(self, d: _Drawing, png: bytes | None, diff_png: bytes | None, title: str) -> None:
         step, suffix = d.step, d.suffix
         files, formats = self.files, self.options.formats
-        sink = self._visualdl()
-        if sink is None:
-            if "png" in formats and png is not None:
-                files.write(step, "png", png, suffix=suffix)
-            if "png" in formats and diff_png is not None:
-                files.write(step, "png", diff_png, suffix=_join(suffix, "diff"))
-            return
-        if png is not None:
-            array = png_to_array(png)
-            if "png" in formats:
-                # the same encoder VisualDL uses, so the dashboard serves these exact bytes
-                files.write(step, "png", encode_like_visualdl(array), suffix=suffix)
-            if d.viewer is not None:  # the picture sized for VisualDL's viewer
-                array = png_to_array(d.viewer)
-                d.viewer = None
-            for tag in d.tags:
-                sink.image(tag, array, step)
-        if diff_png is not None:
-            diff_array = png_to_array(diff_png)
-            if "png" in formats:
-                files.write(step, "png", encode_like_visualdl(diff_array), suffix=_join(suffix, "diff"))
-            if d.diff_tag:
-                sink.image(d.diff_tag, diff_array, step)
-        sink.flush()
+        paths: dict[str, str] = {}
+        if "png" in formats and png is not None:
+            paths["png"] = files.write(step, "png", self.sinks.file_png(png), suffix=suffix)
+        if "png" in formats and diff_png is not None:
+            paths["diff.png"] = files.write(step, "png", self.sinks.file_png(diff_png), suffix=suffixed(suffix, "diff"))
+        if "svg" in formats and d.svg is not None:
+            paths["svg"] = files.path(step, "svg", suffix=suffix)
+        viewer, svg, d.viewer, d.svg = d.viewer, d.svg, None, None
+        if not self.sinks:
+            return  # (a capture not drawn still reaches the sinks: what they keep for it is let go)
+        self.sinks.pictures(CapturePictures(step, d.trigger, suffix, title, viewer if viewer is not None else png,
+                                            diff_png, svg, paths))
 
     def _log_data(self, graph: BackwardGraph, diff: GraphDiff | None, step: int, trigger: str,
-                  suffix: str = "") -> None:
+                  suffix: str, paths: dict[str, str]) -> None:
         with self._sink_lock:
-            self._log_data_locked(graph, diff, step, trigger, suffix)
+            self._log_data_locked(graph, diff, step, trigger, suffix, paths)
 
     def _log_data_locked(self, graph: BackwardGraph, diff: GraphDiff | None, step: int, trigger: str,
-                         suffix: str = "") -> None:
-        sink = self._visualdl()
-        if sink is None:
+                         suffix: str, paths: dict[str, str]) -> None:
+        if not self.sinks:
             return
         text = graph_summary(graph, previous=self._prev_logged.get(suffix))
         self._prev_logged[suffix] = graph
@@ -495,63 +536,10 @@ class CapturePipeline:
             text = f"trigger: {trigger}" + (f" ({note})" if note else "") + ";\n" + text
         if diff is not None:
             text += "\n" + diff_summary(diff)  # starts "step B vs step A:"
-        sink.text(self._pages.tag(_join("summary", suffix), step), text, step)
-        g = SCALAR_GROUP
-        scalars = {f"{g}/global_grad_norm": graph.global_grad_norm(), f"{g}/nonfinite_grads": graph.nonfinite_count()}
-        if isinstance(graph.meta.get("grad_sync"), dict):  # several ranks: this rank's own, before all-reduce
-            scalars[f"{g}/local_grad_norm"] = graph.global_grad_norm(local=True)
-        if self.options.visualdl_diagnostics:
-            scalars.update({
-                f"{g}/nodes": len(graph.nodes),
-                f"{g}/edges": len(graph.edges),
-                f"{g}/capture_ms": graph.meta.get("capture_ms"),
-                f"{g}/accumulated_grad_norm": graph.meta.get("accumulated_grad_norm"),
-            })
-        for layer, norm in graph.layer_grad_norms().items():
-            scalars[f"{LAYER_NORM_GROUP}/{'top_layer_params' if layer == '(self)' else layer}"] = norm
-        saved = graph.meta.get("saved_memory")
-        if isinstance(saved, dict):  # in MB
-            scalars[f"{SAVED_MEMORY_GROUP}/total"] = saved.get("total_bytes", 0) / 1e6
-            for layer, nbytes in graph.saved_bytes_by_layer().items():
-                name = {"(self)": "top_layer", "(outside)": "outside_the_model"}.get(layer, layer)
-                scalars[f"{SAVED_MEMORY_GROUP}/{name}"] = nbytes / 1e6
-        if suffix:  # a step's later backwards: their own series (~backward_graph_b2/...)
-            scalars = {_join(k.split("/", 1)[0], suffix) + "/" + k.split("/", 1)[1]: v for k, v in scalars.items()}
-        sink.scalars(scalars, step)
-        sink.flush()
-
-    def graph_dir(self, step: int, trigger: str, suffix: str = "") -> str:
-        """The folder of one capture's Graphs-tab file; its name is what VisualDL's
-        "Choose a model" list shows (cut to about 30 characters there, hence the step
-        first): step, trigger and run, ``step_000008-nonfinite_loss-vdl_log.backward_graph``."""
-        run = ".".join(vdl_graph_name(part, limit=60) for part in self.display_name.split("/"))
-        label = _join(f"step_{int(step):06d}", suffix) + ("" if trigger == "scheduled" else f"-{vdl_graph_name(trigger)}")
-        return os.path.join(self.files.directory, "graphs", f"{label}-{run}")
-
-    def _write_vdl_graph(self, graph: BackwardGraph, step: int, trigger: str, suffix: str = "") -> None:
-        if not (self.options.visualdl and self.options.visualdl_graphs):
-            return
-        try:
-            write_vdl_graph(self.graph_dir(step, trigger, suffix), graph)
-        except Exception as exc:
-            self._warn("vdl-graph", f"step {step} was not written for VisualDL's Graphs tab: {exc!r}")
-            return
-        if not _URL_SAFE_PATH.match(self.files.directory):
-            self._warn("vdl-graph-path", (
-                f"VisualDL's Graphs tab cannot open graphs under {self.files.directory!r}: its page puts "
-                "the folder path into web addresses unencoded, so a path with spaces or & # + % "
-                "breaks it. Use a log_dir whose full path has only letters, digits and / . _ -"))
-
-    def _visualdl(self):
-        """The VisualDL sink, created on first use; None when VisualDL is off or missing."""
-        if self._sink is None and self._use_visualdl:
-            try:
-                self._sink = VisualDLSink(self.files.directory, display_name=self.display_name)
-            except ImportError as exc:
-                self._use_visualdl = False
-                self._warn("vdl", f"VisualDL is not importable ({exc}); images are kept on disk only. "
-                                  "pip install visualdl")
-        return self._sink
+        scalars = capture_scalars(graph, suffix, diagnostics=self.options.visualdl_diagnostics,
+                                  depth=self.options.scalar_depth)
+        changed = diff if (diff is not None and diff.structure_changed) else None
+        self.sinks.data(CaptureData(step, trigger, suffix, graph, changed, text, scalars, paths))
 
 
 def _shading(options: RecorderOptions, graph: BackwardGraph) -> dict[str, Any]:
@@ -564,12 +552,4 @@ def _shading(options: RecorderOptions, graph: BackwardGraph) -> dict[str, Any]:
 
 def _title(step: int, trigger: str, graph: BackwardGraph) -> str:
     meta = graph.meta
-    return capture_title(step, trigger, backward_role(meta.get("backward")), origin=meta.get("nonfinite_origin"))
-
-
-def _join(name: str, suffix: str) -> str:
-    """``name`` for a step's first backward, ``name_b2`` for its second."""
-    return f"{name}_{suffix}" if suffix else name
-
-
-_URL_SAFE_PATH = re.compile(r"^[A-Za-z0-9/._~:\\-]*$")
+    return capture_title(step, trigger, backward_role(meta.get("backward")), origin=record_of(graph).origin)

@@ -10,24 +10,33 @@ the same recorder from ``Model.fit``.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 import os
 from typing import Any, Iterable, Iterator, Sequence
 
 import paddle
 
+from .argcheck import reject_unknown
 from .capture import BackwardCapture
 from .capture.gradnode import strip_wrapper_prefix
 from .capture.nan_origin import StepInputs, locate, replay_step
-from .graph import BackwardGraph
+from .escape import visible
+from .findings import nonfinite_record
+from .graph import BackwardGraph, NonfiniteOrigin
 from .options import FORMATS, RecorderOptions
 from .pipeline import CaptureJob, CapturePipeline
-from .sinks.files import StepFiles
-from .text import MODEL_OUTPUT, backward_role, describe_node, describe_origin
+from ._interrupts import as_interrupt, held_interrupts, is_wrapped_interrupt, run_all
+from .sinks.files import StepFiles, claim_run_dir
+from .text import MODEL_OUTPUT, end_line, run_folder_note, backward_role, nonfinite_lines
+from .capture.stats import local_value, sum_of_squares
 from .triggers import Triggers, global_grad_norm, weights_nonfinite
 from .warn import WarnOnce
 
 __all__ = ["BackwardGraphRecorder"]
+
+#: ``begin_step(micro_batches=COUNTED)``: every backward of the step is a micro-batch, counted at its end
+COUNTED = "counted"
 
 
 class BackwardGraphRecorder:
@@ -37,7 +46,8 @@ class BackwardGraphRecorder:
     ``.svg`` (full detail), ``.dot`` and ``.json`` under ``log_dir/run_name/``,
     and logs image, text and scalar records to VisualDL in that same folder,
     its own run, so it never hides (or is hidden by) another writer of
-    ``log_dir``. Drawing and writing happen in a background thread.
+    ``log_dir`` (or to SwanLab, TensorBoard or W&B: see ``sinks``). Drawing
+    and writing happen in a background thread.
 
     Args:
         log_dir: VisualDL log directory (the one ``visualdl --logdir`` shows).
@@ -57,6 +67,10 @@ class BackwardGraphRecorder:
             at :meth:`begin_step` of a selected step, so run the forward
             inside the step; steps captured by a trigger are not covered.
             Default False.
+        sources: on captured steps, record the line of the user's code that
+            called each op's forward (``Node.source``, shown in every view),
+            armed the same way as ``saved_memory``; ops of steps captured by a
+            trigger say it was not recorded. Default True.
         color_by: ``"saved_memory"`` shades ops and layer boxes of the
             pictures by the bytes they saved for backward, with the range of
             each shade in the legend (needs ``saved_memory=True``; a capture
@@ -75,7 +89,17 @@ class BackwardGraphRecorder:
             PNG file itself.
         formats: which files to keep per step, any of png, svg, dot, json.
             Default all four.
-        visualdl: log records to VisualDL. Default True.
+        visualdl: log records to VisualDL. Default True. False leaves
+            ``"visualdl"`` out of ``sinks``.
+        sinks: the dashboards that get each capture's picture, summary text
+            and scalars: a name, a :class:`~paddleviz_hooks.Sink` object, or
+            a list of them. Names: ``"visualdl"`` (the default), ``"swanlab"``
+            (into the active SwanLab run, else a local run of its own under
+            ``log_dir/swanlog``), ``"tensorboard"`` (tensorboardX event
+            files in ``run_name``), ``"wandb"`` (into the active W&B run, else
+            an offline run of its own under ``run_name/wandb``). Each needs its pip
+            extra (``pip install 'paddleviz-hooks[swanlab]'``...), imported
+            when the first capture reaches it. Default ``("visualdl",)``.
         visualdl_graphs: with ``visualdl``, also write every capture as an
             interactive graph for VisualDL's Graphs tab (collapsible layers,
             click a node for its gradient), one folder per capture under
@@ -83,6 +107,10 @@ class BackwardGraphRecorder:
         visualdl_diagnostics: also log the recorder's own scalars (node and
             edge counts, capture time, accumulated ``param.grad`` norm).
             Default False: only gradient norms and the NaN/Inf count.
+        scalar_depth: the per-layer gradient norm scalars (``~grad_norm/<layer>``)
+            go this many components down the dotted layer path (1: top-level
+            layers, 2: ``encoder.layers``, ...; a shallower layer keeps its own
+            name). Default None: the deepest level with at most about 30 scalars.
         run_name: folder (and dashboard run name) under ``log_dir``.
             Default ``"backward_graph"``.
         ranks: which ranks capture under data parallel: an int, a list of
@@ -129,7 +157,7 @@ class BackwardGraphRecorder:
     recorder's but a counter: no hook and no patch is in place (unless a
     trigger is on, which needs to see every backward).
 
-    Example:
+    Examples:
         A hand-written loop (``model``, ``opt``, ``loader`` are yours)::
 
             rec = BackwardGraphRecorder("vdl_log", model, every=100, on_nonfinite=True)
@@ -159,14 +187,17 @@ class BackwardGraphRecorder:
         max_captures: int | None = None,
         grad_stats: bool = True,
         saved_memory: bool = False,
+        sources: bool = True,
         color_by: str | None = None,
         view_max_nodes: int | None = None,
         view_max_px: int = 2000,
         viewer_px: int | None = 1280,
         formats: Sequence[str] = FORMATS,
         visualdl: bool = True,
+        sinks: Any = ("visualdl",),
         visualdl_graphs: bool = True,
         visualdl_diagnostics: bool = False,
+        scalar_depth: int | None = None,
         run_name: str = "backward_graph",
         ranks: int | Sequence[int] | str = 0,
         on_nonfinite: bool = False,
@@ -177,16 +208,19 @@ class BackwardGraphRecorder:
         render_timeout: float = 60.0,
         close_timeout: float = 120.0,
         verbose: int = 1,
+        **unknown: Any,
     ) -> None:
+        if unknown:  # a typo: name this class and the closest option
+            reject_unknown(type(self).__name__, unknown, option_names())
         if model is not None and not isinstance(model, paddle.nn.Layer):
             raise TypeError(f"model must be a paddle.nn.Layer or None, got {type(model).__name__}")
         self.options = RecorderOptions.check(
             log_dir, every, steps, capture_first=capture_first, max_captures=max_captures,
-            grad_stats=grad_stats, saved_memory=saved_memory, color_by=color_by, view_max_nodes=view_max_nodes,
+            grad_stats=grad_stats, saved_memory=saved_memory, sources=sources, color_by=color_by, view_max_nodes=view_max_nodes,
             view_max_px=view_max_px,
             viewer_px=viewer_px,
-            formats=formats, visualdl=visualdl, visualdl_graphs=visualdl_graphs,
-            visualdl_diagnostics=visualdl_diagnostics, run_name=run_name, ranks=ranks,
+            formats=formats, visualdl=visualdl, sinks=sinks, visualdl_graphs=visualdl_graphs,
+            visualdl_diagnostics=visualdl_diagnostics, scalar_depth=scalar_depth, run_name=run_name, ranks=ranks,
             on_nonfinite=on_nonfinite, on_grad_spike=on_grad_spike,
             on_structure_change=on_structure_change, cooldown=cooldown, queue_size=queue_size,
             render_timeout=render_timeout, close_timeout=close_timeout, verbose=verbose,
@@ -199,12 +233,18 @@ class BackwardGraphRecorder:
         self.dropped_steps: list[int] = []
         #: steps whose data is saved but whose pictures were not drawn by close()
         self.undrawn_steps: list[int] = []
+        #: captured steps whose data never reached disk -> why (set by close())
+        self.lost_steps: dict[int, str] = {}
         #: step -> what captured it (``"scheduled"`` or a trigger name)
         self.triggers: dict[int, str] = {}
         #: the folder this rank writes to (set when the recorder opens)
         self.run_dir: str | None = None
         self._warn = WarnOnce()
         self._open = False
+        self._closed = False  # close() was called (a later step warns: use after close)
+        self._installed = False  # the recorder's hooks are in place (removed after an exception)
+        self._in_block = False  # inside `with rec.step():`
+        self._last_step = 0
         self._active = False
         self._armed: str | None = None
         self._step_capture: BackwardCapture | None = None
@@ -218,6 +258,8 @@ class BackwardGraphRecorder:
         self._seen: list[str] = []
         self._micro_batches: int | None = None
         self._applied_norm: float | None = None
+        self._applied: dict[str, Any] | None = None  # read_applied_gradients() of this step
+        self._reads_applied = False  # the loop says when its gradients are final (spike watch then)
         self._triggers = Triggers(self.options, self._budget_left, self._notice)
 
     @property
@@ -253,35 +295,88 @@ class BackwardGraphRecorder:
         if rank != 0:
             run_dir = os.path.join(run_dir, f"rank_{rank}")
         self.run_dir = run_dir
+        opened: list = []  # lock files opened on the way: closed if anything fails (Ctrl-C included)
         try:
-            files = StepFiles(run_dir)
+            claimed, lock = claim_run_dir(run_dir, opened=opened)
+            files = StepFiles(claimed, lock)
+            self._pipeline = CapturePipeline(opts, files, self._display_name(files.directory, rank), self._warn)
         except OSError as exc:
+            run_all(*(f.close for f in opened))
             self._warn("dir", f"cannot write to {run_dir!r} ({exc.strerror or exc}); backward graphs "
                               "will not be saved or logged. Pass a writable log_dir")
+        except BaseException:
+            run_all(*(f.close for f in opened))
+            raise
         else:
-            # named "<log dir>/<run_name>" in the dashboard: two experiments sharing a
-            # --logdir with the default run_name stay two runs
-            display = "/".join(x for x in (os.path.basename(os.path.abspath(opts.log_dir)), opts.run_name,
-                                           f"rank_{rank}" if rank else "") if x)
-            self._pipeline = CapturePipeline(opts, files, display, self._warn)
+            self.run_dir = files.directory
             if opts.verbose:
-                print(f"[paddleviz-hooks] backward graphs -> {os.path.abspath(run_dir)}")
-        # a replay runs on one rank only: under data parallel its collectives (SyncBatchNorm,
-        # gradient all-reduce) would wait for ranks that do not replay, so none is made there
-        if opts.on_nonfinite and self.model is not None and paddle.distributed.get_world_size() == 1:
-            try:
-                self._kept = StepInputs(self.model).install()
-            except Exception as exc:
-                self._kept = None
-                self._warn("keep-inputs", f"NaN/Inf origins will not be located: {exc!r}")
-        if opts.watching:
-            self._watch = self._new_capture(watch=True)
-            try:
-                self._watch.__enter__()
-            except Exception as exc:
-                self._watch = None
-                self._warn("watch", f"triggers are off: {exc!r}")
+                print(f"[paddleviz-hooks] backward graphs -> {files.directory}"
+                      + run_folder_note(os.path.abspath(run_dir), files.directory))
+        self._install()
         return self
+
+    def _display_name(self, directory: str, rank: int) -> str:
+        """The run's name in the dashboard: "<log dir>/<run folder>" (two experiments sharing a
+        --logdir with the default run_name stay two runs)."""
+        folder = os.path.basename(directory) if rank == 0 else os.path.basename(os.path.dirname(directory))
+        return "/".join(x for x in (os.path.basename(os.path.abspath(self.options.log_dir)), folder,
+                                    os.path.basename(directory) if rank else "") if x)
+
+    def _install(self) -> None:
+        """The hooks kept while open: the step inputs for replays and the trigger watch.
+        Whatever raises (Ctrl-C included), nothing of them stays half-installed."""
+        opts = self.options
+        try:
+            with held_interrupts():
+                # a replay runs on one rank only: under data parallel its collectives (SyncBatchNorm,
+                # gradient all-reduce) would wait for ranks that do not replay, so none is made there
+                if opts.on_nonfinite and self.model is not None and paddle.distributed.get_world_size() == 1:
+                    self._kept = StepInputs(self.model)
+                    try:
+                        self._kept.install()
+                    except Exception as exc:
+                        self._kept.remove()
+                        self._kept = None
+                        self._warn("keep-inputs", f"NaN/Inf origins will not be located: {exc!r}")
+                if opts.watching:
+                    self._watch = self._new_capture(watch=True)
+                    try:
+                        self._watch.__enter__()
+                    except Exception as exc:
+                        self._watch = None
+                        self._warn("watch", f"triggers are off: {exc!r}")
+                self._installed = True
+        except BaseException:
+            self._uninstall()
+            raise
+
+    def _uninstall(self) -> None:
+        """Remove every hook and patch of the recorder (idempotent; each part whatever
+        another raises). The files and VisualDL records stay open."""
+        with held_interrupts():
+            self._armed = None
+            self._installed = False
+            run_all(self._end_step_capture, self._end_watch, self._remove_kept)
+
+    def _end_step_capture(self) -> None:
+        self._end_capture("_step_capture")
+
+    def _end_watch(self) -> None:
+        self._end_capture("_watch")
+
+    def _end_capture(self, attr: str) -> None:
+        """End the capture held in ``attr``; it is forgotten only once its hooks are gone."""
+        cap = getattr(self, attr)
+        if cap is not None:
+            cap._teardown()  # idempotent; __exit__ below numbers the step's graphs
+            setattr(self, attr, None)
+            cap.__exit__(None, None, None)
+
+    def _remove_kept(self) -> None:
+        kept = self._kept
+        if kept is not None:
+            kept.remove()
+            self._kept = None
 
     def close(self) -> None:
         """Remove every hook, finish pending drawings and close the VisualDL writer.
@@ -289,26 +384,32 @@ class BackwardGraphRecorder:
         Calling it twice is harmless; :meth:`open` (or the next
         :meth:`begin_step`) starts recording again.
         """
-        self._armed = None
-        for cap in (self._step_capture, self._watch):
-            if cap is not None:
-                cap.__exit__(None, None, None)
-        self._step_capture = self._watch = None
-        self._flush()
-        kept, self._kept = self._kept, None
-        if kept is not None:
-            kept.remove()
-        pipeline, self._pipeline = self._pipeline, None
-        if pipeline is not None:
-            pipeline.close()
-            self.undrawn_steps = pipeline.undrawn_at_close
-            if self.options.verbose and self.captured_steps:
-                graphs = len(pipeline.written)  # a step may have several backwards
-                steps = len(set(pipeline.written))
-                more = f" ({graphs} graphs)" if graphs != steps else ""
-                print(f"[paddleviz-hooks] {steps} steps captured{more}, {len(pipeline.drawn)} drawn, "
-                      f"{len(self.undrawn_steps)} left undrawn (data saved in {os.path.abspath(self.run_dir)})")
+        # every part runs whatever another raises (a Ctrl-C is raised after); each is idempotent
+        run_all(self._uninstall, self._mark_closed, self._flush, self._close_pipeline)
+
+    def _mark_closed(self) -> None:
         self._open = self._active = False
+        self._closed = True
+        self._last_step = 0  # opened again, it writes a new run folder: steps may start again
+
+    def _close_pipeline(self) -> None:
+        """Write and draw what is left, close VisualDL, and say what was kept."""
+        pipeline = self._pipeline
+        if pipeline is None:
+            return
+        pipeline.close()
+        self._pipeline = None
+        self.undrawn_steps = pipeline.undrawn_at_close
+        written = set(pipeline.written)
+        self.lost_steps = {**{s: "the background writer stopped" for s in self.dropped_steps}, **pipeline.lost}
+        for step in set(self.captured_steps) - written - set(self.lost_steps):
+            self.lost_steps[step] = "not written before close() gave up"
+        if self.options.verbose and (self.captured_steps or self.lost_steps):
+            captured = written | set(self.lost_steps)
+            graphs = len(pipeline.written) + len(pipeline.lost)  # a step may have several backwards
+            print("[paddleviz-hooks] " + end_line(
+                len(captured), graphs, len(written), self.lost_steps, len(set(pipeline.drawn)),
+                len(self.undrawn_steps), self.run_dir))
 
     def __enter__(self) -> "BackwardGraphRecorder":
         return self.open()
@@ -317,15 +418,17 @@ class BackwardGraphRecorder:
         self.close()
 
     # ----------------------------------------------------------------- steps
-    def begin_step(self, step: int | None = None, *, micro_batches: int | None = None) -> bool:
+    def begin_step(self, step: int | None = None, *, micro_batches: int | str | None = None) -> bool:
         """A training step starts; arms a capture when it is selected.
 
         Args:
             step: the step number (default: the previous one + 1, from 1).
             micro_batches: how many gradient-accumulation micro-batches the
                 step runs, one ``backward()`` each; their graphs are labelled
-                "micro-batch i of k". Default None: backwards are labelled
-                "backward i of n".
+                "micro-batch i of k". ``"counted"``: the loop does not say
+                beforehand; every ``backward()`` of the step is a micro-batch,
+                counted when the step ends. Default None: backwards are
+                labelled "backward i of n".
 
         Returns:
             True when a capture is armed for this step.
@@ -338,15 +441,40 @@ class BackwardGraphRecorder:
             step = self.global_step + 1
         elif isinstance(step, bool) or not isinstance(step, int):
             raise TypeError(f"step must be an int or None, got {step!r}")
-        if micro_batches is not None and (isinstance(micro_batches, bool) or not isinstance(micro_batches, int)):
-            raise TypeError(f"micro_batches must be an int or None, got {micro_batches!r}")
-        if micro_batches is not None and micro_batches < 1:
+        if micro_batches is not None and micro_batches != COUNTED and (
+                isinstance(micro_batches, bool) or not isinstance(micro_batches, int)):
+            raise TypeError(f"micro_batches must be an int, 'counted' or None, got {micro_batches!r}")
+        if isinstance(micro_batches, int) and micro_batches < 1:
             raise ValueError(f"micro_batches must be >= 1 or None, got {micro_batches!r}")
+        if step < 1:
+            raise ValueError(f"step must be >= 1 (steps are counted from 1, as in steps=[...]), got {step}; "
+                             "pass rec.step(step + 1) for a 0-based loop counter")
+        if self._in_block:
+            raise RuntimeError("rec.step() blocks cannot be nested: this step's block is still open. "
+                               "Put one `with rec.step(n):` around each training step, not inside another")
+        if step <= self._last_step:
+            raise ValueError(f"steps must increase: step {step} came after step {self._last_step}; "
+                             "pass increasing step numbers (or none, to count from 1), or close() this "
+                             "recorder and make a new one for a new run")
+        if self._closed and not self._open:
+            self._closed = False
+            self._warn("after-close", "the recorder was used after close(): it records again, into a new "
+                                      "run folder beside the first (call rec.open() to resume on purpose, "
+                                      "or make a new BackwardGraphRecorder)")
+        try:
+            return self._start_step(step, micro_batches)
+        except BaseException:
+            run_all(self._end_step_capture)  # nothing of this step stays armed
+            raise
+
+    def _start_step(self, step: int, micro_batches: int | str | None) -> bool:
         self._flush()  # a step that was never ended
-        self.global_step = step
+        self.global_step = self._last_step = step
         self._micro_batches = micro_batches
         if not self._open:
             self.open()
+        elif self._active and not self._installed:
+            self._install()  # the hooks removed after an exception left a step
         if not self._active:
             return False
         self._triggers.new_step()
@@ -357,27 +485,82 @@ class BackwardGraphRecorder:
             self._armed = "scheduled"
         # a capture of this step's own backward needs layer hooks during its forward
         if (scheduled or self._triggers.pending) and (self._watch is None or not self._watch_names_layers):
-            self._step_capture = self._new_capture(saved_memory=scheduled and self.options.saved_memory)
-            try:
-                self._step_capture.__enter__()
-            except Exception as exc:
-                self._step_capture = None
-                self._warn("arm", f"capture could not start: {exc!r}")
-        elif scheduled and self.options.saved_memory and self._watch is not None:
-            self._watch.observe_saved(True)  # this step's forward only
+            with held_interrupts():
+                cap = self._step_capture = self._new_capture(saved_memory=scheduled and self.options.saved_memory)
+                try:
+                    cap.__enter__()
+                except Exception as exc:
+                    self._step_capture = None
+                    self._warn("arm", f"capture could not start: {exc!r}")
+                except BaseException:
+                    self._step_capture = None
+                    raise
+        elif scheduled and self._watch is not None:
+            if self.options.saved_memory:
+                self._watch.observe_saved(True)  # this step's forward only
+            if self.options.sources:
+                self._watch.observe_sources(True)
         return scheduled
 
     def end_step(self) -> None:
-        """The training step is over: remove what :meth:`begin_step` armed."""
-        self._armed = None
+        """The training step is over: remove what :meth:`begin_step` armed.
+
+        Everything is removed whatever raises where (a Ctrl-C is delivered
+        after); then the step's graphs go to the writer.
+        """
+        run_all(self._disarm_step, self._flush)  # the step's graphs are written whatever the other raises
+
+    def _disarm_step(self) -> None:
+        with held_interrupts():
+            self._armed = None
+            run_all(self._reset_kept, self._end_step_capture, self._unobserve)
+
+    def _reset_kept(self) -> None:
         if self._kept is not None:
             self._kept.reset()  # no reference to the step's tensors outlives it
-        cap, self._step_capture = self._step_capture, None
-        if cap is not None:
-            cap.__exit__(None, None, None)
+
+    def _unobserve(self) -> None:
         if self._watch is not None:
             self._watch.observe_saved(False)
-        self._flush()
+            self._watch.observe_sources(False)
+
+    def read_applied_gradients(self) -> None:
+        """Read ``param.grad`` now as the gradients this step's update applies.
+
+        Call it right before the optimizer step, after the loop has done
+        whatever it does to the accumulated gradients (PaddleFormers' Trainer
+        divides them by the number of micro-batches, a ``GradScaler`` unscales
+        them). The step's graphs then carry the norm of each applied gradient
+        (``graph.meta["applied_grads"]``, by parameter name) and their global
+        norm (``"applied_grad_norm"``, also ``"accumulated_grad_norm"``); the
+        gradients drawn in each micro-batch's graph stay that backward's own.
+        Without this call the accumulated norm is read after the step's last
+        backward. ``on_grad_spike`` then watches this norm, once per step
+        (else the sum in ``param.grad`` after every backward), from the first
+        call on: call :meth:`expect_applied_gradients` before the first step
+        to have it so from the start.
+        """
+        self._reads_applied = True
+        if self.model is None or not self._active or not (self._pending or self.options.on_grad_spike):
+            return
+        try:
+            total = global_grad_norm(self.model.parameters())
+            self._triggers.applied_norm(self.global_step, total)
+            if not self._pending:
+                return
+            norms: dict[str, float] = {}
+            for name, p in self.model.named_parameters():
+                g = local_value(p.grad) if p.grad is not None else None
+                if g is not None and g._is_initialized():
+                    norms[strip_wrapper_prefix(name)] = math.sqrt(sum_of_squares([g]))
+        except Exception as exc:
+            self._warn("applied", f"reading the applied gradients failed: {exc!r}")
+            return
+        self._applied = {"norms": norms, "norm": total}
+
+    def expect_applied_gradients(self) -> None:
+        """The loop will call :meth:`read_applied_gradients` on every step (adapters say so first)."""
+        self._reads_applied = True
 
     def disarm(self) -> None:
         """Let the rest of this step's backwards (e.g. evaluation) run uncaptured."""
@@ -390,17 +573,39 @@ class BackwardGraphRecorder:
 
         With gradient accumulation, put all of the step's micro-batches
         inside and say how many (``micro_batches``, see :meth:`begin_step`).
-        An exception leaving the block (Ctrl-C, an error in the model) closes
-        the recorder, so no hook or patch stays behind, and propagates.
+        An exception leaving the block (an error in the model) removes every
+        hook and patch of the recorder and propagates; the next step puts
+        them back and the files and VisualDL records go on in the same run.
+        Ctrl-C (``KeyboardInterrupt``) and ``SystemExit`` close the recorder.
+
+        Raises:
+            ValueError: a step number below 1, or not above the previous one.
+            RuntimeError: a ``rec.step()`` block inside another.
         """
         self.begin_step(step, micro_batches=micro_batches)
+        self._in_block = True
         try:
             yield self
-        except BaseException:
-            self.end_step()
-            self.close()
+        except BaseException as exc:
+            self._step_failed(exc)
+            if is_wrapped_interrupt(exc):  # Paddle's OSError around a Ctrl-C: the Ctrl-C it was
+                raise as_interrupt(exc) from exc
             raise
-        self.end_step()
+        self._step_done()
+
+    def _step_done(self) -> None:
+        run_all(self._leave_block, self.end_step)
+
+    def _step_failed(self, exc: BaseException) -> None:
+        """An exception left the step: every hook goes (each part whatever another raises);
+        Ctrl-C and SystemExit also close the recorder."""
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)) or is_wrapped_interrupt(exc):
+            run_all(self._leave_block, self.end_step, self.close)
+        else:
+            run_all(self._leave_block, self.end_step, self._uninstall)
+
+    def _leave_block(self) -> None:
+        self._in_block = False
 
     # --------------------------------------------------------------- helpers
     def _budget_left(self) -> bool:
@@ -409,7 +614,7 @@ class BackwardGraphRecorder:
 
     def _notice(self, text: str) -> None:
         if self.options.verbose:
-            print(f"[paddleviz-hooks] {text}")
+            print(f"[paddleviz-hooks] {visible(text, lines=True)}")
 
     @property
     def _watch_names_layers(self) -> bool:
@@ -426,7 +631,7 @@ class BackwardGraphRecorder:
     def _new_capture(self, watch: bool = False, saved_memory: bool = False) -> BackwardCapture:
         """The trigger watch (``watch=True``) or a scheduled step's capture."""
         names = not watch or self._watch_names_layers
-        return BackwardCapture(
+        cap = BackwardCapture(
             self.model if names else None,
             params=None if names else self.model,
             grad_stats=self.options.grad_stats,
@@ -437,7 +642,11 @@ class BackwardGraphRecorder:
             else None,
             warn=self._warn,  # one warning per cause for the whole run
             saved_memory=saved_memory,
+            sources=self.options.sources,
         )
+        # the watch is active on every step: it records sources only for the steps begin_step selects
+        cap.sources_from_enter = not watch
+        return cap
 
     def _decide(self, roots: list[Any], walk: Any) -> str | None:
         if self._replaying:
@@ -460,6 +669,12 @@ class BackwardGraphRecorder:
     def _after_backward(self, ok: bool) -> None:
         if self._replaying:
             return
+        try:
+            self._check_backward(ok)
+        finally:
+            self._write_if_doomed()
+
+    def _check_backward(self, ok: bool) -> None:
         pending, self._replay_trigger = self._replay_trigger, None
         if not ok or self.model is None:
             return
@@ -468,12 +683,14 @@ class BackwardGraphRecorder:
             return
         kept = self._kept
         can_replay = kept is not None and kept.seen and bool(kept.out_grads)
-        if self._triggers.after_backward(self.global_step, self.model.parameters(), can_replay):
+        if self._triggers.after_backward(self.global_step, self.model.parameters(), can_replay,
+                                         spike=not self._reads_applied):
             self._capture_replayed("nonfinite_grad")
 
     def _capture_replayed(self, trigger: str) -> None:
         """Capture this step by replaying its forward and backward (param.grad untouched)."""
-        cap = BackwardCapture(self.model, grad_stats=self.options.grad_stats, warn=self._warn)
+        cap = BackwardCapture(self.model, grad_stats=self.options.grad_stats, warn=self._warn,
+                              sources=self.options.sources)
         self._replaying = True
         try:
             with cap:
@@ -506,19 +723,20 @@ class BackwardGraphRecorder:
         graph.meta.update(trigger=trigger, replayed=True)
         self._on_graph(graph)
 
-    def _locate(self, graph: BackwardGraph, trigger: str) -> None:
-        """Name where this step's NaN/Inf started (``graph.meta["nonfinite_origin"]``)."""
+    def _locate(self, graph: BackwardGraph, trigger: str) -> NonfiniteOrigin | None:
+        """Where this step's NaN/Inf started (a replay of its forward), or None when not located."""
         kept = self._kept
         loss = graph.meta.get("loss")
         loss_bad = isinstance(loss, float) and not math.isfinite(loss)
         if kept is None or not kept.seen or not (trigger.startswith("nonfinite") or loss_bad
                                                  or graph.nonfinite_count()):
-            return
+            return None
         self._replaying = True
         try:
-            graph.meta["nonfinite_origin"] = locate(self.model, kept, graph, loss_nonfinite=loss_bad)
+            return locate(self.model, kept, graph, loss_nonfinite=loss_bad)
         except Exception as exc:
             self._warn("locate", f"locating where the NaN/Inf started failed: {exc!r}")
+            return None
         finally:
             self._replaying = False
 
@@ -533,6 +751,8 @@ class BackwardGraphRecorder:
             if self._micro_batches:
                 info["micro_batch"] = self._seen.count("backward") + (info.get("entry") == "grad")
                 info["micro_batches"] = self._micro_batches
+        weights: list[str] = []
+        buffers: list[str] = []
         if self.model is not None:
             # what param.grad holds now (accumulated over this step's backwards and any
             # earlier ones not yet applied); after the step's last backward it is the
@@ -542,9 +762,7 @@ class BackwardGraphRecorder:
             except Exception as exc:
                 self._warn("accumulated", f"reading param.grad failed: {exc!r}")
             try:  # an earlier update may have written NaN/Inf into the weights themselves
-                bad = weights_nonfinite(self.model.named_parameters())
-                if bad:
-                    graph.meta["nonfinite_weights"] = [strip_wrapper_prefix(n) for n in bad]
+                weights, buffers = self._nonfinite_values()
             except Exception as exc:
                 self._warn("weights", f"checking the weights for NaN/Inf failed: {exc!r}")
         if trigger == "scheduled" and self.options.on_nonfinite:
@@ -556,23 +774,65 @@ class BackwardGraphRecorder:
                 trigger = "nonfinite_grad"
             if trigger != "scheduled":
                 graph.meta["trigger"] = trigger
-        self._locate(graph, trigger)
+        # the NaN/Inf story of the capture, computed once here; every view reads it (a capture
+        # with nothing non-finite keeps none in its JSON: findings.record_of gives it empty)
+        record = nonfinite_record(graph, self._locate(graph, trigger), weights, buffers)
+        graph.nonfinite = record if record.any else None
         if self._triggers.note is not None:
             graph.meta["trigger_note"], self._triggers.note = self._triggers.note, None
         if trigger != "scheduled":
-            sites = graph.nonfinite_sites()
-            origin = f"; first non-finite gradient at {describe_node(sites[0])}" if sites else ""
-            found = graph.meta.get("nonfinite_origin")
-            if found is not None:
-                origin = f"; {describe_origin(found)}" + (origin if found["kind"] in ("forward", "input") else "")
-            self._notice(f"captured step {step} (trigger: {trigger}){origin}")
+            story = " ".join(nonfinite_lines(record)).rstrip(";")
+            self._notice(f"captured step {step} (trigger: {trigger})" + (f"; {story}" if story else ""))
         self._pending.append(graph)
+        self._write_if_doomed()
+
+    def _write_if_doomed(self) -> None:
+        """After the step's last backward, a step with a NaN/Inf loss is written at once."""
+        if any(self._nonfinite_loss(g) for g in self._pending) and self._last_backward():
+            self._write_now()
+
+    @staticmethod
+    def _nonfinite_loss(graph: BackwardGraph) -> bool:
+        loss = graph.meta.get("loss")
+        return isinstance(loss, float) and not math.isfinite(loss)
+
+    def _last_backward(self) -> bool:
+        """Whether the step has run every backward it announced (unknown: yes)."""
+        k = self._micro_batches
+        return not isinstance(k, int) or self._seen.count("backward") >= k
+
+    def _write_now(self) -> None:
+        """Write this step's graphs and wait until their files and records are out.
+
+        Loops commonly raise on a NaN/Inf loss right after the step's last
+        backward (PaddleFormers' Trainer does), so neither :meth:`end_step` nor
+        :meth:`close` may follow; the capture must not wait for them.
+        """
+        self._flush()
+        if self._pipeline is not None:
+            self._pipeline.settle(self.options.close_timeout)
+
+    def _nonfinite_values(self) -> tuple[list[str], list[str]]:
+        """Trainable parameters, and non-trainable tensors (buffers, BatchNorm running statistics:
+        the forward writes them, no update does), whose values hold NaN/Inf."""
+        named = list(self.model.named_parameters())
+        trainable = {name for name, p in named if not p.stop_gradient}
+        bad = weights_nonfinite(named)
+        weights = [strip_wrapper_prefix(n) for n in bad if n in trainable]
+        buffers = [strip_wrapper_prefix(n) for n in bad if n not in trainable]
+        buffers += [strip_wrapper_prefix(n) for n in weights_nonfinite(
+            (name, b) for name, b in self.model.named_buffers() if b is not None and b._is_initialized())]
+        return weights, buffers
 
     def _flush(self) -> None:
         """The step is over: label its graphs (now that their number is known) and write them."""
         pending, self._pending = self._pending, []
-        seen, self._seen = len(self._seen), []
+        seen_entries, self._seen = self._seen, []
+        seen = len(seen_entries)
         applied, self._applied_norm = self._applied_norm, None
+        read, self._applied = self._applied, None
+        if read is not None and read["norm"] is not None:
+            applied = read["norm"]
         if not pending:
             return
         step = pending[0].meta["step"]
@@ -582,9 +842,14 @@ class BackwardGraphRecorder:
             if isinstance(info, dict):
                 if info.get("index") is not None:
                     info["of"] = seen
+                if info.get("micro_batches") == COUNTED:
+                    info["micro_batches"] = seen_entries.count("backward")
                 info["role"] = backward_role(info)
             if applied is not None:
                 graph.meta["accumulated_grad_norm"] = applied
+            if read is not None:
+                graph.meta["applied_grad_norm"] = read["norm"]
+                graph.meta["applied_grads"] = dict(read["norms"])
             trigger = graph.meta.get("trigger") or "scheduled"
             index = info.get("index") if isinstance(info, dict) else None
             suffix = f"b{index}" if isinstance(index, int) and index > 1 else (
@@ -602,3 +867,9 @@ class BackwardGraphRecorder:
             self.captured_steps.append(step)
         else:
             self.triggers.pop(step, None)
+
+
+def option_names() -> tuple[str, ...]:
+    """The keyword arguments :class:`BackwardGraphRecorder` takes (for "did you mean" errors)."""
+    params = inspect.signature(BackwardGraphRecorder.__init__).parameters.values()
+    return tuple(p.name for p in params if p.name != "self" and p.kind is not p.VAR_KEYWORD)

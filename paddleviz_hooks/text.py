@@ -17,19 +17,25 @@ import os
 from typing import Any, Iterable
 
 from .diff import GraphDiff
+from .findings import record_of
 from .ranks import RankView
-from .graph import BackwardGraph, GradMeta, Node, is_communication
+from .graph import BackwardGraph, GradMeta, Node, NonfiniteOrigin, NonfiniteRecord, SourceFrame, is_communication
 from .hazards import PROGRAM_OP_NOTE, RECOMPUTE_INPUT_NOTE
 
 __all__ = [
     "COMMUNICATION_LEGEND",
     "NOT_OBSERVED",
+    "UNOBSERVED_WHY",
+    "DASHED_LEGEND",
+    "combined_norm",
     "MODEL_OUTPUT",
+    "REPLAYED_FROM_OUTPUT",
     "OUTSIDE_MODEL",
     "TOP_LAYER",
     "TOP_PARAMS",
     "WHOLE_MODEL",
     "backward_role",
+    "svg_file_note",
     "box_lines",
     "grad_sync_line",
     "rank_comparison_lines",
@@ -41,6 +47,11 @@ __all__ = [
     "rank_view_lines",
     "ranks_title",
     "shard_line",
+    "source_frame",
+    "source_short",
+    "source_lines",
+    "source_attrs",
+    "SOURCE_NOTES_TEXT",
     "call_name",
     "capture_title",
     "graph_title",
@@ -48,6 +59,19 @@ __all__ = [
     "collapse_note",
     "describe_node",
     "describe_origin",
+    "describe_first_gradient",
+    "FIRST_GRADIENT",
+    "nonfinite_lines",
+    "origin_node_lines",
+    "origin_placement",
+    "origin_short",
+    "origin_output",
+    "ORIGIN_LEGEND",
+    "ORIGIN_NO_GRAD",
+    "ORIGIN_NO_NODE",
+    "ORIGIN_IN_PROGRAM",
+    "STARTS_HERE",
+    "origin_badge",
     "diff_summary",
     "edge_lines",
     "fmt_bytes",
@@ -83,8 +107,18 @@ WHOLE_MODEL = "the whole model"
 OUTSIDE_MODEL = "outside the model"
 #: The root of a replayed step's graph: the model's output (the loss ops are outside it).
 MODEL_OUTPUT = "model output"
+#: What a replayed capture is, against an ordinary one (its graph starts at the model output).
+REPLAYED_FROM_OUTPUT = "replayed from the model output"
 #: A gradient that flowed but could not be seen (its producer takes no hook).
 NOT_OBSERVED = "not observed"
+#: Legend row of dashed edges.
+DASHED_LEGEND = f"dashed: gradient {NOT_OBSERVED} (the node takes no hook, or as its label says)"
+#: Why a gradient's values were not observed (``GradMeta.note`` codes, see ``graph.UNOBSERVED_REASONS``).
+UNOBSERVED_WHY = {
+    "overwritten": "not observed: the receiving op's backward overwrote it in place",
+    "not_computed": "not computed (paddle.grad did not need it)",
+    "unpaired": "not observed: could not be matched with its edge",
+}
 #: Legend rows of a drawing shaded by memory held for backward (``color_by="saved_memory"``).
 SAVED_SHADE_TITLE = "shade: bytes saved for backward"
 SAVED_SHADE_NONE = "no saved tensor recorded"
@@ -104,7 +138,7 @@ _DTYPE_SHORT = {
 def fmt_num(v: float | None, digits: int = 3) -> str:
     """Short number text: ``digits`` significant digits, NaN/Inf spelled out.
 
-    Example:
+    Examples:
         >>> fmt_num(0.000123456), fmt_num(float("nan")), fmt_num(None)
         ('0.000123', 'NaN', '-')
     """
@@ -120,7 +154,7 @@ def fmt_num(v: float | None, digits: int = 3) -> str:
 def fmt_bytes(n: int | None) -> str:
     """Bytes in decimal units, three significant digits.
 
-    Example:
+    Examples:
         >>> fmt_bytes(760832), fmt_bytes(512), fmt_bytes(None)
         ('761 kB', '512 B', '?')
     """
@@ -139,7 +173,7 @@ def call_name(name: str, inclusive: bool = False) -> str:
     ``inclusive``: the call stands with its sublayers (a row of the recompute
     table), so the top layer's call is the whole model, not its own forward.
 
-    Example:
+    Examples:
         >>> call_name("layers.0.self_attn#0"), call_name("block#1"), call_name("#0"), call_name("?")
         ('layers.0.self_attn', 'block (call 2)', "the model's own forward", 'outside the model')
         >>> call_name("#0", inclusive=True)
@@ -154,7 +188,7 @@ def call_name(name: str, inclusive: bool = False) -> str:
 def fmt_ratio(r: float) -> str:
     """A change factor: ``x12.3``; ``from 0`` / ``to 0`` where one side is zero.
 
-    Example:
+    Examples:
         >>> fmt_ratio(12.345), fmt_ratio(math.inf), fmt_ratio(0.0)
         ('x12.3', 'from 0', 'to 0')
     """
@@ -179,7 +213,7 @@ def fmt_shape(shape: Iterable[int] | None) -> str:
 def plural(n: int, word: str, many: str | None = None) -> str:
     """``1 node``, ``3 nodes``.
 
-    Example:
+    Examples:
         >>> plural(1, "op"), plural(2, "op")
         ('1 op', '2 ops')
     """
@@ -196,7 +230,7 @@ def _names(items: list[str], limit: int = _LIST_LIMIT) -> str:
 def backward_role(info: dict[str, Any] | None) -> str:
     """Which backward of its step a graph is (``graph.meta["backward"]``); "" for a step's only one.
 
-    Example:
+    Examples:
         >>> backward_role({"index": 2, "of": 4, "entry": "backward", "micro_batch": 2, "micro_batches": 4})
         'micro-batch 2 of 4'
         >>> backward_role({"index": 1, "of": 2, "entry": "grad"})
@@ -226,7 +260,7 @@ def backward_role(info: dict[str, Any] | None) -> str:
 def layer_name(path: str | None) -> str:
     """A layer path as people read it: the top layer and "no layer" spelled out.
 
-    Example:
+    Examples:
         >>> layer_name("encoder.layers.0"), layer_name(""), layer_name(None)
         ('encoder.layers.0', "the model's own forward", 'outside the model')
     """
@@ -238,7 +272,7 @@ def layer_name(path: str | None) -> str:
 def box_name(path: str | None) -> str:
     """The layer a collapsed box stands for: the top layer's box is the whole model.
 
-    Example:
+    Examples:
         >>> box_name("layer1"), box_name("")
         ('layer1', 'the whole model')
     """
@@ -248,7 +282,7 @@ def box_name(path: str | None) -> str:
 def group_name(group: str) -> str:
     """A parameter group of ``BackwardGraph.layer_grad_norms`` as people read it.
 
-    Example:
+    Examples:
         >>> group_name("encoder"), group_name("(self)")
         ('encoder', "the model's own parameters")
     """
@@ -269,7 +303,7 @@ def node_where(layer: str | None, call: int = 0) -> str:
         layer: the layer path (None: outside the model).
         call: the call index, 0 for the first call (then not mentioned).
 
-    Example:
+    Examples:
         >>> node_where("block", 1), node_where(None)
         ('in block (call 2)', 'outside the model')
     """
@@ -289,7 +323,7 @@ def _call_suffix(call: int, calls: int = 1) -> str:
 def describe_node(info: Node | dict[str, Any]) -> str:
     """Short readable text for a node, or a node record of a :class:`GraphDiff`.
 
-    Example:
+    Examples:
         >>> describe_node({"kind": "op", "op": "Sqrt", "layer": "block"})
         'Sqrt in block'
         >>> describe_node({"kind": "param", "param": "fc.weight"})
@@ -309,93 +343,219 @@ def describe_node(info: Node | dict[str, Any]) -> str:
     return f"{get('op') or '?'} {node_where(get('layer'), get('call') or 0)}"
 
 
-def describe_origin(origin: dict[str, Any]) -> str:
-    """Where a NaN/Inf started, from ``graph.meta["nonfinite_origin"]`` (kinds in
-    ``paddleviz_hooks.capture.nan_origin.KINDS``).
+def _as_origin(origin: NonfiniteOrigin | dict[str, Any]) -> NonfiniteOrigin:
+    return origin if isinstance(origin, NonfiniteOrigin) else NonfiniteOrigin.from_dict(origin)
 
-    Example:
+
+def _at(o: NonfiniteOrigin, sep: str = " at ") -> str:
+    return f"{sep}{os.path.basename(str(o.file))}:{o.line}" if o.file else ""
+
+
+def origin_output(origin: NonfiniteOrigin | dict[str, Any]) -> str:
+    """The tensor the origin op made: ``float32 output with 2 NaN``; "" when unknown.
+
+    Examples:
+        >>> origin_output({"kind": "forward", "op": "log", "dtype": "float32", "nan": 2, "inf": 0})
+        'float32 output with 2 NaN'
+    """
+    o = _as_origin(origin)
+    counts = [f"{v} {name}" for v, name in ((o.nan, "NaN"), (o.inf, "Inf")) if v]
+    if not counts:
+        return ""
+    return f"{o.dtype + ' ' if o.dtype else ''}output with {' and '.join(counts)}"
+
+
+def origin_placement(origin: NonfiniteOrigin | dict[str, Any]) -> str:
+    """Where a forward origin's op ran when that is not an op of the graph's own: inside a
+    compiled program, or on data that needs no gradient (so it has no grad node); "" otherwise.
+
+    Examples:
+        >>> origin_placement({"kind": "forward", "op": "log", "needs_grad": False})
+        'on data that needs no gradient'
+    """
+    o = _as_origin(origin)
+    if o.kind == "forward" and o.in_program:
+        return ORIGIN_IN_PROGRAM
+    if o.kind != "forward" or o.key:
+        return ""
+    if o.needs_grad is False:
+        return ORIGIN_NO_GRAD
+    return ORIGIN_NO_NODE
+
+
+#: Where a forward origin's op sits when its output needs no gradient (so it has no grad node).
+ORIGIN_NO_GRAD = "on data that needs no gradient"
+#: ... when it ran inside a compiled program (the graph holds the program's ops).
+ORIGIN_IN_PROGRAM = "inside a compiled program"
+#: ... and when the graph has no node of it for another reason.
+ORIGIN_NO_NODE = "without a grad node in this graph"
+#: Legend row of the origin mark, in every drawing.
+ORIGIN_LEGEND = "where the NaN/Inf starts"
+#: The mark of the first node whose gradient turned non-finite (a fact apart from the origin).
+FIRST_GRADIENT = "first non-finite gradient"
+#: The badge of a forward origin in lists (report): the op where the NaN/Inf starts.
+STARTS_HERE = "starts here"
+
+
+def origin_badge(origin: NonfiniteOrigin | dict[str, Any]) -> str:
+    """The badge naming the record's origin in a list: :data:`STARTS_HERE` for an op of the
+    forward, ``cause`` for the other kinds (the input data, the weights, the loss, the backward).
+
+    Examples:
+        >>> origin_badge({"kind": "forward", "op": "log"}), origin_badge({"kind": "backward"})
+        ('starts here', 'cause')
+    """
+    return STARTS_HERE if _as_origin(origin).kind == "forward" else "cause"
+
+
+def describe_origin(origin: NonfiniteOrigin | dict[str, Any]) -> str:
+    """Where a NaN/Inf started (the record's ``origin``; kinds in
+    :data:`paddleviz_hooks.graph.ORIGIN_KINDS`), in one sentence.
+
+    Examples:
         >>> print(describe_origin({"kind": "forward", "op": "sqrt", "layer": "block", "layer_class": "Block",
-        ...                        "file": "/src/model.py", "line": 16, "code": "h = paddle.sqrt(h)"}))
+        ...                        "file": "/src/model.py", "line": 16, "code": "h = paddle.sqrt(h)",
+        ...                        "key": "op:block[0]/Sqrt#abc123", "needs_grad": True}))
         NaN/Inf first produced by op 'sqrt' in layer 'block' (Block) at model.py:16: h = paddle.sqrt(h)
+        >>> print(describe_origin({"kind": "forward", "op": "log", "layer": "", "file": "/src/m.py", "line": 3,
+        ...                        "needs_grad": False, "dtype": "float32", "nan": 4}))
+        NaN/Inf first produced by op 'log', on data that needs no gradient, in the model's own forward at m.py:3
         >>> print(describe_origin({"kind": "input"}))
         NaN/Inf already in the input data (the batch given to the model)
     """
-    kind = origin.get("kind")
+    o = _as_origin(origin)
+    kind = o.kind
     if kind == "input":
         return "NaN/Inf already in the input data (the batch given to the model)"
-    op, layer = origin.get("op"), origin.get("layer")
     if kind == "weights":
-        cls = f" ({origin['layer_class']})" if origin.get("layer_class") else ""
-        first = f"layer '{layer}'" if layer else TOP_PARAMS
+        cls = f" ({o.layer_class})" if o.layer_class else ""
+        first = f"layer '{o.layer}'" if o.layer else TOP_PARAMS
         return f"NaN/Inf already in the weights, first in {first}{cls}: an earlier update wrote it"
     if kind == "forward":
-        where = _in_layer(layer)
-        if origin.get("layer_class"):
-            where += f" ({origin['layer_class']})"
-        at = ""
-        if origin.get("file"):
-            at = f" at {os.path.basename(str(origin['file']))}:{origin.get('line')}"
-            if origin.get("code"):
-                at += f": {origin['code']}"
-        return f"NaN/Inf first produced by op '{op}'{where}{at}"
-    if op == MODEL_OUTPUT:  # a replayed step: NaN/Inf reached the model with the loss's gradient
-        first = f"first non-finite gradient at the {MODEL_OUTPUT}"
-    else:
-        first = f"first non-finite gradient at {op} {node_where(layer)}" if op else "no non-finite gradient observed"
+        where = _in_layer(o.layer) + _call_suffix(o.call or 0)
+        if o.layer_class:
+            where += f" ({o.layer_class})"
+        at = _at(o)
+        if o.code and at:
+            at += f": {o.code}"
+        place = origin_placement(o)
+        return f"NaN/Inf first produced by op '{o.op}'" + (f", {place}," if place else "") + f"{where}{at}"
     if kind == "outside":
-        return f"the model's forward is finite: NaN/Inf made {OUTSIDE_MODEL} (loss function or labels); {first}"
+        return f"the model's forward is finite: NaN/Inf made {OUTSIDE_MODEL} (loss function or labels)"
     if kind == "backward":
-        return f"the forward is finite everywhere: NaN/Inf made in the backward; {first}"
+        return "the forward is finite everywhere: NaN/Inf made in the backward"
     if kind == "not_reproduced":
         return ("the replay of this step did not reproduce its NaN/Inf (the forward depends on more than "
-                f"its inputs and the random state, e.g. a counter); {first}")
-    return first
+                "its inputs and the random state, e.g. a counter)")
+    return "NaN/Inf"
 
 
-def origin_title(origin: dict[str, Any]) -> str:
+def describe_first_gradient(site: Any) -> str:
+    """The first node whose gradient turned non-finite, in words.
+
+    Examples:
+        >>> describe_first_gradient({"kind": "op", "op": "Sqrt", "layer": "block"})
+        'first non-finite gradient at Sqrt in block'
+    """
+    get = site.get if isinstance(site, dict) else lambda k, d=None: getattr(site, k, d)
+    if get("kind") == "root" and get("op") == MODEL_OUTPUT:  # a replayed step: NaN/Inf reached the model
+        return f"{FIRST_GRADIENT} at the {MODEL_OUTPUT}"
+    return f"{FIRST_GRADIENT} at {describe_node(site)}"
+
+
+def nonfinite_lines(record: NonfiniteRecord | None) -> list[str]:
+    """The NaN/Inf story of a capture, one fact a line (no line when everything is finite):
+    the origin, the first non-finite gradient, weights and buffers holding NaN/Inf.
+
+    Examples:
+        >>> from paddleviz_hooks.graph import NonfiniteSite
+        >>> rec = NonfiniteRecord(NonfiniteOrigin("backward"), NonfiniteSite("k", "op", "Sqrt", "block"), 3,
+        ...                       buffers=("bn._variance",))
+        >>> for line in nonfinite_lines(rec): print(line)
+        the forward is finite everywhere: NaN/Inf made in the backward;
+        NaN/Inf gradients at 3 nodes, first non-finite gradient at Sqrt in block;
+        NaN/Inf in 1 buffer the forward writes (running statistics; no update wrote them): bn._variance;
+    """
+    if record is None:
+        return []
+    lines = []
+    if record.origin is not None:
+        lines.append(describe_origin(record.origin) + ";")
+    if record.first_gradient is not None:
+        lines.append(f"NaN/Inf gradients at {plural(record.gradient_sites, 'node')}, "
+                     f"{describe_first_gradient(record.first_gradient)};")
+    if record.weights:  # an update already wrote NaN/Inf into them: finite gradients do not mean a healthy model
+        lines.append(f"NaN/Inf in the weights of {plural(len(record.weights), 'parameter')}: "
+                     f"{_names(list(record.weights))};")
+    if record.buffers:
+        lines.append(f"NaN/Inf in {plural(len(record.buffers), 'buffer')} the forward writes "
+                     f"(running statistics; no update wrote them): {_names(list(record.buffers))};")
+    return lines
+
+
+def origin_title(origin: NonfiniteOrigin | dict[str, Any]) -> str:
     """Where a NaN/Inf started, short enough for a picture's title.
 
-    Example:
+    Examples:
         >>> origin_title({"kind": "forward", "op": "sqrt", "layer": "block", "file": "/src/model.py", "line": 16})
         'NaN/Inf starts at sqrt in block, model.py:16'
         >>> origin_title({"kind": "not_reproduced", "op": "Sqrt"})
         'a replay that did not reproduce the NaN/Inf'
     """
-    kind = origin.get("kind")
-    if kind == "forward":
-        where = f" in {layer_name(origin.get('layer'))}" if origin.get("layer") is not None else f" {OUTSIDE_MODEL}"
-        at = f", {os.path.basename(str(origin['file']))}:{origin.get('line')}" if origin.get("file") else ""
-        return f"NaN/Inf starts at {origin.get('op')}{where}{at}"
+    o = _as_origin(origin)
+    if o.kind == "forward":
+        where = f" in {layer_name(o.layer)}" if o.layer is not None else f" {OUTSIDE_MODEL}"
+        place = origin_placement(o)
+        place = f", {place}" if place in (ORIGIN_NO_GRAD, ORIGIN_IN_PROGRAM) else ""
+        return f"NaN/Inf starts at {o.op}{where}{_at(o, ', ')}{place}"
     return {
         "input": "NaN/Inf already in the input data",
-        "weights": f"NaN/Inf already in the weights ({origin.get('layer') or TOP_PARAMS})",
+        "weights": f"NaN/Inf already in the weights ({o.layer or TOP_PARAMS})",
         "outside": f"NaN/Inf made {OUTSIDE_MODEL}",
         "backward": "NaN/Inf made in the backward",
         "not_reproduced": "a replay that did not reproduce the NaN/Inf",
-    }.get(kind, "NaN/Inf")
+    }.get(o.kind, "NaN/Inf")
 
 
-def origin_mark(origin: dict[str, Any]) -> str:
-    """The line drawn on the node where a NaN/Inf started.
+def origin_mark(origin: NonfiniteOrigin | dict[str, Any]) -> str:
+    """The line drawn on the node where a NaN/Inf started (the origin op's node, or the box holding it).
 
-    Example:
+    Examples:
         >>> origin_mark({"kind": "forward", "op": "sqrt", "file": "/src/model.py", "line": 16})
         'NaN/Inf starts here: sqrt, model.py:16'
-        >>> origin_mark({"kind": "backward", "op": "Sqrt"})
-        'NaN/Inf starts here (in the backward)'
     """
-    if origin.get("kind") == "forward":
-        at = f", {os.path.basename(str(origin['file']))}:{origin.get('line')}" if origin.get("file") else ""
-        return f"NaN/Inf starts here: {origin.get('op')}{at}"
-    if origin.get("kind") == "backward":
-        return "NaN/Inf starts here (in the backward)"
-    return "first NaN/Inf gradient"
+    o = _as_origin(origin)
+    return f"NaN/Inf {STARTS_HERE}: {o.op}{_at(o, ', ')}"
+
+
+def origin_short(origin: NonfiniteOrigin | dict[str, Any]) -> str:
+    """The origin mark without the file (VisualDL's Graphs tab shows a node type only after its last dot).
+
+    Examples:
+        >>> origin_short({"kind": "forward", "op": "batch_norm", "file": "/src/model.py", "line": 16})
+        'NaN/Inf starts here: batch_norm'
+    """
+    return f"NaN/Inf {STARTS_HERE}: {_as_origin(origin).op}"
+
+
+def origin_node_lines(origin: NonfiniteOrigin | dict[str, Any]) -> list[str]:
+    """The label of the node a drawing adds for an origin op that has none in the graph,
+    drawn where its output enters the graph.
+
+    Examples:
+        >>> origin_node_lines({"kind": "forward", "op": "log", "layer": "", "file": "/src/m.py", "line": 18,
+        ...                    "needs_grad": False})
+        ['log, on data that needs no gradient: NaN/Inf starts here', "in the model's own forward, m.py:18"]
+    """
+    o = _as_origin(origin)
+    return [f"{o.op}, {origin_placement(o) or ORIGIN_NO_NODE}: NaN/Inf {STARTS_HERE}",
+            f"{_in_layer(o.layer).strip()}{_at(o, ', ')}"]
 
 
 # --------------------------------------------------------------------------
 # drawing labels
 # --------------------------------------------------------------------------
-def edge_lines(meta: GradMeta | None, stats: bool, observed: bool = True) -> list[str]:
+def edge_lines(meta: GradMeta | None, stats: bool, observed: bool = True, why: str | None = None) -> list[str]:
     """Label lines for one gradient: shape and dtype, then norm (and NaN/Inf).
 
     Args:
@@ -403,30 +563,47 @@ def edge_lines(meta: GradMeta | None, stats: bool, observed: bool = True) -> lis
         stats: show the norm.
         observed: False for a gradient whose shape is known but whose
             values could not be seen (inside a compiled program).
+        why: why it was not observed (``Edge.note``), shown under "not observed".
 
-    Example:
+    Examples:
         >>> edge_lines(GradMeta((2, 16), "float32"), True, observed=False)
         ['[2, 16] f32', 'not observed']
+        >>> edge_lines(None, True, why="Einsum takes no hook")
+        ['not observed', '(Einsum takes no hook)']
     """
+    unseen = [NOT_OBSERVED] + ([f"({why})"] if why else [])
     if meta is None:
-        return [NOT_OBSERVED]
+        return unseen
     lines = [f"{fmt_shape(meta.shape)} {_DTYPE_SHORT.get(meta.dtype or '', meta.dtype or '')}".strip()]
+    if meta.note is not None:
+        return lines + [UNOBSERVED_WHY.get(meta.note, NOT_OBSERVED)]
     if not observed:
-        return lines + [NOT_OBSERVED]
+        return lines + unseen
     if meta.local_shape is not None:  # auto-parallel: this rank's shard
         lines.append(shard_line(meta))
     if stats and meta.norm is not None:
-        extra = f"|g| {fmt_num(meta.norm)}" + _part_note(meta)
+        extra = combined_norm(meta) if meta.parts > 1 else f"|g| {fmt_num(meta.norm)}" + _part_note(meta)
         if meta.nonfinite:
             extra += f" NaN:{meta.nan} Inf:{meta.inf}"
         lines.append(extra)
     return lines
 
 
+def combined_norm(meta: GradMeta) -> str:
+    """The figure of several different gradients drawn as one edge (a collapsed view):
+    said to be combined, never written like one gradient's norm.
+
+    Examples:
+        >>> combined_norm(GradMeta((4,), norm=5.0, parts=2))
+        '2 gradients, root-sum-square of |g| 5'
+    """
+    return f"{meta.parts} gradients, root-sum-square of |g| {fmt_num(meta.norm)}"
+
+
 def _part_note(meta: GradMeta) -> str:
     """What part of a distributed gradient its statistics describe (they are of this rank's local value).
 
-    Example:
+    Examples:
         >>> _part_note(GradMeta((4, 8), local_shape=(4, 8), placements=("Partial(reduce_type=SUM)",)))
         " (this rank's summand)"
         >>> _part_note(GradMeta((8, 16), local_shape=(8, 8), placements=("Shard(dim=1)",))), _part_note(GradMeta((2,)))
@@ -442,7 +619,7 @@ def _part_note(meta: GradMeta) -> str:
 def shard_line(meta: GradMeta) -> str:
     """This rank's shard of a distributed gradient: local shape and placements.
 
-    Example:
+    Examples:
         >>> shard_line(GradMeta((8, 16), "float32", local_shape=(8, 8), placements=("Shard(dim=1)",)))
         'shard [8, 8] Shard(dim=1)'
     """
@@ -452,7 +629,7 @@ def shard_line(meta: GradMeta) -> str:
 def node_lines(node: Node) -> list[str]:
     """The visible label of a node (with what it saved for backward, when recorded).
 
-    Example:
+    Examples:
         >>> node_lines(Node(3, "op", "ReluGradNode", "Relu", saved_bytes=2048))
         ['Relu', 'saved 2.05 kB']
         >>> node_lines(Node(4, "param", "GradNodeAccumulation", param="fc.weight", shape=(8, 3),
@@ -477,7 +654,7 @@ def node_lines(node: Node) -> list[str]:
 def saved_shade_line(lo: int, hi: int, nodes: int) -> str:
     """Legend row of one shade of ``color_by="saved_memory"``: the bytes its nodes saved for backward.
 
-    Example:
+    Examples:
         >>> saved_shade_line(1_200_000, 4_190_000, 3), saved_shade_line(512, 512, 1)
         ('1.2 MB to 4.19 MB (3 nodes)', '512 B (1 node)')
     """
@@ -488,7 +665,7 @@ def saved_shade_line(lo: int, hi: int, nodes: int) -> str:
 def call_of(call: int, calls: int) -> str:
     """Which call of a layer called several times a box stands for.
 
-    Example:
+    Examples:
         >>> call_of(1, 2), call_of(0, 1)
         (' (call 2 of 2)', '')
     """
@@ -501,7 +678,7 @@ def ghost_lines(node: Node) -> list[str]:
     A ghost sits outside the layer frames of the drawing, so an op names its
     layer itself.
 
-    Example:
+    Examples:
         >>> ghost_lines(Node(7, "op", "AddGradNode", "Add", layer=""))
         ['Add', "in the model's own forward", '(removed)']
         >>> ghost_lines(Node(8, "op", "MeanGradNode", "Mean"))
@@ -533,6 +710,89 @@ def box_lines(node: Node) -> list[str]:
     return lines
 
 
+#: Why an op has no forward source line (``Node.source_note``), as people read it.
+SOURCE_NOTES_TEXT = {
+    "static": "no Python line: a to_static program (its ops run compiled)",
+    "internal": "no Python line: made inside Paddle, not called from your code",
+    "unrecorded": "forward line not recorded: its forward ran before the capture was armed or decided "
+                  "(or Paddle kept no stack for this op)",
+}
+_SOURCE_SHOWN = 4  # outer frames named after the innermost one
+
+
+def source_frame(frame: SourceFrame, full: bool = True) -> str:
+    """One frame of a forward call stack: ``file:line in function: code``.
+
+    Examples:
+        >>> f = SourceFrame("/src/model.py", 16, "forward", "h = paddle.sqrt(h)")
+        >>> source_frame(f), source_frame(f, full=False)
+        ('/src/model.py:16 in forward: h = paddle.sqrt(h)', 'model.py:16 in forward')
+    """
+    if not full:
+        return f"{os.path.basename(frame.file) or frame.file}:{frame.line} in {frame.function}"
+    return f"{frame.file}:{frame.line} in {frame.function}" + (f": {frame.code}" if frame.code else "")
+
+
+def source_short(node: Node) -> str | None:
+    """Where an op's forward was called, short (``model.py:16: h = paddle.sqrt(h)``);
+    the reason when that is not known; None for nodes that are no op.
+
+    Examples:
+        >>> source_short(Node(1, "op", "SqrtGradNode", "Sqrt",
+        ...                   source=(SourceFrame("/src/model.py", 16, "forward", "h = paddle.sqrt(h)"),)))
+        'model.py:16: h = paddle.sqrt(h)'
+    """
+    if node.source:
+        f = node.source[-1]
+        return f"{os.path.basename(f.file) or f.file}:{f.line}" + (f": {f.code}" if f.code else "")
+    return SOURCE_NOTES_TEXT.get(node.source_note or "")
+
+
+def source_lines(node: Node) -> list[str]:
+    """The forward call stack of an op, innermost first: ``line: ...`` then
+    ``called from: ...`` (the outermost beyond a few are counted); the reason
+    when it is not known; nothing when it was not recorded at all.
+
+    Examples:
+        >>> n = Node(1, "op", "TanhGradNode", "Tanh", source=(
+        ...     SourceFrame("train.py", 40, "<module>", "loss = net(x).mean()"),
+        ...     SourceFrame("model.py", 19, "squash", "h = paddle.tanh(h)")))
+        >>> source_lines(n)
+        ['line: model.py:19 in squash: h = paddle.tanh(h)', 'called from: train.py:40 in <module>: loss = net(x).mean()']
+    """
+    if not node.source:
+        text = SOURCE_NOTES_TEXT.get(node.source_note or "")
+        return [text] if text else []
+    frames = list(reversed(node.source))
+    lines = ["line: " + source_frame(frames[0])]
+    lines += ["called from: " + source_frame(f) for f in frames[1:1 + _SOURCE_SHOWN]]
+    if len(frames) > 1 + _SOURCE_SHOWN:
+        lines.append(f"called from: {plural(len(frames) - 1 - _SOURCE_SHOWN, 'more frame')}")
+    return lines
+
+
+def source_attrs(node: Node) -> dict[str, str]:
+    """Attributes of a node for viewers that list them (Model Explorer, VisualDL's
+    Graphs tab): where its forward was called, in full.
+
+    Examples:
+        >>> source_attrs(Node(1, "op", "TanhGradNode", "Tanh", source=(
+        ...     SourceFrame("/src/train.py", 40, "<module>", "loss = net(x).mean()"),
+        ...     SourceFrame("/src/model.py", 19, "squash", "h = paddle.tanh(h)"))))
+        {'source': 'model.py:19: h = paddle.tanh(h)', 'source file': '/src/model.py:19 in squash', 'called from': '/src/train.py:40 in <module>: loss = net(x).mean()'}
+    """
+    if node.kind != "op":
+        return {}
+    if not node.source:
+        text = source_short(node)
+        return {"source": text} if text else {}
+    f = node.source[-1]
+    out = {"source": source_short(node) or "", "source file": f"{f.file}:{f.line} in {f.function}"}
+    if len(node.source) > 1:
+        out["called from"] = " < ".join(source_frame(x) for x in reversed(node.source[:-1]))
+    return out
+
+
 def node_tooltip(node: Node) -> str:
     """Hover text: Paddle's grad node name, the layer (call), the key, why unhooked,
     what it saved for backward."""
@@ -541,6 +801,7 @@ def node_tooltip(node: Node) -> str:
                                    if node.layer is not None else OUTSIDE_MODEL), f"key: {node.key}"]
     if node.note:
         tip.append(node.note)
+    tip.extend(source_lines(node))
     if node.saved_bytes:
         tip.append(f"saved for backward: {fmt_bytes(node.saved_bytes)}")
     if node.kind == "layer" and node.unhooked:
@@ -551,8 +812,77 @@ def node_tooltip(node: Node) -> str:
     return " | ".join(tip)
 
 
+def run_folder_note(asked: str, used: str) -> str:
+    """Said once, when a recorder writes beside the run folder it was given.
+
+    Examples:
+        >>> run_folder_note("/logs/backward_graph", "/logs/backward_graph_2")
+        ' (backward_graph holds an earlier run or another writer: kept as it is, this run writes beside it)'
+        >>> run_folder_note("/logs/a", "/logs/a")
+        ''
+    """
+    if asked == used:
+        return ""
+    return (f" ({os.path.basename(asked)} holds an earlier run or another writer: kept as it is, "
+            "this run writes beside it)")
+
+
+def step_list(steps: Iterable[int], limit: int = 10) -> str:
+    """``1, 4, 8`` (the first ``limit``, then ``...``)."""
+    steps = list(steps)
+    return ", ".join(map(str, steps[:limit])) + (" ..." if len(steps) > limit else "")
+
+
+def redraw_command(json_path: str | None, out_path: str) -> str:
+    """How a person draws a saved capture later (or why that cannot be done)."""
+    if json_path is None:
+        return "its JSON was not kept (add 'json' to formats to keep it)"
+    return f"draw it with `paddleviz-hooks render {json_path} -o {out_path}`"
+
+
+def lost_line(steps: dict[int, str]) -> str:
+    """The captured steps whose data never reached disk, each with why.
+
+    Examples:
+        >>> lost_line({3: "no space left on device", 4: "no space left on device", 9: "the run folder was deleted"})
+        'steps 3, 4 lost: no space left on device; step 9 lost: the run folder was deleted'
+    """
+    by_reason: dict[str, list[int]] = {}
+    for step, why in sorted(steps.items()):
+        by_reason.setdefault(why, []).append(step)
+    return "; ".join(f"{'steps' if len(s) > 1 else 'step'} {step_list(s)} lost: {why}" for why, s in by_reason.items())
+
+
+def undrawn_line(steps: dict[int, str], first: str) -> str:
+    """The steps whose data is saved but whose pictures are not, each with why, and
+    how to draw them (``first``: :func:`redraw_command` for the first one)."""
+    by_reason: dict[str, list[int]] = {}
+    for step, why in sorted(steps.items()):
+        by_reason.setdefault(why, []).append(step)
+    parts = [f"{'steps' if len(s) > 1 else 'step'} {step_list(s)}: {why}" for why, s in by_reason.items()]
+    return f"{plural(len(steps), 'captured step')} not drawn ({'; '.join(parts)}); their data is saved: {first}"
+
+
+def end_line(captured: int, graphs: int, written: int, lost: dict[int, str], drawn: int, undrawn: int,
+             folder: str) -> str:
+    """The recorder's last line: what was captured, written, drawn, and where it is.
+
+    Captured = written + lost, and written = drawn + left undrawn, always.
+
+    Examples:
+        >>> end_line(13, 13, 6, {7: "the run folder was deleted"}, 6, 0, "/gone")
+        '13 steps captured: 6 written, 1 lost (step 7 lost: the run folder was deleted); 6 drawn, 0 left undrawn (the run folder /gone no longer exists)'
+    """
+    more = f" ({graphs} graphs)" if graphs != captured else ""
+    lost_part = f"{len(lost)} lost ({lost_line(lost)})" if lost else "0 lost"
+    where = (f"data saved in {folder}" if os.path.isdir(folder)
+             else f"the run folder {folder} no longer exists")
+    return (f"{plural(captured, 'step')} captured{more}: {written} written, {lost_part}; "
+            f"{drawn} drawn, {undrawn} left undrawn ({where})")
+
+
 def capture_title(step: Any, trigger: str | None = None, role: Any = None, index: int | None = None,
-                  origin: dict[str, Any] | None = None) -> str:
+                  origin: NonfiniteOrigin | dict[str, Any] | None = None) -> str:
     """The name of one capture (in a list of captures, on its picture): step, backward role,
     trigger, where a NaN/Inf started.
 
@@ -561,9 +891,9 @@ def capture_title(step: Any, trigger: str | None = None, role: Any = None, index
         trigger: what made the capture (``"scheduled"`` or None is not named).
         role: which backward of the step it was, as :func:`backward_role` words it.
         index: the capture's position (from 1), named when the step is unknown.
-        origin: ``graph.meta["nonfinite_origin"]``, worded by :func:`origin_title`.
+        origin: the record's origin (``graph.nonfinite.origin``), worded by :func:`origin_title`.
 
-    Example:
+    Examples:
         >>> capture_title(8, "nonfinite_loss"), capture_title("03", "scheduled", "micro-batch 2 of 2")
         ('step 8 - trigger: nonfinite_loss', 'step 03 - micro-batch 2 of 2')
         >>> capture_title(None, index=2)
@@ -574,7 +904,7 @@ def capture_title(step: Any, trigger: str | None = None, role: Any = None, index
         title += f" - {role}"
     if trigger and trigger != "scheduled":
         title += f" - trigger: {trigger}"
-    if isinstance(origin, dict):
+    if origin is not None:
         title += f" - {origin_title(origin)}"
     return title
 
@@ -584,7 +914,7 @@ def graph_title(graph: BackwardGraph) -> str | None:
     trigger, which backward, NaN/Inf origin), for drawing a saved step again; None for a graph
     without a step (captured by hand).
 
-    Example:
+    Examples:
         >>> graph_title(BackwardGraph(meta={"step": 3, "trigger": "nonfinite_loss"}))
         'step 3 - trigger: nonfinite_loss'
         >>> graph_title(BackwardGraph()) is None
@@ -595,7 +925,7 @@ def graph_title(graph: BackwardGraph) -> str | None:
         return None
     role = meta.get("backward")
     return capture_title(meta["step"], meta.get("trigger"), backward_role(role) if isinstance(role, dict) else None,
-                         origin=meta.get("nonfinite_origin"))
+                         origin=record_of(graph).origin)
 
 
 def collapse_note(collapsed: BackwardGraph, full: BackwardGraph, full_detail: str = "the SVG has every op") -> str:
@@ -612,11 +942,21 @@ def collapse_note(collapsed: BackwardGraph, full: BackwardGraph, full_detail: st
 def notebook_full_detail(what: str) -> str:
     """Where every op of a drawing collapsed for a notebook cell can be seen.
 
-    Example:
+    Examples:
         >>> notebook_full_detail("graph")
         'every op: show(graph, full=True)'
     """
     return f"every op: show({what}, full=True)"
+
+
+def svg_file_note(path: str) -> str:
+    """Where the full-detail drawing of a step is, for a dashboard that cannot show SVG.
+
+    Examples:
+        >>> svg_file_note("/logs/backward_graph/step_000004.svg")
+        'every op (SVG, open it in a browser): /logs/backward_graph/step_000004.svg'
+    """
+    return f"every op (SVG, open it in a browser): {path}"
 
 
 # --------------------------------------------------------------------------
@@ -637,7 +977,7 @@ def _unobserved_ops(graph: BackwardGraph) -> list[Node]:
 def grad_sync_line(graph: BackwardGraph) -> str:
     """Which gradient the norms of a multi-process capture are (``meta["grad_sync"]``); "" otherwise.
 
-    Example:
+    Examples:
         >>> g = BackwardGraph([Node(0, "param", "GradNodeAccumulation", param="w",
         ...                         grad=GradMeta(norm=0.96), local_grad=GradMeta(norm=1.72))],
         ...                   meta={"grad_sync": {"rank": 0, "world_size": 2, "params": 1, "changed": 1}})
@@ -672,7 +1012,7 @@ def rank_comparison_lines(graph: BackwardGraph, base: BackwardGraph, diff: Graph
     Returns:
         Lines, the structural one first.
 
-    Example:
+    Examples:
         >>> from paddleviz_hooks.diff import diff_graphs
         >>> g = BackwardGraph([Node(0, "root", "loss", "loss")])
         >>> g.assign_keys()
@@ -706,7 +1046,7 @@ def rank_values(values: dict[int, float], ranks: Iterable[int], label: str = "|g
     A rank without a value (the node is not in its graph, or nothing was
     recorded there) shows ``-``.
 
-    Example:
+    Examples:
         >>> rank_values({0: 0.4123, 1: 0.52}, [0, 1])
         ['|g| r0 0.412 / r1 0.52']
         >>> rank_values({0: 1.0}, [0, 1, 2], per_line=2)
@@ -722,7 +1062,7 @@ def rank_values(values: dict[int, float], ranks: Iterable[int], label: str = "|g
 def rank_presence(missing: Iterable[int] = (), only: int | None = None) -> str:
     """Where a node of the merged view is: ``not on ranks 1, 3`` or ``only on rank 2``.
 
-    Example:
+    Examples:
         >>> rank_presence([1, 3]), rank_presence(only=2)
         ('not on ranks 1, 3', 'only on rank 2')
     """
@@ -735,7 +1075,7 @@ def rank_presence(missing: Iterable[int] = (), only: int | None = None) -> str:
 def ranks_title(step: Any, ranks: Iterable[int]) -> str:
     """The title of the merged drawing of one step.
 
-    Example:
+    Examples:
         >>> ranks_title(3, [0, 1])
         'step 3 - ranks 0, 1 merged'
     """
@@ -745,7 +1085,7 @@ def ranks_title(step: Any, ranks: Iterable[int]) -> str:
 def rank_view_lines(view: RankView) -> list[str]:
     """What the merged view of one step says in words: structure first, then the global norms per rank.
 
-    Example:
+    Examples:
         >>> from paddleviz_hooks.ranks import compare_ranks
         >>> g = BackwardGraph([Node(0, "root", "loss", "loss")])
         >>> g.assign_keys()
@@ -781,7 +1121,7 @@ def graph_summary(graph: BackwardGraph, top: int = 5, previous: BackwardGraph | 
             (which ops give no gradient data, unnamed leaves) are not
             repeated.
 
-    Example:
+    Examples:
         >>> from paddleviz_hooks.graph import Edge
         >>> g = BackwardGraph([Node(0, "root", "loss", "loss"), Node(1, "op", "ExpGradNode", "Exp", hooked=True)],
         ...                   [Edge(0, 1)], meta={"step": 3, "grad_stats": True})
@@ -812,7 +1152,9 @@ def graph_summary(graph: BackwardGraph, top: int = 5, previous: BackwardGraph | 
     acc_differs = isinstance(acc, float) and (gn is None or not math.isclose(acc, gn, rel_tol=1e-6))
     if gn is not None:
         lines.append(f"global grad norm {gn:.4g}" + (" (this backward);" if acc_differs else ";"))
-    if acc_differs:
+    if acc_differs and isinstance(graph.meta.get("applied_grad_norm"), float):
+        lines.append(f"applied gradient norm {fmt_num(acc, 4)} (param.grad as the update applied it);")
+    elif acc_differs:
         lines.append(f"accumulated param.grad norm {fmt_num(acc, 4)} (what the optimizer applies);")
     sync_line = grad_sync_line(graph)
     if sync_line:
@@ -822,25 +1164,23 @@ def graph_summary(graph: BackwardGraph, top: int = 5, previous: BackwardGraph | 
         biggest = sorted(norms.items(), key=lambda kv: -_sort_val(kv[1]))[:top]
         lines.append("largest grad norms: " + ", ".join(
             f"{group_name(k)} {v:.3g}" for k, v in biggest) + ";")
-    sites = graph.nonfinite_sites()
+    record = record_of(graph)
     unhooked = _unobserved_ops(graph)
     compiled = sum(1 for n in graph.nodes if n.kind == "op" and n.note == PROGRAM_OP_NOTE)
     bad_params = [name for name, m in params.items() if m is not None and m.nonfinite]
-    origin = graph.meta.get("nonfinite_origin")
-    if isinstance(origin, dict):
-        lines.append(describe_origin(origin) + ";")
-        if graph.meta.get("replayed"):
-            lines.append("graph replayed from the step's inputs before the update (param.grad untouched);")
-    if sites:
-        first = sites[0]
-        lines.append(f"NaN/Inf gradients at {plural(len(sites), 'node')}, first at {describe_node(first)};")
-    elif graph.nonfinite_count():
+    story = nonfinite_lines(record)
+    first = record.first_gradient and next((n for n in graph.nodes if n.key == record.first_gradient.key), None)
+    if first is not None and first.source:  # the line of code that made the first non-finite gradient's op
+        story = [ln[:-1] + f" ({source_short(first)});" if ln.startswith("NaN/Inf gradients at") else ln
+                 for ln in story]
+    lines.extend(story[:1] if record.origin is not None else [])
+    if record.origin is not None and graph.meta.get("replayed"):
+        lines.append("graph replayed from the step's inputs before the update (param.grad untouched);")
+    lines.extend(story[1:] if record.origin is not None else story)
+    if record.first_gradient is None and graph.nonfinite_count():
         lines.append(f"NaN/Inf in the gradients of {plural(len(bad_params), 'parameter')}: {_names(bad_params)};")
-    elif graph.meta.get("grad_stats"):
+    elif record.first_gradient is None and graph.meta.get("grad_stats"):
         lines.append("no NaN/Inf in the observed gradients;" if unhooked or compiled else "no NaN/Inf gradients;")
-    weights = graph.meta.get("nonfinite_weights")
-    if weights:  # an update already wrote NaN/Inf into them: finite gradients do not mean a healthy model
-        lines.append(f"NaN/Inf in the weights of {plural(len(weights), 'parameter')}: {_names(list(weights))};")
     kinds = sorted({n.op for n in unhooked})
     # named once, and again only when the set changes (no repeated boilerplate step after step)
     if unhooked and (previous is None or kinds != sorted({n.op for n in _unobserved_ops(previous)})):
@@ -854,7 +1194,7 @@ def graph_summary(graph: BackwardGraph, top: int = 5, previous: BackwardGraph | 
 def saved_memory_lines(graph: BackwardGraph, top: int = 5) -> list[str]:
     """Summary lines on what the forward saved for this backward (none when not recorded).
 
-    Example:
+    Examples:
         >>> g = BackwardGraph(meta={"saved_memory": {"total_bytes": 3_000_000, "saves": 12,
         ...     "by_layer": {"block.conv#0": 2_000_000, "?": 1_000_000}, "by_op": {"Conv2d": 3_000_000},
         ...     "params_bytes": 40_000, "allocated_growth": 3_000_004, "unobserved": []}})
@@ -906,6 +1246,10 @@ def diff_summary(diff: GraphDiff) -> str:
         info = diff.node_info.get(key)
         return describe_node(info) if info else key
 
+    if diff.replayed:
+        gone = _names(sorted({describe(k) for k in diff.left_out}))
+        lines.append(f"{diff.replayed} capture {REPLAYED_FROM_OUTPUT}: compared from there"
+                     + (f", the other's ops above it left out ({gone})" if gone else "") + ";")
     if not diff.structure_changed:
         lines.append("same graph structure;")
     else:
@@ -926,11 +1270,11 @@ def diff_summary(diff: GraphDiff) -> str:
         lines.append(f"parameters now receiving gradient: {_names(diff.params_started)};")
     if diff.params_stopped:
         lines.append(f"parameters no longer receiving gradient: {_names(diff.params_stopped)};")
-    if diff.nonfinite_origin is not None:
-        o = diff.nonfinite_origin
+    if diff.first_nonfinite is not None:
+        o = diff.first_nonfinite
         verb = "appeared at" if diff.new_nonfinite else "still at"
         where = f"{len(diff.new_nonfinite)} new nodes" if diff.new_nonfinite else "the same nodes"
-        lines.append(f"NaN/Inf gradients {verb} {where}, first at {describe_node(o)} (node {o['key']});")
+        lines.append(f"NaN/Inf gradients {verb} {where}, {describe_first_gradient(o)} (node {o['key']});")
     if diff.resolved_nonfinite:
         lines.append(f"NaN/Inf gradients gone from {len(diff.resolved_nonfinite)} nodes;")
     if diff.global_norm_ratio is not None:

@@ -2,8 +2,8 @@
 
 * ``--runslow`` runs the tests marked ``@pytest.mark.slow`` (skipped otherwise).
 * Every test is checked for leaking Paddle state: a backward patch still
-  installed after the test is a capture that did not clean up, which fails
-  the test; grad mode left off (what a raising node hook does to Paddle) is
+  installed after the test, or Paddle's call-stack flag left changed, is a
+  capture that did not clean up, which fails the test; grad mode left off (what a raising node hook does to Paddle) is
   restored so one broken test cannot break every later one, with a warning.
 """
 
@@ -29,8 +29,10 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def _paddle_state_guard():
-    yield
     import paddle
+
+    stack_flag = paddle.get_flags("FLAGS_call_stack_level")["FLAGS_call_stack_level"]
+    yield
     from paddleviz_hooks.capture import dispatcher_installed
     from paddleviz_hooks.capture.dispatch import DISPATCHER
 
@@ -42,3 +44,27 @@ def _paddle_state_guard():
         warnings.warn("a test left Paddle's grad mode disabled; re-enabled", RuntimeWarning)
     if leaked:
         pytest.fail("the backward patch was still installed after the test: a capture leaked")
+    now = paddle.get_flags("FLAGS_call_stack_level")["FLAGS_call_stack_level"]
+    if now != stack_flag:  # source lines are recorded with it on, for captured forwards only
+        paddle.set_flags({"FLAGS_call_stack_level": stack_flag})
+        pytest.fail(f"FLAGS_call_stack_level was left at {now} (was {stack_flag}): a capture leaked it")
+
+
+@pytest.fixture()
+def engine_run_count(tmp_path, monkeypatch):
+    """Layout-engine runs so far, counted by a ``dot`` shim first on ``PATH`` (each run
+    appends a line to a file, then hands over to the real ``dot``); skips without ``dot``."""
+    import os
+    import shutil
+
+    real = shutil.which("dot")
+    if real is None:
+        pytest.skip("needs Graphviz dot")
+    shim_dir, counter = tmp_path / "dot-shim", tmp_path / "dot-runs.txt"
+    shim_dir.mkdir()
+    shim = shim_dir / "dot"
+    shim.write_text(f"#!/bin/sh\necho run >> {counter}\nexec {real} \"$@\"\n")
+    shim.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{shim_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("PADDLEVIZ_ENGINE", "dot")
+    return lambda: len(counter.read_text().splitlines()) if counter.exists() else 0

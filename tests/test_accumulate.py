@@ -162,7 +162,7 @@ def test_capture_backward_numbers_the_backwards_of_its_block():
 
 def test_bad_micro_batches_fail_with_the_value_received(tmp_path):
     rec = BackwardGraphRecorder(str(tmp_path), verbose=0, visualdl=False)
-    with pytest.raises(TypeError, match="micro_batches must be an int or None, got '2'"):
+    with pytest.raises(TypeError, match="micro_batches must be an int, 'counted' or None, got '2'"):
         rec.begin_step(1, micro_batches="2")
     with pytest.raises(ValueError, match="micro_batches must be >= 1 or None, got 0"):
         rec.begin_step(1, micro_batches=0)

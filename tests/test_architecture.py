@@ -19,8 +19,9 @@ PKG_DIR = os.path.dirname(paddleviz_hooks.__file__)
 #: Layers, lowest first. A module may import modules of lower layers, and
 #: modules of its own layer only inside its own subpackage (never in a cycle).
 LAYERS = [
-    ("foundations", {"_version", "_fileio", "escape", "warn", "hazards", "graph"}),
+    ("foundations", {"_version", "_fileio", "_interrupts", "argcheck", "escape", "warn", "hazards", "graph"}),
     ("capture", {"capture"}),
+    ("findings", {"findings"}),  # the NaN/Inf record of a capture, read by every view
     ("transforms", {"collapse", "diff"}),
     ("across ranks", {"ranks"}),  # built on diff: one step of several ranks matched
     ("wording", {"text"}),
@@ -30,7 +31,8 @@ LAYERS = [
     ("options", {"options"}),
     ("pipeline", {"pipeline", "triggers"}),
     ("recorder", {"recorder"}),
-    ("adapters", {"callbacks", "compat", "cli", "notebook"}),
+    ("adapters", {"callbacks", "compat", "cli", "notebook", "attaching"}),
+    ("framework adapters", {"integrations"}),  # PaddleFormers, PaddleDetection: built on attach
     ("root", {""}),
 ]
 

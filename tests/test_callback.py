@@ -128,7 +128,7 @@ def test_visualdl_records_read_back(tmp_path):
     assert abs(norms[1].value - g.global_grad_norm()) <= 1e-5 * g.global_grad_norm()
     # by default only gradient norms and the NaN/Inf count, after the user's groups
     assert sorted(tag for kind, tag in records if kind == "scalar") == [
-        "~backward_graph/global_grad_norm", "~backward_graph/nonfinite_grads", "~grad_norm/body", "~grad_norm/head"]
+        "~backward_graph/global_grad_norm", "~backward_graph/nonfinite_grads", "~grad_norm/body.0", "~grad_norm/head"]
 
 
 def test_visualdl_diagnostics_are_opt_in(tmp_path):

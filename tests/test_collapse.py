@@ -261,17 +261,18 @@ def test_box_label_is_escaped(tr_graph):
 # --------------------------------------------------------------------------
 # viewing PNG size policy
 # --------------------------------------------------------------------------
-def _spy_engine(monkeypatch) -> list[tuple[str, str, tuple]]:
-    import paddleviz_hooks.render.draw as render
+def _spy_engine(monkeypatch) -> list[tuple[tuple, str, tuple]]:
+    """The engine runs of the planner: (formats, DOT source, arguments)."""
+    import paddleviz_hooks.render.plan as plan
 
     calls = []
-    real = render.run_engine
+    real = plan.run_engine_formats
 
-    def spy(source, fmt, **kw):
-        calls.append((fmt, source, tuple(kw.get("args", ()))))
-        return real(source, fmt, **kw)
+    def spy(source, formats, **kw):
+        calls.append((tuple(formats), source, tuple(kw.get("args", ()))))
+        return real(source, formats, **kw)
 
-    monkeypatch.setattr(render, "run_engine", spy)
+    monkeypatch.setattr(plan, "run_engine_formats", spy)
     return calls
 
 
@@ -290,10 +291,9 @@ def test_big_graph_png_is_collapsed_within_cap_and_aspect(res_graph, monkeypatch
     data = render_png(res_graph, max_px=600, info=info)
     _check_view(data, 600)
     assert info["collapsed_depth"] is not None and info["nodes"] < len(res_graph.nodes)
-    fmt, source, args = calls[-1]
-    assert fmt == "png" and "box3d" in source and "collapsed to layer depth" in source
-    dpi = float([a for a in args if a.startswith("-Gdpi=")][0].split("=")[1])
-    assert LEGIBLE_DPI <= dpi <= 96
+    fmts, source, args = calls[-1]
+    assert "png" in fmts and "box3d" in source and "collapsed to layer depth" in source
+    assert LEGIBLE_DPI <= info["dpi"] <= 96
 
 
 @needs_engine
@@ -309,7 +309,7 @@ def test_explicit_options_are_respected(res_graph, tr_graph, monkeypatch):
     small = collapse_graph(tr_graph, depth=0)
     info: dict = {}
     render_png(small, max_px=2000, info=info)
-    assert "-Gdpi=96.000" in calls[-1][2] and info["dpi"] == 96 and info["collapsed_depth"] is None
+    assert info["dpi"] == 96 and info["collapsed_depth"] is None
     # any DOT drawing can use the same policy
     _check_view(fit_png(lambda rd: to_dot(tr_graph, rankdir=rd), max_px=700), 700)
 

@@ -292,24 +292,26 @@ def test_folds_keep_identical_blocks_and_never_merge_calls(graphs):
 # reading order of the viewing PNG
 # --------------------------------------------------------------------------
 def _drawn_layout(graph: BackwardGraph, monkeypatch) -> tuple[BackwardGraph, dict, list[tuple[int, int]]]:
-    """The drawing render_png chose: the drawn graph, node id -> (depth from the top,
-    x) in inches, and the edges as drawn."""
+    """The drawing render_png chose: the drawn graph, node id -> (distance along the
+    gradient's direction, position across it) in inches, and the edges as drawn."""
     import paddleviz_hooks.render.draw as draw
+    import paddleviz_hooks.render.plan as plan
     from paddleviz_hooks.render.engine import run_engine
 
     sources = []
-    real = draw.run_engine
+    real = plan.run_engine_formats
 
-    def spy(source, fmt, **kw):
-        sources.append((fmt, source))
-        return real(source, fmt, **kw)
+    def spy(source, formats, **kw):
+        sources.append((formats, source))
+        return real(source, formats, **kw)
 
-    monkeypatch.setattr(draw, "run_engine", spy)
+    monkeypatch.setattr(plan, "run_engine_formats", spy)
     draw.clear_plan_cache()
     info: dict = {}
     draw.render_png(graph, info=info)
-    fmt, source = sources[-1]
-    assert fmt == "png" and info["rankdir"] == "TB"
+    draw.render_png(graph, info=info)  # the drawing chosen, drawn again from the cached plan
+    fmts, source = sources[-1]
+    assert "png" in fmts, info
     drawn = collapse_graph(graph, depth=info["collapsed_depth"]) if info["collapsed_depth"] is not None else graph
     assert len(drawn.nodes) == info["nodes"]
     plain = run_engine(source, "plain").decode()
@@ -318,7 +320,8 @@ def _drawn_layout(graph: BackwardGraph, monkeypatch) -> tuple[BackwardGraph, dic
     for line in plain.split("\n"):
         p = line.split()
         if p and p[0] == "node" and p[1].startswith("n"):
-            pos[int(p[1][1:])] = (height - float(p[3]), float(p[2]))
+            x, y = float(p[2]), height - float(p[3])
+            pos[int(p[1][1:])] = (y, x) if info["rankdir"] == "TB" else (x, y)
         elif p and p[0] == "edge":
             edges.append((int(p[1][1:]), int(p[2][1:])))
     return drawn, pos, edges
@@ -326,9 +329,9 @@ def _drawn_layout(graph: BackwardGraph, monkeypatch) -> tuple[BackwardGraph, dic
 
 @pytest.mark.parametrize("name, block", [("vit", r"blocks\.(\d+)"), ("resnet18", r"layer(\d\.\d)")])
 def test_viewing_png_reads_in_model_order(name, block, graphs, monkeypatch):
-    """Blocks do not interleave: each is a column (or a stretch of one) in which the
-    gradient flows down, and they follow one another as the gradient flows (for a
-    wrapped drawing: newspaper columns, left to right)."""
+    """Blocks do not interleave: each is a column (a row, left to right) or a stretch of
+    one in which the gradient flows down (to the right), and they follow one another as
+    the gradient flows (for rows: lines of text, top to bottom)."""
     import re
 
     g = _graph(graphs, name)
@@ -338,16 +341,17 @@ def test_viewing_png_reads_in_model_order(name, block, graphs, monkeypatch):
         m = re.match(block, n.layer or "")
         if m:
             of[n.id] = m.group(1)
-    for src, dst in edges:  # inside a block the gradient flows down the page
+    for src, dst in edges:  # inside a block the gradient flows down the page (to the right)
         if of.get(src) is not None and of.get(src) == of.get(dst):
             assert pos[dst][0] > pos[src][0], (drawn.nodes[src].layer, drawn.nodes[dst].layer)
     blocks = sorted(set(of.values()), reverse=True)  # gradient order: the last block first
     assert len(blocks) >= 4
     box = {b: [pos[i] for i in of if of[i] == b] for b in blocks}
     for a, b in zip(blocks, blocks[1:]):
-        a_right, b_left = max(x for _, x in box[a]), min(x for _, x in box[b])
-        above = max(y for y, _ in box[a]) < min(y for y, _ in box[b])
-        assert a_right < b_left or above, f"block {b} is not after block {a} in reading order"
+        # TB: a column to the left or above; LR: a row above or to the left
+        beside = max(x for _, x in box[a]) < min(x for _, x in box[b])
+        before = max(y for y, _ in box[a]) < min(y for y, _ in box[b])
+        assert beside or before, f"block {b} is not after block {a} in reading order"
 
 
 def test_collapsed_diff_keeps_calls_apart(graphs):

@@ -374,6 +374,26 @@ VIEWER_JS = """() => {
   return {src: img.src, complete: img.complete, w: img.naturalWidth, h: img.naturalHeight,
           shown_w: r.width, shown_h: r.height, step: nums.length ? parseInt(nums[nums.length - 1]) : null};
 }"""
+def open_image_tab(browser, url: str):
+    """A 1440x900 page on the dashboard's image tab and the first card's image (a blob: URL)."""
+    page = browser.new_page(viewport={"width": 1440, "height": 900})
+    page.set_default_timeout(30_000)
+    page.goto(url + "/app/sample/image", timeout=60_000)
+    card_img = page.locator("img[src^='blob:']").first  # our card: its title is the tag
+    card_img.wait_for(state="visible", timeout=60_000)
+    return page, card_img
+
+
+def viewer_state(page, not_src: str | None = None) -> dict | None:
+    """What the open image viewer shows (``VIEWER_JS``), once its image is decoded and laid
+    out on screen (and, with ``not_src``, is another image than that one); else None."""
+    v = page.evaluate(VIEWER_JS)
+    if (v and v["complete"] and v["w"] > 0 and v.get("shown_w", 0) > 0 and v["step"] is not None
+            and v["src"] != not_src):
+        return v
+    return None
+
+
 BLOB_BYTES_JS = """async (src) => {
   const b = new Uint8Array(await (await fetch(src)).arrayBuffer());
   let s = ''; for (let i = 0; i < b.length; i += 0x8000) s += String.fromCharCode.apply(null, b.subarray(i, i + 0x8000));
@@ -396,13 +416,7 @@ def test_dashboard_viewer_in_chromium(server, trained, tmp_path):
         page.screenshot(path=str(path))
         shots.append(path)
 
-    def viewer_ready(page, not_src: str | None = None):
-        v = page.evaluate(VIEWER_JS)
-        # shown_w > 0: laid out on screen too, not only decoded
-        if (v and v["complete"] and v["w"] > 0 and v.get("shown_w", 0) > 0 and v["step"] is not None
-                and v["src"] != not_src):
-            return v
-        return None
+    viewer_ready = viewer_state
 
     label_px = {}
 
@@ -420,12 +434,7 @@ def test_dashboard_viewer_in_chromium(server, trained, tmp_path):
     with sync_api.sync_playwright() as p:
         browser = launch_chromium(p)
         try:
-            page = browser.new_page(viewport={"width": 1440, "height": 900})
-            page.set_default_timeout(30_000)
-            page.goto(server.url + "/app/sample/image", timeout=60_000)
-            # our card: its title is the tag, its image a blob: URL
-            card_img = page.locator("img[src^='blob:']").first
-            card_img.wait_for(state="visible", timeout=60_000)
+            page, card_img = open_image_tab(browser, server.url)
             page.wait_for_function(
                 "() => { const i = document.querySelector(\"img[src^='blob:']\"); return i && i.complete && i.naturalWidth > 0; }",
                 timeout=30_000,

@@ -202,7 +202,7 @@ def test_same_structure_reports_nothing(odd):
         assert not d.structure_changed
         assert (d.added_nodes, d.removed_nodes, d.added_edges, d.removed_edges) == ([], [], [], [])
         assert (d.params_started, d.params_stopped, d.new_nonfinite, d.resolved_nonfinite) == ([], [], [], [])
-        assert d.nonfinite_origin is None
+        assert d.first_nonfinite is None
         assert "same graph structure;" in summarize(d)
         assert set(d.node_norm_ratios) <= keys(odd[b])
         assert all(r > 0 for r in d.node_norm_ratios.values())
@@ -303,10 +303,10 @@ def test_nan_diff_names_the_sqrt(nan_graphs):
     assert g[2].nonfinite_count() > 0
     d = diff_graphs(g[1], g[2])
     assert not d.structure_changed
-    assert d.nonfinite_origin is not None
+    assert d.first_nonfinite is not None
     sqrt = op_key(g[2], "op:block[0]/Sqrt")
-    assert d.nonfinite_origin["key"] == sqrt
-    assert d.nonfinite_origin["op"] == "Sqrt" and d.nonfinite_origin["layer"] == "block"
+    assert d.first_nonfinite["key"] == sqrt
+    assert d.first_nonfinite["op"] == "Sqrt" and d.first_nonfinite["layer"] == "block"
     assert d.new_nonfinite[0] == sqrt
     # the head's Matmul also produced a NaN (its weight gradient, from NaN
     # activations) and comes first in gradient-flow order; it is not the origin
@@ -314,11 +314,11 @@ def test_nan_diff_names_the_sqrt(nan_graphs):
     assert g[2].nonfinite_sites()[0].key == sqrt
     s = summarize(d)
     assert "NaN/Inf gradients appeared at" in s
-    assert f"first at Sqrt in block (node {sqrt});" in s
-    assert "first at Sqrt in block" in summarize(g[2])
+    assert f"first non-finite gradient at Sqrt in block (node {sqrt});" in s
+    assert "first non-finite gradient at Sqrt in block" in summarize(g[2])
 
     healed = diff_graphs(g[2], g[3])
-    assert healed.nonfinite_origin is None and healed.new_nonfinite == []
+    assert healed.first_nonfinite is None and healed.new_nonfinite == []
     assert set(healed.resolved_nonfinite) == set(d.new_nonfinite)
     assert "NaN/Inf gradients gone from" in summarize(healed)
     assert GraphDiff.from_json(d.to_json()) == d

@@ -73,3 +73,10 @@ def test_pictures_shown_are_made_by_the_script():
     for path in markdown_files():
         for target in re.findall(r"!\[[^\]]*\]\(([^)]+\.png)\)", path.read_text()):
             assert Path(target).name in made, f"{path.relative_to(REPO)} shows {target}, which docs/pictures.py does not make"
+
+
+def test_readme_links_point_at_files():
+    """The README is read on a code host, not built by MkDocs: its relative links are checked here."""
+    text = (REPO / "README.md").read_text()
+    for target in re.findall(r"\]\((?!https?:|#)([^)#\s]+)", text):
+        assert (REPO / target).exists(), f"README links to {target}, which does not exist"

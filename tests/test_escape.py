@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pathlib
+
 import pytest
 
 from paddleviz_hooks import BackwardGraph, capture_backward
@@ -80,3 +82,81 @@ def test_graph_json_keeps_strings_that_look_like_floats():
     assert back.meta["note"] == "inf" and back.meta["nested"]["s"] == "nan"
     assert back.meta["loss"] == float("inf")
     assert back.meta["nested"]["v"] != back.meta["nested"]["v"]  # NaN
+
+
+# --------------------------------------------------------------------------
+# hidden characters (issue 28 item 6): controls and bidi overrides made visible in every view
+# --------------------------------------------------------------------------
+RLO = "\u202e"
+HIDDEN = [RLO, "\u2066", "\u200f", "\u200b", "\ufeff", "\x07", "\x85", "\u2028"]
+
+
+def _bidi_graph() -> BackwardGraph:
+    from paddleviz_hooks.graph import Edge, GradMeta, Node
+
+    grad = GradMeta(shape=(4,), dtype="float32", norm=1.07, min=-0.5, max=0.5)
+    layer = "fc" + "".join(HIDDEN)
+    nodes = [Node(0, "root", "loss", "loss"), Node(1, "op", "MatmulGradNode", "Matmul", layer=layer),
+             Node(2, "param", "GradNodeAccumulation", "Parameter", param=f"{layer}.weight", shape=(4,),
+                  dtype="float32", grad=grad)]
+    return BackwardGraph(nodes, [Edge(0, 1, 0, grad), Edge(1, 2, 0, grad)], layers={"": "Net", layer: "Linear"},
+                         meta={"step": 1})
+
+
+def _strings(data):
+    if isinstance(data, str):
+        yield data
+    elif isinstance(data, dict):
+        for k, v in data.items():
+            yield from _strings(k)
+            yield from _strings(v)
+    elif isinstance(data, list):
+        for v in data:
+            yield from _strings(v)
+
+
+def _assert_visible(text: str, view: str) -> None:
+    for ch in HIDDEN:
+        assert ch not in text, f"{view}: U+{ord(ch):04X} left as it is"
+    assert "\\u202e" in text, f"{view}: the override is not shown"
+
+
+def test_hidden_characters_are_visible_in_every_view(tmp_path):
+    import json
+
+    from paddleviz_hooks.cli import main
+    from paddleviz_hooks.render import to_dot
+    from paddleviz_hooks.sinks.explorer import export_explorer
+    from paddleviz_hooks.sinks.report import build_report
+    from paddleviz_hooks.sinks.vdl_graph import write_vdl_graph
+
+    g = _bidi_graph()
+    _assert_visible(to_dot(g), "DOT")
+    if find_engine() is not None:
+        _assert_visible(render_svg(g).decode(), "SVG")
+    log = tmp_path / "log"
+    log.mkdir()
+    (log / "step_000001.json").write_text(g.to_json())
+    build_report(str(log), str(tmp_path / "r.html"))
+    page = (tmp_path / "r.html").read_text()
+    _assert_visible(page, "report")
+    data = page.split('<script type="application/json" id="pvh-data">', 1)[1].split("</script>", 1)[0]
+    _assert_visible("\n".join(_strings(json.loads(data))), "report data")
+    files = export_explorer(g, str(tmp_path / "me"))
+    for path in [files.graphs, *files.overlays.values()]:
+        text = "\n".join(_strings(json.loads(pathlib.Path(path).read_text(encoding="utf-8"))))
+        if path == files.graphs:
+            _assert_visible(text, "Model Explorer graph")
+        for ch in HIDDEN:
+            assert ch not in text, path
+    vdl = write_vdl_graph(str(tmp_path / "vdl"), g)
+    _assert_visible("\n".join(_strings(json.loads(pathlib.Path(vdl).read_text(encoding="utf-8")))), "VisualDL graph")
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    older = tmp_path / "old.json"
+    older.write_text(BackwardGraph([g.nodes[0]], meta={"step": 0}).to_json())
+    with contextlib.redirect_stdout(out):
+        assert main(["diff", str(older), str(log / "step_000001.json")]) == 0
+    _assert_visible(out.getvalue(), "diff summary")

@@ -9,6 +9,7 @@ gradient named, norms equal to ``param.grad``.
 
 from __future__ import annotations
 
+import pathlib
 import json
 import math
 import os
@@ -213,7 +214,7 @@ def test_nan_origin_change_and_new_overlays(tmp_path):
     assert red == [str(origin.id)]
     assert nan[str(origin.id)]["value"] == sum(e.grad.nonfinite for e in new.edges if e.src == origin.id) > 0
     me_origin = collection["graphs"][1]["nodes"][origin.id]
-    assert attrs(me_origin)["NaN/Inf origin"].startswith("yes")
+    assert attrs(me_origin)["first non-finite gradient"].startswith("yes")  # no replay: no origin
     assert not any(r.get("bgColor") for r in overlays[ex.NONFINITE][first]["results"].values())
 
     d = diff_graphs(old, new)
@@ -386,8 +387,8 @@ def _explore_cli(log_dir, out_dir, log_file):
     log.close()
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        assert proc.poll() is None, open(log_file).read()
-        urls = [x for x in open(log_file).read().splitlines() if x.startswith("http://127.0.0.1:")]
+        assert proc.poll() is None, pathlib.Path(log_file).read_text(encoding="utf-8")
+        urls = [x for x in pathlib.Path(log_file).read_text(encoding="utf-8").splitlines() if x.startswith("http://127.0.0.1:")]
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/check_health", timeout=2) as r:
                 if urls and r.read() == b"model_explorer_ok":
@@ -395,7 +396,7 @@ def _explore_cli(log_dir, out_dir, log_file):
         except OSError:
             pass
         time.sleep(0.25)
-    raise AssertionError(f"the explorer did not start: {open(log_file).read()[-2000:]}")
+    raise AssertionError(f"the explorer did not start: {pathlib.Path(log_file).read_text(encoding='utf-8')[-2000:]}")
 
 
 def _stop(proc) -> None:
@@ -492,7 +493,10 @@ def test_explore_a_nan_run_in_chromium(tmp_path):
                 browser.close()
     finally:
         _stop(proc)
-    assert all("fonts." in u for u in outside), outside  # only the page's web font was asked for
+    assert outside == []  # not even the page's web font: nothing leaves the machine
+    printed = (tmp_path / "server.log").read_text(encoding="utf-8")
+    assert printed.count("http://") == 1 and url in printed  # one address, the one that opens the NaN step
+    assert not (tmp_path / "me").exists() or sorted(os.listdir(tmp_path / "me"))  # --out is the user's: kept
     out = Path(__file__).resolve().parents[1] / "test-output"
     out.mkdir(exist_ok=True)
     for shot in shots:

@@ -7,6 +7,7 @@ so each test asserts the exact op, layer and line.
 
 from __future__ import annotations
 
+import pathlib
 import json
 import math
 import os
@@ -156,7 +157,7 @@ def test_sqrt_in_a_sublayer_is_named_everywhere_and_training_is_bit_identical(tm
 
     assert cb.captured_steps == [K] and cb.triggers == {K: "nonfinite_loss"}
     g = _graph(tmp_path, K)
-    o = g.meta["nonfinite_origin"]
+    o = g.nonfinite.origin.to_dict()
     _assert_sqrt_origin(o)
     node = g.node_by_key()[o["key"]]
     assert (node.op, node.layer) == ("Sqrt", "block")
@@ -169,7 +170,7 @@ def test_sqrt_in_a_sublayer_is_named_everywhere_and_training_is_bit_identical(tm
     assert text == (f"NaN/Inf first produced by op 'sqrt' in layer 'block' (SqrtBlock) at "
                     f"test_nan_origin.py:{line_of('sqrt')}: return paddle.sqrt(h)  # origin:sqrt")
     out = capsys.readouterr().out
-    assert f"captured step {K} (trigger: nonfinite_loss); {text}; first non-finite gradient at model output" in out
+    assert f"captured step {K} (trigger: nonfinite_loss); {text}; NaN/Inf gradients at {g.nonfinite.gradient_sites} nodes, first non-finite gradient at the model output" in out
     assert "[PRECISION]" not in out and "op=sqrt" not in out  # the checker's own line is swallowed
     texts = text_records(vdl_records(tmp_path / "vdl" / "backward_graph"), "summary")
     assert text in texts[K]
@@ -179,7 +180,7 @@ def test_sqrt_in_a_sublayer_is_named_everywhere_and_training_is_bit_identical(tm
 
     from paddleviz_hooks import build_report
 
-    html = open(build_report(str(tmp_path / "vdl"), str(tmp_path / "report.html"))).read()
+    html = pathlib.Path(build_report(str(tmp_path / "vdl"), str(tmp_path / "report.html"))).read_text(encoding="utf-8")
     assert "starts here</span> NaN/Inf first produced by op &#x27;sqrt&#x27; in layer &#x27;block&#x27;" in html
 
 
@@ -212,7 +213,7 @@ def test_nan_swallowed_by_relu_is_captured_at_the_same_step_before_the_update(tm
     assert all(np.isfinite(w).all() for w in weights.values())  # the captured step ran on finite weights
     g = BackwardGraph.from_json((tmp_path / "vdl" / "backward_graph" / f"step_{K:06d}.json").read_text())
     assert g.meta["replayed"] is True and g.meta["step"] == K
-    _assert_sqrt_origin(g.meta["nonfinite_origin"])
+    _assert_sqrt_origin(g.nonfinite.origin.to_dict())
     # the replayed graph carries the real step's gradients: NaN exactly where param.grad is NaN,
     # and the finite ones equal to it
     params = g.params()
@@ -314,7 +315,7 @@ def test_nan_in_the_input_batch_is_the_input_data(tmp_path, capsys):
     cb = _cb(tmp_path)
     _fit(SqrtNet, callbacks=[cb], nan=True)
     assert cb.captured_steps == [K]
-    o = _graph(tmp_path, K).meta["nonfinite_origin"]
+    o = _graph(tmp_path, K).nonfinite.origin.to_dict()
     assert (o["kind"], o["op"], o["layer"], o["line"]) == ("input", None, None, None)
     assert "NaN/Inf already in the input data" in capsys.readouterr().out
 
@@ -324,10 +325,13 @@ def test_nan_made_only_in_the_backward_falls_back_to_the_first_gradient(tmp_path
     res = _fit(BackwardOnlyNet, callbacks=[cb])
     assert np.isfinite(res.losses).all()  # sqrt(0) = 0: the forward is finite
     assert cb.captured_steps == [K] and cb.triggers == {K: "nonfinite_grad"}
-    o = _graph(tmp_path, K).meta["nonfinite_origin"]
-    assert (o["kind"], o["op"], o["layer"], o["line"]) == ("backward", "Sqrt", "", None)
-    assert describe_origin(o) == ("the forward is finite everywhere: NaN/Inf made in the backward; "
-                                  "first non-finite gradient at Sqrt in the model's own forward")
+    g = _graph(tmp_path, K)
+    o = g.nonfinite.origin.to_dict()
+    assert (o["kind"], o["op"], o["layer"], o["line"]) == ("backward", None, None, None)
+    first = g.nonfinite.first_gradient  # a fact of its own, under its own name
+    assert (first.op, first.layer) == ("Sqrt", "")
+    assert describe_origin(o) == "the forward is finite everywhere: NaN/Inf made in the backward"
+    assert "first non-finite gradient at Sqrt in the model's own forward;" in summarize(g)
 
 
 class SqrtLoss(nn.Layer):
@@ -341,9 +345,9 @@ def test_nan_in_the_loss_function_is_outside_the_model(tmp_path):
     assert not np.isfinite(res.losses).any()
     assert cb.captured_steps == [1]
     g = _graph(tmp_path, 1)
-    o = g.meta["nonfinite_origin"]
+    o = g.nonfinite.origin.to_dict()
     assert (o["kind"], o["layer"], o["line"]) == ("outside", None, None)
-    assert o["op"] == g.nonfinite_sites()[0].op and g.nonfinite_sites()[0].layer is None
+    assert g.nonfinite.first_gradient.op == g.nonfinite_sites()[0].op and g.nonfinite_sites()[0].layer is None
     assert describe_origin(o).startswith("the model's forward is finite: NaN/Inf made outside the model")
 
 
@@ -368,10 +372,11 @@ def test_on_nonfinite_alone_keeps_two_hooks_on_the_model_and_scheduled_steps_sti
         with rec.step(3):
             net(paddle.to_tensor(data.x[:2]))
             1 / 0
-    assert no_leftover_hooks(net) and not dispatcher_installed()  # the exception closed the recorder
+    assert no_leftover_hooks(net) and not dispatcher_installed()  # the exception removed every hook
+    rec.close()  # ... and left the recorder open for the next step: its files are written by close()
     g = BackwardGraph.from_json((tmp_path / "vdl" / "backward_graph" / "step_000002.json").read_text())
     assert {n.layer for n in g.nodes if n.kind == "op"} >= {"block", "block.lin", "head", "bn"}
-    assert "nonfinite_origin" not in g.meta
+    assert g.nonfinite is None or g.nonfinite.origin is None
 
 
 def test_model_fit_with_a_swallowed_nan_is_bit_identical_and_captured_at_that_step(tmp_path):
@@ -386,7 +391,7 @@ def test_model_fit_with_a_swallowed_nan_is_bit_identical_and_captured_at_that_st
     assert cb.captured_steps == [K] and cb.triggers == {K: "nonfinite_grad"}
     g = _graph(tmp_path, K)
     assert g.meta["replayed"] is True and math.isfinite(g.meta["loss"])
-    _assert_sqrt_origin(g.meta["nonfinite_origin"])
+    _assert_sqrt_origin(g.nonfinite.origin.to_dict())
 
 
 def test_the_checked_forward_runs_in_a_fresh_thread_each_time():
@@ -435,7 +440,7 @@ def test_gradient_accumulation_replays_the_micro_batch_that_went_wrong(tmp_path)
     g = BackwardGraph.from_json((tmp_path / "vdl" / "backward_graph" / "step_000002_b2.json").read_text())
     assert g.meta["replayed"] is True and g.nonfinite_count() > 0
     assert g.meta["backward"]["role"] == "micro-batch 2 of 2"
-    _assert_sqrt_origin(g.meta["nonfinite_origin"])
+    _assert_sqrt_origin(g.nonfinite.origin.to_dict())
 
 
 class _SqrtNet(nn.Layer):
@@ -462,19 +467,19 @@ def _sqrt_run(tmp_path, every, bad_step, steps=4):
 
 def test_a_scheduled_step_that_goes_nan_is_filed_and_named_as_nan(tmp_path):
     run = _sqrt_run(tmp_path, every=3, bad_step=3)
-    meta = BackwardGraph.from_json((run / "step_000003.json").read_text()).meta
-    assert meta["trigger"] == "nonfinite_loss"  # not just 'scheduled': the user is told
-    assert meta["nonfinite_origin"]["op"] == "sqrt"
+    g = BackwardGraph.from_json((run / "step_000003.json").read_text())
+    assert g.meta["trigger"] == "nonfinite_loss"  # not just 'scheduled': the user is told
+    assert g.nonfinite.origin.op == "sqrt"
     # the picture says it too, also where the sqrt has no grad node to frame
-    assert "NaN/Inf starts at sqrt in the model's own forward, test_nan_origin.py:" in (run / "step_000003.dot").read_text()
+    assert "NaN/Inf starts at sqrt in the model's own forward, test_nan_origin.py:" in (run / "step_000003.dot").read_text().replace("\\n", " ")
 
 
-def test_a_replayed_step_is_not_diffed_against_ordinary_captures(tmp_path):
+def test_a_replayed_step_is_compared_from_the_model_output(tmp_path):
     run = _sqrt_run(tmp_path, every=2, bad_step=3)
     replayed = BackwardGraph.from_json((run / "step_000003.json").read_text())
-    assert replayed.meta.get("replayed") and replayed.meta["nonfinite_origin"]["op"] == "sqrt"
-    # the replay is rooted at the model output: compared with step 2 or 4 it would report the
-    # loss ops as gone and back again
+    assert replayed.meta.get("replayed") and replayed.nonfinite.origin.op == "sqrt"
+    # the replay is rooted at the model output: compared with step 2 or 4 from there, the loss
+    # ops are neither gone nor back again
     assert not list(run.glob("step_*_diff.json")), sorted(p.name for p in run.iterdir())
 
 
@@ -491,5 +496,5 @@ def test_nan_weights_are_reported_when_the_gradients_are_finite(tmp_path):
         with rec.step(1):
             net(paddle.rand([2, 3, 8, 8])).mean().backward()
     g = BackwardGraph.from_json((tmp_path / "backward_graph" / "step_000001.json").read_text())
-    assert g.meta["nonfinite_weights"] == ["0.weight"]
+    assert g.nonfinite.weights == ("0.weight",) and g.nonfinite.buffers == ()
     assert "NaN/Inf in the weights of 1 parameter: 0.weight;" in summarize(g)

@@ -122,29 +122,14 @@ def test_formats_decide_every_file(tmp_path):
     (("png", "svg", "dot", "json"), 160, nn.Softsign, 2, False),  # a collapsed view: the full SVG is another graph
     (("png", "svg", "dot", "json"), 2000, nn.Hardtanh, 2, True),  # the defaults: + the picture for VisualDL's viewer
 ])
-def test_engine_runs_once_per_capture_in_steady_state(tmp_path, monkeypatch, formats, view_max_px, act, steady,
+def test_engine_runs_once_per_capture_in_steady_state(tmp_path, engine_run_count, formats, view_max_px, act, steady,
                                                       visualdl):
     """A `dot` shim first on PATH counts layout-engine runs: with the structure unchanged,
     each capture's viewing PNG costs one run (its size and collapse plan is reused), and
     the full-detail SVG comes from that same run unless the viewing picture is collapsed."""
-    import os
     import re
-    import shutil
 
-    real = shutil.which("dot")
-    if real is None:
-        pytest.skip("needs Graphviz dot")
-    shim_dir, counter = tmp_path / "shim", tmp_path / "runs.txt"
-    shim_dir.mkdir()
-    shim = shim_dir / "dot"
-    shim.write_text(f"#!/bin/sh\necho run >> {counter}\nexec {real} \"$@\"\n")
-    shim.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{shim_dir}{os.pathsep}{os.environ['PATH']}")
-    monkeypatch.setenv("PADDLEVIZ_ENGINE", "dot")
-
-    def runs() -> int:
-        return len(counter.read_text().splitlines()) if counter.exists() else 0
-
+    runs = engine_run_count
     per_capture = []
     net = nn.Sequential(nn.Linear(8, 23), act(), nn.Linear(23, 3))  # a structure no other test draws
     x, y = paddle.randn([4, 8]), paddle.randint(0, 3, [4, 1])
@@ -158,7 +143,7 @@ def test_engine_runs_once_per_capture_in_steady_state(tmp_path, monkeypatch, for
                 threading.Event().wait(0.01)
             per_capture.append(runs() - before)
     print(f"\nengine runs per capture, formats={formats}, view_max_px={view_max_px}: {per_capture}")
-    assert per_capture[0] >= 2  # the first capture tries arrangements
+    assert 1 <= per_capture[0] <= 3 * steady, per_capture  # a new structure: at most 3 runs per picture
     assert per_capture[1:] == [steady] * 5, per_capture
     run_dir = tmp_path / "log" / "backward_graph"
     assert step_files(run_dir, "png") == list(range(1, 7))

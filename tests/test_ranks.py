@@ -49,7 +49,7 @@ def test_norms_per_rank_are_each_ranks_own(captures):
 def test_merged_drawing_shows_every_ranks_value(captures):
     g0, g1, _ = captures
     dot = ranks_to_dot({0: g0, 1: g1})
-    assert "step" in dot.splitlines()[1] and "ranks 0, 1 merged" in dot
+    assert dot.splitlines()[2].startswith("  label=\"step") and "ranks 0, 1 merged" in dot  # the title (wrapped)
     w0, w1 = (g.params()["fc.0.weight"].norm for g in (g0, g1))
     assert f"|g| r0 {fmt_num(w0)} / r1 {fmt_num(w1)}" in dot
     assert "pvh-rank-differs" not in dot and "pvh-rank-only" not in dot

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pathlib
 import json
 import os
 import re
@@ -220,7 +221,7 @@ def test_report_in_chromium(report, tmp_path):
             nan_panel = page.locator(f"#panel-0-{NAN_AT}")
             sites = nan_panel.locator("ol.sites li")
             assert sites.count() >= 5
-            assert "origin" in sites.first.inner_text() and "Sqrt in block" in sites.first.inner_text()
+            assert "first non-finite gradient" in sites.first.inner_text() and "Sqrt in block" in sites.first.inner_text()
             assert "step 90" in page.locator("#overview-0").inner_text()
 
             # per-layer gradient norm chart with a marker on the current step
@@ -397,7 +398,7 @@ def test_page_inlines_the_asset_files_and_its_csp_allows_exactly_that_script(tmp
         net(paddle.randn([2, 3])).sum().backward()
     (log / "step_000001.json").write_text(cap.graph.to_json())
     out = build_report(str(log), str(tmp_path / "r.html"))
-    page = open(out, encoding="utf-8").read()
+    page = pathlib.Path(out).read_text(encoding="utf-8")
     assets = resources.files("paddleviz_hooks.sinks").joinpath("report_assets")
     css = assets.joinpath("report.css").read_text("utf-8")
     js = assets.joinpath("report.js").read_text("utf-8")

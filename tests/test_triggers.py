@@ -120,7 +120,7 @@ def test_nonfinite_captures_the_step_and_names_the_origin(tmp_path, capsys):
     texts = text_records(reader, "summary")
     assert list(texts) == [K]
     assert "trigger: nonfinite_loss" in texts[K]
-    assert "first at Log in block.penalty" in texts[K]
+    assert "first non-finite gradient at Log in block.penalty" in texts[K]
     # ... under its own image tag as well as the main one ...
     assert image_steps(reader, "backward_graph/trigger_nonfinite_loss") == [K]
     assert image_steps(reader, "backward_graph") == [K]
@@ -166,7 +166,7 @@ def test_nonfinite_gradients_with_finite_loss_capture_the_next_step(tmp_path, ca
     # that capture is of the real backward, its ops attributed to layers
     assert {n.layer for n in g.nodes if n.kind == "op"} >= {"body.0", "body.2"}
     # by then the update has written NaN into the weights, and the capture says so
-    o = g.meta["nonfinite_origin"]
+    o = g.nonfinite.origin.to_dict()
     assert (o["kind"], o["layer"], o["layer_class"]) == ("weights", "body.0", "Linear")
     assert f"captured step {K + 1} (trigger: nonfinite_grad); NaN/Inf already in the weights, first in " \
            "layer 'body.0' (Linear): an earlier update wrote it" in out

@@ -9,6 +9,7 @@ driven in ``tests/test_dashboard.py``.
 
 from __future__ import annotations
 
+import pathlib
 import json
 import math
 import os
@@ -20,6 +21,8 @@ import pytest
 
 from paddleviz_hooks import BackwardGraphRecorder, capture_backward
 from paddleviz_hooks.options import RecorderOptions
+from paddleviz_hooks.findings import nonfinite_record
+from paddleviz_hooks.graph import NonfiniteOrigin
 from paddleviz_hooks.sinks.vdl_graph import vdl_graph, write_vdl_graph
 from paddleviz_hooks.text import fmt_num
 
@@ -70,7 +73,7 @@ def test_written_file_loads_through_visualdls_reader(captured, tmp_path):
     shown = {n["name"] for n in first["nodes"]}
     # the first view: the top-level layers as boxes, plus the few ops outside any sublayer
     assert {"/encoder", "/shared", "/heads"} <= shown
-    data = json.loads(open(path, encoding="utf-8").read())
+    data = json.loads(pathlib.Path(path).read_text(encoding="utf-8"))
     by_name = {n["name"]: n for n in data["nodes"]}
     for name in shown - {"/encoder", "/shared", "/heads"}:
         key = by_name[name]["attrs"]["key"]
@@ -149,13 +152,16 @@ def test_nan_origin_is_flagged(tmp_path):
     graph = cap.graph
     sites = graph.nonfinite_sites()
     assert sites, "the test model must make a NaN gradient"
-    graph.meta["nonfinite_origin"] = {"kind": "op", "op": "sqrt", "layer": "fc", "layer_class": "Linear",
-                                      "file": "model.py", "line": 16, "code": "h = paddle.sqrt(h)"}
+    sqrt = next(n for n in graph.nodes if n.op == "Sqrt")
+    graph.nonfinite = nonfinite_record(graph, NonfiniteOrigin(
+        "forward", op="sqrt", layer="", layer_class="Bad", file="model.py", line=16, code="h = paddle.sqrt(h)",
+        key=sqrt.key, needs_grad=True))
     data = vdl_graph(graph)
-    flagged = [n for n in data["nodes"] if n["type"].startswith("NaN origin: ")]
-    assert {n["attrs"].get("key") for n in flagged if n["is_leaf_node"]} == {sites[0].key}
-    fc = next(n for n in data["nodes"] if n["name"] == "/fc")
-    assert fc in flagged and "sqrt" in fc["attrs"]["NaN from"] and "model.py:16" in fc["attrs"]["NaN from"]
+    flagged = [n for n in data["nodes"] if n["type"].startswith("NaN/Inf starts here: sqrt")]
+    assert [n["attrs"].get("key") for n in flagged] == [sqrt.key]  # the origin op's own node, named in its type
+    assert "model.py:16: h = paddle.sqrt(h)" in flagged[0]["attrs"]["NaN/Inf origin"]
+    firsts = [n["attrs"].get("key") for n in data["nodes"] if "first non-finite gradient" in n["attrs"]]
+    assert firsts == [sites[0].key]  # the first non-finite gradient: an attribute of its own
     bad = [v for v in data["vars"] if "NaN" in v["shape"][0]]
     assert bad, "edges carrying NaN say so in their label"
     write_vdl_graph(str(tmp_path / "g"), graph)
@@ -190,19 +196,18 @@ def test_option_is_checked():
         RecorderOptions.check(visualdl_graphs="yes")
     with pytest.raises(TypeError, match="visualdl_diagnostics must be True or False, got 1"):
         RecorderOptions.check(visualdl_diagnostics=1)
-    with pytest.raises(ValueError, match="viewer_px must be an int >= 64 or None, got 10"):
+    with pytest.raises(ValueError, match="viewer_px must be an int from 64 to 32767 or None, got 10"):
         RecorderOptions.check(viewer_px=10)
 
 
 def test_capture_folder_names_read_as_step_trigger_run(tmp_path):
-    from paddleviz_hooks.pipeline import CapturePipeline
-    from paddleviz_hooks.sinks.files import StepFiles
+    from paddleviz_hooks.sinks.visualdl import graph_dir
 
-    files = StepFiles(str(tmp_path / "exp_b" / "backward_graph"))
-    pipe = CapturePipeline(RecorderOptions.check(str(tmp_path / "exp_b")), files, "exp_b/backward_graph", print)
-    assert os.path.relpath(pipe.graph_dir(8, "nonfinite_loss"), files.directory) == os.path.join(
-        "graphs", "step_000008-nonfinite_loss-exp_b.backward_graph")
-    assert os.path.basename(pipe.graph_dir(100, "scheduled")) == "step_000100-exp_b.backward_graph"
+    directory = str(tmp_path / "exp_b" / "backward_graph")
+    assert os.path.relpath(graph_dir(directory, "exp_b/backward_graph", 8, "nonfinite_loss"), directory) == (
+        os.path.join("graphs", "step_000008-nonfinite_loss-exp_b.backward_graph"))
+    assert os.path.basename(graph_dir(directory, "exp_b/backward_graph", 100, "scheduled")) == (
+        "step_000100-exp_b.backward_graph")
 
 
 def test_a_sublayers_ops_sit_inside_the_call_of_its_parent_that_ran_them():

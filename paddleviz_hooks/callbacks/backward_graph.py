@@ -12,7 +12,8 @@ from typing import Any, Iterable
 
 import paddle
 
-from ..recorder import BackwardGraphRecorder
+from ..argcheck import reject_unknown
+from ..recorder import BackwardGraphRecorder, option_names
 
 __all__ = ["BackwardGraphCallback"]
 
@@ -22,9 +23,9 @@ class BackwardGraphCallback(paddle.callbacks.Callback):
 
     Every argument is a :class:`~paddleviz_hooks.recorder.BackwardGraphRecorder`
     argument with the same default and meaning (see there): ``log_dir``,
-    ``every``, ``steps``, ``capture_first``, ``max_captures``, ``grad_stats``, ``saved_memory``, ``color_by``,
-    ``view_max_nodes``, ``view_max_px``, ``viewer_px``, ``formats``, ``visualdl``,
-    ``visualdl_graphs``, ``visualdl_diagnostics``,
+    ``every``, ``steps``, ``capture_first``, ``max_captures``, ``grad_stats``, ``saved_memory``, ``sources``, ``color_by``,
+    ``view_max_nodes``, ``view_max_px``, ``viewer_px``, ``formats``, ``visualdl``, ``sinks``,
+    ``visualdl_graphs``, ``visualdl_diagnostics``, ``scalar_depth``,
     ``run_name``, ``ranks``, ``on_nonfinite``, ``on_grad_spike``,
     ``on_structure_change``, ``cooldown``, ``queue_size``, ``render_timeout``,
     ``verbose``. The model is ``Model.fit``'s network.
@@ -40,7 +41,7 @@ class BackwardGraphCallback(paddle.callbacks.Callback):
         TypeError: an option of the wrong type (the message quotes it).
         ValueError: an option value out of range (the message quotes it).
 
-    Example:
+    Examples:
         >>> cb = BackwardGraphCallback("vdl_log", every=100)
         >>> cb.recorder.options.every
         100
@@ -57,6 +58,7 @@ class BackwardGraphCallback(paddle.callbacks.Callback):
         **options: Any,
     ) -> None:
         super().__init__()
+        reject_unknown(type(self).__name__, options, option_names())  # a typo names this class, not the recorder
         #: the recorder this callback drives (public: its options and results)
         self.recorder = BackwardGraphRecorder(log_dir, every=every, steps=steps, **options)
         self._guard: _StepGuard | None = None

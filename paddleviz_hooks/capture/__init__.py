@@ -9,6 +9,7 @@ Modules, each with one job:
 * ``stats.py``: gradient statistics.
 * ``attribution.py``: forward hooks naming the layer call of each op.
 * ``saved.py``: the tensors each forward saves for backward (``saved_memory``).
+* ``source.py``: the line of the user's code that called each op's forward (``Node.source``).
 * ``session.py``: :class:`BackwardCapture` and :func:`capture_backward`.
 """
 

@@ -6,6 +6,7 @@ from typing import Any
 
 import paddle
 
+from .._interrupts import pop_each, run_all
 from .gradnode import grad_fn, strip_wrapper_prefix
 
 __all__ = ["LayerAttribution", "frame_name", "tensors_in"]
@@ -59,16 +60,45 @@ class LayerAttribution:
             if _is_to_static(sub):
                 compiled.append(path)
             # with_kwargs: tensors passed by keyword are seen too
+            # one line each: a hook is registered and kept for removal with nothing in between
             self._handles.append(sub.register_forward_pre_hook(self._pre, with_kwargs=True))
-            self._handles.append(
-                sub.register_forward_post_hook(self._make_post(path), with_kwargs=True)
-            )
+            post = self._make_post(path)
+            self._handles.append(sub.register_forward_post_hook(post, with_kwargs=True))
+
+        _RECOMPUTED.add(self)
 
     def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-        self.reset()
+        """Remove every hook (all of them, whatever one removal raises) and forget the records."""
+        run_all(lambda: _RECOMPUTED.discard(self), lambda: pop_each(self._handles, lambda h: h.remove()),
+                self.reset)
+
+    def recomputed(self, fn: Any) -> Any:
+        """``fn`` (a function that reentrant recompute re-runs in the backward, outside
+        every layer call) attributed to the layer call under way now, as when it
+        is not recomputed. None when no layer call is under way."""
+        frame = self.current_frame()
+        if frame is None:
+            return None
+
+        def rerun(*args: Any, **kwargs: Any) -> Any:
+            stops = set()
+            for t in tensors_in((args, kwargs)):
+                gf = grad_fn(t)
+                if gf is not None:
+                    stops.add(gf.node_ptr())
+            out = fn(*args, **kwargs)
+            name = frame_name(frame)
+            if self._handles and name is not None:  # still installed; the call has its index
+                try:
+                    outs = [g for g in (grad_fn(t) for t in tensors_in(out)) if g is not None]
+                    path, call = name.rsplit("#", 1)
+                    if outs:
+                        self._records.append((path, int(call), outs, stops))
+                except Exception:  # never break the backward
+                    pass
+            return out
+
+        return rerun
 
     def reset(self) -> None:
         self.owner.clear()
@@ -172,6 +202,48 @@ class LayerAttribution:
             if ptr not in self.owner:  # inner layers ran first and keep their claim
                 self.owner[ptr] = where
             todo.extend(n for n in gn.next_functions if n is not None)
+
+
+class _RecomputePatch:
+    """While any attribution is installed, functions given to reentrant recompute
+    that are not layers are wrapped (:meth:`LayerAttribution.recomputed`): the
+    re-run in the backward happens outside the layer call that ran them."""
+
+    def __init__(self) -> None:
+        self.active: list[LayerAttribution] = []
+        self._original: Any = None
+
+    def add(self, attribution: LayerAttribution) -> None:
+        self.active.append(attribution)
+        if self._original is None:
+            try:
+                from paddle.distributed.fleet.recompute.recompute import RecomputeFunction
+            except Exception:
+                return
+            original = RecomputeFunction.__dict__["forward"]
+            inner = original.__func__ if isinstance(original, staticmethod) else original
+
+            def forward(ctx: Any, run_function: Any, *args: Any, **kwargs: Any) -> Any:
+                if not isinstance(run_function, paddle.nn.Layer):
+                    for att in list(self.active):
+                        wrapped = att.recomputed(run_function)
+                        if wrapped is not None:
+                            run_function = wrapped
+                return inner(ctx, run_function, *args, **kwargs)
+
+            self._original = (RecomputeFunction, original)
+            RecomputeFunction.forward = staticmethod(forward)
+
+    def discard(self, attribution: LayerAttribution) -> None:
+        if attribution in self.active:
+            self.active.remove(attribution)
+        if not self.active and self._original is not None:
+            cls, original = self._original
+            cls.forward = original
+            self._original = None  # after: a second call finishes an interrupted one
+
+
+_RECOMPUTED = _RecomputePatch()
 
 
 def _is_to_static(layer: paddle.nn.Layer) -> bool:

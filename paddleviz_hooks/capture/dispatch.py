@@ -11,15 +11,23 @@ recompute's PyLayer runs a second backward inside its grad node. The
 dispatcher keeps, per thread, the sessions of the backwards under way, so
 each capture learns that a backward is nested and inside which of its own
 sessions (``BackwardCapture._begin(..., nested=True, parent=...)``).
+
+When a session's forward ran with call stacks recorded, the backward is
+given a temporary dump folder, whose stacks the sessions read when it is over
+(``source.py``); the folder is removed on every exit path.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import Any, Callable
 
 import paddle
 from paddle.base import core
+
+from .._interrupts import as_interrupt, held_interrupts, is_wrapped_interrupt, run_all
+from .source import StackDump
 
 __all__ = ["DISPATCHER", "dispatcher_installed"]
 
@@ -43,7 +51,7 @@ class Dispatcher:
         self._local = threading.local()  # .frames: the backwards under way on this thread
 
     def activate(self, cap: Any) -> None:
-        with self._lock:
+        with self._lock, held_interrupts():
             if not self._active:
                 self._orig_backward = core.eager.run_backward
                 self._orig_grad = core.eager.run_partial_grad
@@ -52,7 +60,8 @@ class Dispatcher:
             self._active.append(cap)
 
     def deactivate(self, cap: Any) -> None:
-        with self._lock:
+        """Stop ``cap``; the last one puts Paddle's functions back (idempotent)."""
+        with self._lock, held_interrupts():
             if cap in self._active:
                 self._active.remove(cap)
             if not self._active and self._orig_backward is not None:
@@ -79,9 +88,26 @@ class Dispatcher:
 
     def _run_partial_grad(self, outputs, inputs, grad_outputs, retain_graph, *rest):
         return self._run(self._orig_grad, "grad", outputs, retain_graph,
-                         (outputs, inputs, grad_outputs, retain_graph, *rest))
+                         (outputs, inputs, grad_outputs, retain_graph, *rest), inputs=inputs)
 
-    def _run(self, original, entry, roots, retain_graph, args):
+    def _run(self, original, entry, roots, retain_graph, args, inputs=None):
+        # Ctrl-C during a captured backward: held until it is over and every hook of it
+        # removed, then raised as KeyboardInterrupt, as Paddle does without hooks (a
+        # KeyboardInterrupt raised inside a hook would reach the user as Paddle's
+        # OSError, and cut the hooks' removal short)
+        with held_interrupts():
+            result = self._run_translated(original, entry, roots, retain_graph, args, inputs)
+        return result
+
+    def _run_translated(self, original, entry, roots, retain_graph, args, inputs):
+        try:
+            return self._run_held(original, entry, roots, retain_graph, args, inputs)
+        except OSError as exc:
+            if is_wrapped_interrupt(exc):  # another thread's, or a user's hook's, interrupt
+                raise as_interrupt(exc) from exc
+            raise
+
+    def _run_held(self, original, entry, roots, retain_graph, args, inputs=None):
         with self._lock:
             caps = list(self._active)
         frames = self._local.__dict__.setdefault("frames", [])
@@ -89,19 +115,27 @@ class Dispatcher:
         frame = _Frame()
         grad_was = paddle.is_grad_enabled()
         sessions: list = []
+        dump: StackDump | None = None
         pushed = ok = False
         try:
             # inside the try: an interrupt while walking still unhooks what was hooked
             for cap in caps:
                 if outer is None:
-                    s = cap._begin(list(roots), entry)
+                    s = cap._begin(list(roots), entry, inputs=inputs)
                 else:  # inside another backward: the capture's session of that one, if any
                     s = cap._begin(list(roots), entry, nested=True, parent=outer.sessions.get(cap))
                 sessions.append((cap, s))
                 frame.sessions[cap] = s
+            if any(s is not None and s.wants_stacks for _, s in sessions):
+                dump = StackDump()
+                args = dump.inject(entry, args)
             frames.append(frame)
             pushed = True
             result = original(*args)
+            if inputs is not None:  # paddle.grad: what it computed for each input (parameter rows)
+                for _, s in sessions:
+                    if s is not None:
+                        s.results = result
             # A KeyboardInterrupt/SystemExit that hit one of our hooks was held
             # back so Paddle could finish the backward (raised inside a hook it
             # would surface as Paddle's OSError); deliver it now, as itself,
@@ -120,10 +154,19 @@ class Dispatcher:
                 frames.pop()
             # A hook that raised (or a KeyboardInterrupt inside one) leaves
             # Paddle's grad mode off for the rest of the process: restore it.
-            if paddle.is_grad_enabled() != grad_was:
-                paddle.set_grad_enabled(grad_was)
-            for cap, s in sessions:
-                cap._end(s, ok=ok, retain_graph=bool(retain_graph))
+            ends = [lambda: paddle.is_grad_enabled() != grad_was and paddle.set_grad_enabled(grad_was)]
+            if dump is not None:
+                ends.append(lambda: _hand_stacks(dump, sessions))
+            ends += [functools.partial(cap._end, s, ok=ok, retain_graph=bool(retain_graph)) for cap, s in sessions]
+            run_all(*ends)  # every capture unhooks, whatever another raises
+
+
+def _hand_stacks(dump: Any, sessions: list) -> None:
+    """The forward call stacks of the backward's nodes, to every session that observed it."""
+    stacks = dump.collect()
+    for _, s in sessions:
+        if s is not None:
+            s.stacks = stacks
 
 
 DISPATCHER = Dispatcher()

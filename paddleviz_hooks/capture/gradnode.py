@@ -17,7 +17,7 @@ import paddle
 
 from ..graph import Edge, GradMeta, Node, op_display_name
 
-__all__ = ["grad_fn", "has_graph", "walk_graph", "Walk", "parameter_names", "strip_wrapper_prefix",
+__all__ = ["grad_fn", "has_graph", "walk_graph", "prune_to_inputs", "Walk", "parameter_names", "strip_wrapper_prefix",
            "structure_fingerprint", "dtype_name"]
 
 
@@ -167,6 +167,7 @@ class Walk:
         self.wrappers: list[Any] = []  # id -> GradNodeBase (None for roots)
         self.out_edges: dict[int, list[Edge]] = {}
         self.root_edges: dict[int, Edge] = {}  # grad node id -> edge from its root
+        self.roots: list[tuple[int, Edge]] = []  # (index in the roots, its edge) of every root walked
 
     def release(self) -> None:
         """Drop the grad node wrappers (holding them keeps the C++ graph alive)."""
@@ -227,6 +228,7 @@ def walk_graph(
         e = Edge(rid, gid, 0, GradMeta(shape=tuple(int(s) for s in t.shape), dtype=dtype_name(t.dtype)))
         w.edges.append(e)
         w.root_edges.setdefault(gid, e)
+        w.roots.append((i, e))
 
     head = 0
     while head < len(queue):
@@ -242,6 +244,68 @@ def walk_graph(
             outs.append(e)
         w.out_edges[src] = outs
     return w
+
+
+def prune_to_inputs(w: Walk, input_ptrs: set[int]) -> Walk:
+    """The part of a walk that ``paddle.grad(roots, inputs)`` computes.
+
+    Paddle runs only the grad nodes from which an input's node can be reached
+    (not the node of a non-leaf input itself, unless another input lies below
+    it) and computes only the slots leading to such nodes or to an input: the
+    rest is dropped (nodes renumbered in the same order). Measured on Paddle
+    3.3.1, ``docs/paddle-autograd.md``.
+    """
+    n = len(w.nodes)
+    succ: list[list[int]] = [[] for _ in range(n)]
+    for e in w.edges:
+        succ[e.src].append(e.dst)
+    is_input = [gn is not None and gn.node_ptr() in input_ptrs for gn in w.wrappers]
+    reaches = [False] * n  # an input is reachable through at least one edge
+    order = _topological(n, succ)
+    for i in reversed(order):
+        reaches[i] = any(is_input[j] or reaches[j] for j in succ[i])
+    runs = [w.nodes[i].kind == "root" or reaches[i] for i in range(n)]
+    keep = [runs[i] or is_input[i] for i in range(n)]
+    new_id = {}
+    out = Walk()
+    for i in range(n):
+        if keep[i]:
+            new_id[i] = len(out.nodes)
+            node = w.nodes[i]
+            node.id = new_id[i]
+            out.nodes.append(node)
+            out.wrappers.append(w.wrappers[i])
+    kept: set[int] = set()
+    for e in w.edges:
+        if runs[e.src] and keep[e.dst] and (runs[e.dst] or is_input[e.dst]):
+            kept.add(id(e))
+            e.src, e.dst = new_id[e.src], new_id[e.dst]
+            out.edges.append(e)
+            if out.nodes[e.src].kind != "root":
+                out.out_edges.setdefault(e.src, []).append(e)
+    for i, e in w.roots:
+        if id(e) in kept:
+            out.roots.append((i, e))
+            out.root_edges.setdefault(e.dst, e)
+    for i, node in enumerate(out.nodes):
+        if node.kind != "root":
+            out.out_edges.setdefault(i, [])
+    return out
+
+
+def _topological(n: int, succ: list[list[int]]) -> list[int]:
+    """Node ids in an order where every edge goes forward (the walk is acyclic)."""
+    indeg = [0] * n
+    for s in succ:
+        for j in s:
+            indeg[j] += 1
+    order = [i for i in range(n) if indeg[i] == 0]
+    for i in order:
+        for j in succ[i]:
+            indeg[j] -= 1
+            if indeg[j] == 0:
+                order.append(j)
+    return order
 
 
 def structure_fingerprint(walk: Walk) -> int:

@@ -24,8 +24,9 @@ statistics); the checker's console line (written by C code to file
 descriptor 1) is captured, never shown. Python side effects of ``forward``
 (counters, caches) are replayed and not undone.
 
-An origin is a plain dict (``graph.meta["nonfinite_origin"]``) with the keys
-of :data:`ORIGIN_KEYS`; ``kind`` is one of :data:`KINDS`.
+:func:`locate` returns a :class:`~paddleviz_hooks.graph.NonfiniteOrigin`
+(``kind`` one of :data:`KINDS`), which ``paddleviz_hooks.findings`` keeps in
+the graph's record; :func:`find_nonfinite_origin` returns it as a dict.
 """
 
 from __future__ import annotations
@@ -43,39 +44,34 @@ from typing import Any, Iterator
 
 import paddle
 
-from ..graph import BackwardGraph
+from .._interrupts import held_interrupts, pop_each, run_all
+from ..graph import ORIGIN_KINDS, BackwardGraph, NonfiniteOrigin
 from .attribution import tensors_in
 from .gradnode import grad_fn, strip_wrapper_prefix
 
 __all__ = ["KINDS", "ORIGIN_KEYS", "StepInputs", "find_nonfinite_origin", "has_nonfinite", "locate",
            "replay_step"]
 
-#: Keys of an origin dict.
-ORIGIN_KEYS = ("kind", "op", "layer", "layer_class", "file", "line", "code", "key")
+#: Keys of an origin dict (:func:`find_nonfinite_origin`).
+ORIGIN_KEYS = tuple(NonfiniteOrigin.__dataclass_fields__)
 
-#: ``forward``: an op of the model's forward made it (op, layer, file, line, code);
-#: ``input``: the batch itself holds NaN/Inf;
-#: ``weights``: a parameter already holds NaN/Inf (an earlier update wrote it;
-#: ``layer`` is the layer of the first such parameter);
-#: ``outside``: the model's outputs were finite, so the loss function (or the
-#: labels) made it; ``op``/``layer`` name the first non-finite gradient;
-#: ``backward``: the forward is finite everywhere; the NaN/Inf is made in the
-#: backward, at the first non-finite gradient (``op``/``layer``);
-#: ``not_reproduced``: the replay of the step was finite although the step was
-#: not (the forward depends on more than its inputs and the RNG, e.g. a
-#: counter); ``op``/``layer`` name the first non-finite gradient, if any.
-KINDS = ("forward", "input", "weights", "outside", "backward", "not_reproduced")
+#: What made the NaN/Inf (see :data:`paddleviz_hooks.graph.ORIGIN_KINDS`).
+KINDS = ORIGIN_KINDS
 
 _FLAGS = ("FLAGS_check_nan_inf", "FLAGS_check_nan_inf_level")
 _PADDLE_DIR = os.path.dirname(os.path.abspath(paddle.__file__)) + os.sep
+_PADDLE_JIT_DIR = os.path.join(_PADDLE_DIR, "jit") + os.sep
 _OUR_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _OP_RE = re.compile(r"op=([A-Za-z0-9_.]+)")
+_COUNT_RE = re.compile(r"num_(nan|inf)=(\d+)")
+_DTYPE_RE = re.compile(r"dtype=([A-Za-z0-9_]+)")
+_DTYPES = {"fp32": "float32", "fp64": "float64", "fp16": "float16", "bf16": "bfloat16"}
 
 
 def has_nonfinite(obj: Any) -> bool:
     """Whether any floating-point tensor inside ``obj`` (nested lists, tuples, dicts) holds NaN/Inf.
 
-    Example:
+    Examples:
         >>> has_nonfinite(([paddle.to_tensor([1.0])], {"x": paddle.to_tensor([float("nan")])}))
         True
         >>> has_nonfinite((paddle.to_tensor([1, 2]), 3.0))
@@ -88,10 +84,8 @@ def has_nonfinite(obj: Any) -> bool:
     return False
 
 
-def _origin(kind: str, **fields: Any) -> dict[str, Any]:
-    out = dict.fromkeys(ORIGIN_KEYS)
-    out.update(fields, kind=kind)
-    return out
+def _origin(kind: str, **fields: Any) -> NonfiniteOrigin:
+    return NonfiniteOrigin(kind, **fields)
 
 
 class StepInputs:
@@ -119,17 +113,13 @@ class StepInputs:
         self.reset()
 
     def install(self) -> "StepInputs":
-        self._handles = [
-            self.layer.register_forward_pre_hook(self._pre, with_kwargs=True),
-            self.layer.register_forward_post_hook(self._post, with_kwargs=True),
-        ]
+        self._handles.append(self.layer.register_forward_pre_hook(self._pre, with_kwargs=True))
+        self._handles.append(self.layer.register_forward_post_hook(self._post, with_kwargs=True))
         return self
 
     def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
-        self.reset()
+        """Remove both hooks (whatever one removal raises) and drop the step's references."""
+        run_all(lambda: pop_each(self._handles, lambda h: h.remove()), self.reset)
 
     def reset(self) -> None:
         """Drop every reference kept for the step (call it when a step ends)."""
@@ -208,16 +198,19 @@ def _restored(layer: paddle.nn.Layer, rng: Any = None) -> Iterator[None]:
     rng_now = paddle.get_rng_state()
     grad_was = paddle.is_grad_enabled()
     frozen = _frozen_state(layer)
+
+    def put_back() -> None:
+        with paddle.no_grad():
+            for t, value in frozen:
+                t.set_value(value)
+
     try:
         if rng is not None:
             paddle.set_rng_state(rng)
         yield
     finally:
-        paddle.set_grad_enabled(grad_was)
-        with paddle.no_grad():
-            for t, value in frozen:
-                t.set_value(value)
-        paddle.set_rng_state(rng_now)
+        with held_interrupts():  # every part is put back, whatever raises where
+            run_all(lambda: paddle.set_grad_enabled(grad_was), put_back, lambda: paddle.set_rng_state(rng_now))
 
 
 @contextlib.contextmanager
@@ -228,26 +221,34 @@ def _numerics_checker() -> Iterator[None]:
         sys.stdout.flush()
     except Exception:
         pass
-    try:
-        saved: int | None = os.dup(1)
-    except OSError:  # no file descriptor 1: nothing to hide the line from
-        saved = None
     sink = tempfile.TemporaryFile()
-    try:
-        if saved is not None:
-            os.dup2(sink.fileno(), 1)
-        paddle.set_flags({_FLAGS[0]: True, _FLAGS[1]: 0})
-        yield
-    finally:
-        paddle.set_flags(old)
+    held: list[int] = []  # the saved fd 1, while it is redirected
+
+    def hide() -> None:
+        try:
+            saved = os.dup(1)
+        except OSError:  # no file descriptor 1: nothing to hide the line from
+            return
+        held.append(saved)
+        os.dup2(sink.fileno(), 1)
+
+    def show() -> None:
         try:
             ctypes.CDLL(None).fflush(None)  # C stdio buffers go to the sink, not to the user
         except Exception:
             pass
-        if saved is not None:
-            os.dup2(saved, 1)
-            os.close(saved)
-        sink.close()
+        if held:
+            os.dup2(held[0], 1)
+            os.close(held.pop())
+
+    try:
+        with held_interrupts():  # a Ctrl-C lands before or after, never between, these steps
+            hide()
+            paddle.set_flags({_FLAGS[0]: True, _FLAGS[1]: 0})
+        yield
+    finally:
+        with held_interrupts():
+            run_all(lambda: paddle.set_flags(old), show, sink.close)
 
 
 def _layer_paths(layer: paddle.nn.Layer) -> dict[int, tuple[str, str]]:
@@ -256,13 +257,18 @@ def _layer_paths(layer: paddle.nn.Layer) -> dict[int, tuple[str, str]]:
             if type(sub).__name__ != "DataParallel"}
 
 
-def _from_checker_error(exc: BaseException, layer: paddle.nn.Layer) -> dict[str, Any] | None:
-    """The origin named by the checker's error: op from its message, layer and line from its traceback."""
-    m = _OP_RE.search(str(exc))
+def _from_checker_error(exc: BaseException, layer: paddle.nn.Layer) -> NonfiniteOrigin | None:
+    """The origin named by the checker's error: op and the produced tensor's NaN/Inf counts from its
+    message, layer and line from its traceback, whether the output needs a gradient from the
+    inputs of the innermost Paddle function (the op's wrapper) in it."""
+    text = str(exc)
+    m = _OP_RE.search(text)
     if m is None:
         return None
     paths = _layer_paths(layer)
     where = file = line = None
+    needs_grad: bool | None = None
+    in_program = False
     tb = exc.__traceback__
     for frame, lineno in traceback.walk_tb(tb):
         owner = frame.f_locals.get("self")
@@ -271,14 +277,30 @@ def _from_checker_error(exc: BaseException, layer: paddle.nn.Layer) -> dict[str,
         name = os.path.abspath(frame.f_code.co_filename)
         if not name.startswith((_PADDLE_DIR, _OUR_DIR)):
             file, line = frame.f_code.co_filename, lineno  # the innermost line of the user's code
+        if name.startswith(_PADDLE_JIT_DIR):
+            in_program = True  # a to_static program: its inputs do not say what its ops need
+        elif name.startswith(_PADDLE_DIR) and not isinstance(owner, paddle.nn.Layer):
+            # a Paddle function (not a layer's __call__/forward): the innermost one holding
+            # floating-point tensors is the op's own wrapper; its inputs decide
+            floats = [t for t in tensors_in(dict(frame.f_locals)) if t.is_floating_point()]
+            if floats:
+                needs_grad = any(not t.stop_gradient for t in floats)
     traceback.clear_frames(tb)  # the frames hold the replay's tensors
     code = linecache.getline(file, line).strip() if file else ""
+    counts = {k: int(v) for k, v in _COUNT_RE.findall(text)}
+    dtype = _DTYPE_RE.search(text)
     return _origin("forward", op=m.group(1), layer=where[0] if where else None,
-                   layer_class=where[1] if where else None, file=file, line=line, code=code or None)
+                   layer_class=where[1] if where else None, file=file, line=line, code=code or None,
+                   needs_grad=None if in_program else needs_grad, in_program=in_program,
+                   dtype=_DTYPES.get(dtype.group(1), dtype.group(1)) if dtype else None,
+                   nan=counts.get("nan"), inf=counts.get("inf"))
 
 
-def _checked_forward(layer: paddle.nn.Layer, args: tuple, kwargs: dict, rng: Any) -> dict[str, Any] | None:
-    """One forward under the checker without grad; the forward origin, or None when it is finite.
+def _checked_forward(layer: paddle.nn.Layer, args: tuple, kwargs: dict, rng: Any) -> NonfiniteOrigin | None:
+    """One forward under the checker; the forward origin, or None when it is finite.
+
+    Gradients stay on (nothing runs a backward of it), so that the inputs of
+    the origin's op say whether its output needs a gradient.
 
     The forward runs in a thread of its own, started for it: the checker
     appends the Python stack of every op to a per-thread string that nothing
@@ -288,7 +310,7 @@ def _checked_forward(layer: paddle.nn.Layer, args: tuple, kwargs: dict, rng: Any
     """
 
     def forward() -> None:
-        with _numerics_checker(), paddle.no_grad():
+        with _numerics_checker(), paddle.set_grad_enabled(True):
             layer(*args, **kwargs)
 
     with _restored(layer, rng):
@@ -320,17 +342,8 @@ def _in_fresh_thread(fn: Any) -> Any:
     return box.get("value")
 
 
-def _first_gradient(kind: str, graph: BackwardGraph | None) -> dict[str, Any]:
-    sites = graph.nonfinite_sites() if graph is not None else []
-    if not sites:
-        return _origin(kind)
-    n = sites[0]
-    layer_class = graph.layers.get(n.layer) if n.layer is not None else None
-    return _origin(kind, op=n.op, layer=n.layer, layer_class=layer_class, key=n.key)
-
-
 def locate(layer: paddle.nn.Layer, kept: StepInputs, graph: BackwardGraph | None = None,
-           loss_nonfinite: bool = False) -> dict[str, Any]:
+           loss_nonfinite: bool = False) -> NonfiniteOrigin:
     """Where this step's NaN/Inf starts.
 
     Args:
@@ -341,7 +354,8 @@ def locate(layer: paddle.nn.Layer, kept: StepInputs, graph: BackwardGraph | None
         loss_nonfinite: whether the loss was NaN/Inf.
 
     Returns:
-        An origin dict (see :data:`ORIGIN_KEYS`, :data:`KINDS`).
+        The origin (``kind`` one of :data:`KINDS`); for a forward op, ``key``
+        names its grad node in ``graph`` when it has one.
     """
     if has_nonfinite((kept.args, kept.kwargs)):
         return _origin("input")
@@ -354,19 +368,19 @@ def locate(layer: paddle.nn.Layer, kept: StepInputs, graph: BackwardGraph | None
     finally:
         kept.paused = False
     if found is not None:
-        found["key"] = _node_key(graph, found)
+        found.key = _node_key(graph, found)
         return found
     if has_nonfinite(kept.outputs):
-        return _first_gradient("not_reproduced", graph)
-    first = _first_gradient("backward", graph)
-    if loss_nonfinite or (first["key"] is not None and first["layer"] is None):
-        first["kind"] = "outside"
-    elif graph is not None and graph.meta.get("replayed") and not graph.nonfinite_count():
-        first["kind"] = "not_reproduced"
-    return first
+        return _origin("not_reproduced")
+    sites = graph.nonfinite_sites() if graph is not None else []
+    if loss_nonfinite or (sites and sites[0].layer is None):
+        return _origin("outside")
+    if graph is not None and graph.meta.get("replayed") and not graph.nonfinite_count():
+        return _origin("not_reproduced")
+    return _origin("backward")
 
 
-def _nonfinite_weights(layer: paddle.nn.Layer) -> dict[str, Any] | None:
+def _nonfinite_weights(layer: paddle.nn.Layer) -> NonfiniteOrigin | None:
     """The ``weights`` origin when a trainable parameter already holds NaN/Inf."""
     for name, p in layer.named_parameters():
         if not p.stop_gradient and has_nonfinite(p):
@@ -381,13 +395,26 @@ def _norm_op(name: str) -> str:
     return name.replace("_", "").lower()
 
 
-def _node_key(graph: BackwardGraph | None, origin: dict[str, Any]) -> str | None:
-    """Key of the grad node of the origin's op in its layer (its first call), if the graph has it."""
-    if graph is None or not origin.get("op"):
+def _node_key(graph: BackwardGraph | None, origin: NonfiniteOrigin) -> str | None:
+    """Key of the grad node of the origin's op in its layer (its first call), if the graph has it.
+
+    An op whose output needs no gradient has no grad node: an op of the same
+    name in its layer would be another one. An op of a compiled program is
+    one of the program's ops (``sqrt_`` -> ``sqrt_grad``), in its layer or a
+    sublayer."""
+    if graph is None or not origin.op or origin.needs_grad is False:
         return None
-    want = _norm_op(origin["op"])
+    want = _norm_op(origin.op.rstrip("_"))
+    layer = origin.layer
     for n in graph.nodes:
-        if n.kind == "op" and n.layer == origin["layer"] and _norm_op(n.op) == want:
+        if n.kind != "op":
+            continue
+        if origin.in_program:
+            inside = n.layer is not None and layer is not None and (
+                layer == "" or n.layer == layer or n.layer.startswith(layer + "."))
+            if inside and _norm_op(n.op) == want + "grad":
+                return n.key
+        elif n.layer == layer and _norm_op(n.op) == want:
             return n.key
     return None
 
@@ -414,11 +441,54 @@ def replay_step(layer: paddle.nn.Layer, kept: StepInputs) -> bool:
             pairs = [(outs[i], g) for i, g in sorted(kept.out_grads.items()) if i < len(outs)]
             if not pairs or not params:
                 return False
-            paddle.grad([o for o, _ in pairs], params, grad_outputs=[g for _, g in pairs],
-                        allow_unused=True)
+            roots, grads = [o for o, _ in pairs], [g for _, g in pairs]
+            if _reaches_recompute(roots):
+                # reentrant recompute runs its block's backward with backward(), which
+                # adds to param.grad even under paddle.grad (and gives paddle.grad nothing
+                # for the block's parameters): replay with backward(), then put every
+                # param.grad back as it was
+                with _grads_restored(params):
+                    paddle.autograd.backward(roots, grads)
+            else:
+                paddle.grad(roots, params, grad_outputs=grads, allow_unused=True)
     finally:
         kept.paused = False
     return True
+
+
+RECOMPUTE_NODE = "GradNodePyLayer_RecomputeFunction"
+
+
+def _reaches_recompute(roots: list[Any], limit: int = 100000) -> bool:
+    """Whether the graph behind ``roots`` holds a reentrant recompute node."""
+    todo = [g for g in (grad_fn(t) for t in roots) if g is not None]
+    seen: set[int] = set()
+    while todo and len(seen) < limit:
+        gn = todo.pop()
+        ptr = gn.node_ptr()
+        if ptr in seen:
+            continue
+        seen.add(ptr)
+        if gn.name() == RECOMPUTE_NODE:
+            return True
+        todo.extend(n for n in gn.next_functions if n is not None)
+    return False
+
+
+@contextlib.contextmanager
+def _grads_restored(params: list[Any]) -> Iterator[None]:
+    """Every ``param.grad`` of ``params`` as it was before the block (values and absence)."""
+    with paddle.no_grad():
+        kept = [(p, p.grad.clone() if p.grad is not None else None) for p in params]
+    try:
+        yield
+    finally:
+        with paddle.no_grad():
+            for p, g in kept:
+                if g is None:
+                    p.clear_gradient(False)
+                else:
+                    p.grad.set_value(g)
 
 
 def find_nonfinite_origin(model: paddle.nn.Layer, *inputs: Any, **kwargs: Any) -> dict[str, Any] | None:
@@ -431,7 +501,8 @@ def find_nonfinite_origin(model: paddle.nn.Layer, *inputs: Any, **kwargs: Any) -
 
     Args:
         model: the ``paddle.nn.Layer``.
-        *inputs, **kwargs: what ``model`` is called with.
+        *inputs: the positional arguments ``model`` is called with.
+        **kwargs: its keyword arguments.
 
     Returns:
         None when the forward is finite everywhere; else a dict with
@@ -440,12 +511,14 @@ def find_nonfinite_origin(model: paddle.nn.Layer, *inputs: Any, **kwargs: Any) -
         ``layer`` names its layer), ``op`` (Paddle's op type, e.g. ``"sqrt"``),
         ``layer`` (dotted sublayer path, ``""`` for the model itself),
         ``layer_class``, ``file``, ``line`` and ``code`` (the source line
-        that called the op), and ``key`` (None: no graph here).
+        that called the op), ``needs_grad`` (whether the op's output needs a
+        gradient), ``dtype``, ``nan`` and ``inf`` (the tensor it produced),
+        and ``call``/``key`` (None: no graph here).
 
     Raises:
         TypeError: ``model`` is not a ``paddle.nn.Layer``.
 
-    Example:
+    Examples:
         >>> class Net(paddle.nn.Layer):
         ...     def forward(self, x):
         ...         return paddle.log(x)
@@ -459,5 +532,6 @@ def find_nonfinite_origin(model: paddle.nn.Layer, *inputs: Any, **kwargs: Any) -
         raise TypeError(f"model must be a paddle.nn.Layer, got {type(model).__name__}; "
                         "call find_nonfinite_origin(model, x) with your model and its inputs")
     if has_nonfinite((inputs, kwargs)):
-        return _origin("input")
-    return _nonfinite_weights(model) or _checked_forward(model, inputs, kwargs, None)
+        return _origin("input").to_dict()
+    found = _nonfinite_weights(model) or _checked_forward(model, inputs, kwargs, None)
+    return found.to_dict() if found is not None else None

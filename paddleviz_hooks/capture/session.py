@@ -15,30 +15,44 @@
 * A backward run inside another (reentrant recompute) is captured as a child
   session and stitched into the enclosing graph at the PyLayer node that ran
   it (``nested.py``); the step then has one graph with every op and parameter.
+* Every number is the gradient that flowed (``docs/paddle-autograd.md``, "What an
+  edge holds"): the root edge is read by a tensor hook on the root, before its
+  node's kernel can rewrite it in place; an edge filled from its receiver says
+  "overwritten" when that receiver's kernel rewrote it; ``paddle.grad`` graphs
+  hold only what it computed, its inputs' numbers from what it returned; a node
+  used several times keeps the exact sum it received (``Node.received``).
 * Every graph says which backward of its block (or step) it is:
   ``meta["backward"] = {"index": i, "of": n or None, "entry": ...}``.
 * With ``saved_memory=True``, the tensors saved for backward during the
   forward are recorded (``saved.py``) and put on the graph: ``Node.saved_bytes``
   and ``meta["saved_memory"]``. Observing starts when the block is entered and
   again after each backward, and stops when a backward starts.
+* With ``sources=True`` (the default), each op node gets the lines of the
+  user's code that called its forward op (``Node.source``, ``source.py``): the
+  forward call stacks Paddle records while its flag is on, armed the same way.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any, Callable
 
 import paddle
 
 from ..graph import BackwardGraph, GradMeta
-from ..hazards import hook_hazard
+from .._interrupts import held_interrupts, pop_each, run_all
+from ..hazards import PROGRAM_OP_NOTE, SHARES_RECEIVED_UNCHANGED, hook_hazard
 from ..warn import WarnOnce
 from .attribution import LayerAttribution, frame_name
 from .dispatch import DISPATCHER
-from .gradnode import Walk, forget_saved, grad_fn, parameter_names, walk_graph
+from .gradnode import Walk, forget_saved, grad_fn, grad_node_ptr, parameter_names, prune_to_inputs, walk_graph
+from .joins import Joins, explain
 from .static import ProgramRuns
+from .cut import CUT_KINDS, cut
 from .nested import place, pylayer_context, stitch
 from .saved import SavedMemory
+from . import source as sources_
 from .sync import AppliedGrads, data_parallel_world, local_scalar
 from . import stats
 
@@ -98,6 +112,7 @@ class _Session:
         self.leaf_sums: dict[int, Any] | None = None
         self.handles: list[Any] = []  # node post-hooks and parameter hooks, removed in _end
         self.in_meta: dict[int, GradMeta] = {}
+        self.joins: Joins | None = None  # Concat/AddN nodes: their gradients read from what they received
         self.errors: list[BaseException] = []
         self.interrupt: BaseException | None = None
         self.returned: list[list[Any]] = []  # what the hooks returned; emptied in _end
@@ -107,6 +122,30 @@ class _Session:
         self.trigger: str | None = None
         self.calls: dict[str, str] = {}  # layer-call tree of the walked nodes
         self.saved: tuple[dict[int, int], dict[str, Any]] | None = None  # see saved.py
+        self.roots: list[Any] = []  # the tensors the backward starts from (their hooks read the root edges)
+        self.inputs: list[Any] | None = None  # paddle.grad's inputs
+        self.results: Any = None  # what paddle.grad returned for them (set by the dispatcher)
+        # node id of a Concat/Stack with one incoming edge -> [its input slots, the gradient it received]
+        self.cuts: dict[int, list[Any]] = {}
+        self.in_count: dict[int, int] = {}  # incoming edges per node
+        # parameter used once -> (address, in-place version, statistics) of what its one producer sent it
+        self.sent: dict[int, tuple[int, int, GradMeta]] = {}
+        self.wants_stacks = False  # its forward ran with call stacks recorded (source.py)
+        self.stacks: dict[int, Any] | None = None  # node address -> stack, set by the dispatcher
+
+
+def _observe(s: _Session, record: Callable[[Any], None], grad: Any) -> None:
+    """Run a tensor hook's recording: a failure is kept for one warning (a raising hook would
+    abort the backward), a Ctrl-C is held until the backward returns, the time is counted."""
+    t = time.perf_counter()
+    try:
+        record(grad)
+    except Exception as exc:
+        s.errors.append(exc)
+    except BaseException as exc:  # Ctrl-C: re-raised when the backward returns
+        if s.interrupt is None:
+            s.interrupt = exc
+    s.hook_seconds += time.perf_counter() - t
 
 
 class BackwardCapture:
@@ -132,6 +171,7 @@ class BackwardCapture:
         after_backward: Callable[[bool], None] | None = None,
         warn: Callable[[str, str], None] | None = None,
         saved_memory: bool = False,
+        sources: bool = True,
     ) -> None:
         if layer is not None and not isinstance(layer, paddle.nn.Layer):
             raise TypeError(
@@ -142,6 +182,8 @@ class BackwardCapture:
             raise TypeError(f"grad_stats must be True or False, got {grad_stats!r}")
         if not isinstance(saved_memory, bool):
             raise TypeError(f"saved_memory must be True or False, got {saved_memory!r}")
+        if not isinstance(sources, bool):
+            raise TypeError(f"sources must be True or False, got {sources!r}")
         if params is not None and not isinstance(params, (dict, paddle.nn.Layer)):
             raise TypeError(
                 f"params must be a paddle.nn.Layer or a dict of name -> Tensor, got {type(params).__name__}"
@@ -177,44 +219,66 @@ class BackwardCapture:
         self._saved: SavedMemory | None = None
         self._saved_on = False  # observe saved tensors in the forwards of this block
         self._backwards = 0  # backwards under way (a recompute's inner one runs inside another)
+        #: set to a list to keep, per graph, the grad node address of every node (None: no
+        #: grad node); for checks against hooks on the forward's tensors (tests/truth)
+        self.node_ptrs: list[list[int | None]] | None = None
+        #: record the forward source line of each op (``Node.source``)
+        self.sources = sources
+        #: arm source recording when the block is entered (the recorder's trigger
+        #: watch, active on every step, arms it only for captured steps instead)
+        self.sources_from_enter = True
+        self._sources_on = False  # arm the forwards of this block (again after each backward)
+        self._sources_held = False  # this capture holds Paddle's call-stack flag on now
 
     # -- context protocol ---------------------------------------------------
     def __enter__(self) -> "BackwardCapture":
         if self._active:
             raise RuntimeError("this capture is already active; create a new capture_backward() per block")
-        try:
-            source = self.params if self.params is not None else self.layer
-            self._param_names = parameter_names(source) if source is not None else {}
-            if self.layer is not None:
-                self._attribution = LayerAttribution(self.layer)
-                self._attribution.install()
-            self._programs.install()
-            DISPATCHER.activate(self)
-            self._active = True
-            if self.saved_memory:
-                self.observe_saved(True)
+        try:  # whatever raises where (a Ctrl-C is held until set-up is over), nothing stays half-installed
+            with held_interrupts():
+                source = self.params if self.params is not None else self.layer
+                self._param_names = parameter_names(source) if source is not None else {}
+                if self.layer is not None:
+                    self._attribution = LayerAttribution(self.layer)
+                    self._attribution.install()
+                self._programs.install()
+                DISPATCHER.activate(self)
+                self._active = True
+                if self.saved_memory:
+                    self.observe_saved(True)
+                if self.sources and self.sources_from_enter:
+                    self.observe_sources(True)
+            return self
         except BaseException:
             self._teardown()
             raise
-        return self
 
     def __exit__(self, *exc: Any) -> None:
-        self._teardown()
+        run_all(self._teardown, self._number_backwards)  # each part runs, whatever the other raises
+
+    def _number_backwards(self) -> None:
         for g in self.graphs:  # now the block's number of backwards is known
             info = g.meta.get("backward")
             if isinstance(info, dict) and info.get("of") is None:
                 info["of"] = self.backwards_seen
 
     def _teardown(self) -> None:
-        self._active = False
-        self.observe_saved(False)
+        """Remove everything ``__enter__`` installed; every part is removed whatever
+        another part raises (the first exception is raised after)."""
+        with held_interrupts():
+            self._active = False
+            run_all(lambda: self.observe_saved(False), lambda: self.observe_sources(False), self._drop_saved,
+                    lambda: DISPATCHER.deactivate(self),
+                    self._programs.remove, self._drop_attribution)
+            self._param_names = {}
+
+    def _drop_saved(self) -> None:
         self._saved = None
-        DISPATCHER.deactivate(self)
-        self._programs.remove()
+
+    def _drop_attribution(self) -> None:
         if self._attribution is not None:
             self._attribution.remove()
             self._attribution = None
-        self._param_names = {}
 
     def observe_saved(self, on: bool) -> None:
         """Start (or stop) recording what the forwards save for backward.
@@ -240,6 +304,27 @@ class BackwardCapture:
             self._saved_on = False
             self._warn("saved", f"saved-tensor memory is not observed: {exc!r}")
 
+    def observe_sources(self, on: bool) -> None:
+        """Start (or stop) recording where the forwards call their ops.
+
+        Like :meth:`observe_saved`: on at the start of a captured step (or
+        block) until its backward starts, again after each backward while on.
+        """
+        self._sources_on = on and self._active
+        self._hold_sources(self._sources_on)
+
+    def _hold_sources(self, on: bool) -> None:
+        """Hold (or let go of) Paddle's call-stack flag for this capture."""
+        if on and not self._sources_held:
+            self._sources_held = True  # before: an arm cut short is still disarmed by the teardown
+            self._sources_held = sources_.arm()
+            if not self._sources_held:
+                self._warn("sources", "forward source lines are not recorded: Paddle's call-stack flag "
+                                      "could not be set")
+        elif not on and self._sources_held:
+            sources_.disarm()
+            self._sources_held = False  # after: a second call finishes an interrupted one
+
     @property
     def errors(self) -> list[str]:
         """Every capture problem met so far (each also warned once per cause)."""
@@ -261,10 +346,12 @@ class BackwardCapture:
 
     # -- called by the dispatcher -----------------------------------------
     def _begin(self, roots: list[Any], entry: str, nested: bool = False,
-               parent: _Session | None = None) -> _Session | None:
+               parent: _Session | None = None, inputs: Any = None) -> _Session | None:
         t0 = time.perf_counter()
         self._backwards += 1
         saved = self._saved if self._saved is not None and self._saved.armed else None
+        stacks = self._sources_held  # this backward's forward ran with call stacks on
+        keep_stacks = False  # on through a backward that recomputes a block
         try:
             if saved is not None:
                 saved.disarm()  # the forward is over: the backward saves nothing of the step's
@@ -288,8 +375,16 @@ class BackwardCapture:
                 if cache:
                     cache[0].release()
                 return None
-            s = _Session(self, walk(), entry, t0)
+            w = walk()
+            if inputs is not None:  # paddle.grad: only what it computes
+                inputs = list(inputs) if isinstance(inputs, (list, tuple)) else [inputs]
+                w = prune_to_inputs(w, {p for p in map(grad_node_ptr, inputs) if p is not None})
+                cache[0].release()
+            s = _Session(self, w, entry, t0)
+            s.roots, s.inputs = list(roots), inputs
             s.trigger = trigger
+            s.wants_stacks = stacks
+            keep_stacks = stacks and any(n.name.startswith("GradNodePyLayer_") for n in s.walk.nodes)
             self._snapshot_calls(s)
             s.index = self.backwards_seen
             if saved is not None:
@@ -309,6 +404,8 @@ class BackwardCapture:
         finally:
             if saved is not None:
                 saved.release()  # the saves' grad node wrappers go now
+            if stacks and not nested and not keep_stacks:
+                self._hold_sources(False)  # the forward is over
 
     def _snapshot_calls(self, s: _Session) -> None:
         """The layer-call tree of the walked nodes, taken now: attribution is
@@ -321,6 +418,8 @@ class BackwardCapture:
         """A backward inside ``parent``'s: walk and hook it, and find the node that runs it."""
         layer_of = self._attribution.lookup if self._attribution is not None else None
         s = _Session(self, walk_graph(roots, self._param_names, layer_of), entry, t0, parent=parent)
+        s.roots = list(roots)
+        s.wants_stacks = parent.wants_stacks and self._sources_held  # the recomputed forward ran with them
         for node in s.walk.nodes:  # its roots are activations (recompute's block outputs), not a loss
             if node.kind == "root":
                 node.name = node.op = "activation" if len(roots) == 1 else node.name
@@ -343,12 +442,26 @@ class BackwardCapture:
             if reason is not None:
                 node.note = reason
                 needs_in.update(e.dst for e in w.out_edges.get(nid, ()))
+        joins = Joins(w.nodes, w.edges, w.out_edges, w.wrappers, s.in_meta, self.grad_stats, s.stats)
+        s.joins = joins if joins else None
+        into: dict[int, int] = {}  # incoming edges per node (plain ints: this runs every captured step)
+        for e in w.edges:
+            into[e.dst] = into.get(e.dst, 0) + 1
+        s.in_count = into
+        read_sum = self._sum_readers(s, into)
+        for nid, node in enumerate(w.nodes):
+            if node.name in CUT_KINDS and into.get(nid) == 1 and w.wrappers[nid] is not None:
+                s.cuts[nid] = [len(w.wrappers[nid].next_functions), None]
+        for i, e in w.roots:  # what each root receives, read before its node's kernel can rewrite it
+            t = s.roots[i] if i < len(s.roots) else None
+            if t is not None and not t.stop_gradient:
+                s.handles.append(t.register_hook(self._make_root_hook(s, e)))
         for nid, node in enumerate(w.nodes):
             if node.kind == "param":
                 self._hook_param(s, nid)
             if node.kind != "op" or node.note is not None:
                 continue
-            hook = self._make_hook(s, nid, nid in needs_in)
+            hook = self._make_hook(s, nid, nid in needs_in, nid in read_sum)
             s.handles.append(w.wrappers[nid]._register_post_hook(hook))
             node.hooked = True
 
@@ -366,55 +479,119 @@ class BackwardCapture:
         if named is None or named[1].stop_gradient or ptr in totals.hooked:
             return  # an enclosing backward's hook on it sees this backward's share too
         with_stats = self.grad_stats
+        sent = s.sent
+
+        def record(grad):
+            prev = totals.tensors.get(ptr)
+            total = grad if prev is None else prev + grad  # before Paddle adds grad to param.grad
+            got = sent.get(nid) if prev is None else None
+            if got is not None and got[0] == grad.data_ptr() and got[1] == grad._inplace_version():
+                totals.metas[ptr] = got[2]  # the very tensor its one producer sent, unchanged: same numbers
+            else:
+                totals.metas[ptr] = stats.grad_meta(total, with_stats, s.stats)
+            if totals.applied is not None:
+                totals.applied.note(ptr, named[1], total)
+            if totals.keep:
+                totals.tensors[ptr] = total
 
         def hook(grad):
-            t = time.perf_counter()
-            try:
-                prev = totals.tensors.get(ptr)
-                total = grad if prev is None else prev + grad  # before Paddle adds grad to param.grad
-                totals.metas[ptr] = stats.grad_meta(total, with_stats, s.stats)
-                if totals.applied is not None:
-                    totals.applied.note(ptr, named[1], total)
-                if totals.keep:
-                    totals.tensors[ptr] = total
-            except Exception as exc:
-                s.errors.append(exc)
-            except BaseException as exc:  # Ctrl-C: re-raised when the backward returns
-                if s.interrupt is None:
-                    s.interrupt = exc
-            s.hook_seconds += time.perf_counter() - t
+            _observe(s, record, grad)
             return None
 
         s.handles.append(named[1].register_hook(hook))
         totals.hooked.add(ptr)
         s.param_hooks.append(ptr)
 
-    def _make_hook(self, s: _Session, nid: int, want_in: bool):
+    def _sum_readers(self, s: _Session, into: dict[int, int]) -> set[int]:
+        """Hooked ops that receive over several edges, each from a hooked op: their hooks read
+        what they received in all (``Node.received``).
+
+        Paddle adds the parts into the first part's buffer, which the first producer's hook
+        holds (it returned it): the receiving op's kernel cannot rewrite that buffer in place,
+        so its post-hook reads the exact sum, at no extra arithmetic.
+        """
+        if not self.grad_stats:
+            return set()  # shapes only: the sum would tell nothing more
+        w = s.walk
+        nodes = w.nodes
+        hooked = [n.kind == "op" and n.note is None for n in nodes]  # notes are set just before
+        found = {dst for dst, k in into.items() if k > 1 and hooked[dst]}
+        for e in w.edges:
+            if e.dst in found and not hooked[e.src]:
+                found.discard(e.dst)
+        return found
+
+    def _make_root_hook(self, s: _Session, e: Any):
+        """A tensor hook on a root: it runs before the root's node, with what the node receives."""
+        with_stats = self.grad_stats
+
+        def record(grad):
+            e.grad = stats.grad_meta(grad, with_stats, s.stats)
+            if e.dst in s.cuts:
+                s.cuts[e.dst][1] = grad
+            if s.joins is not None and s.joins.wants(e.dst):
+                s.joins.arrive(e.dst, grad)
+
+        def hook(grad):
+            _observe(s, record, grad)
+            return None
+
+        return hook
+
+    def _make_hook(self, s: _Session, nid: int, want_in: bool, want_sum: bool = False):
         with_stats = self.grad_stats
         queue = s.stats
         out_edges = s.walk.out_edges.get(nid, [])
-        root_edge = s.walk.root_edges.get(nid)
         sums = s.leaf_sums
         to_leaf = ([i for i, e in enumerate(out_edges) if s.walk.nodes[e.dst].kind == "input"]
                    if sums is not None else [])
+        cuts = s.cuts
+        nodes = s.walk.nodes
+        keeps_values = s.walk.nodes[nid].name in SHARES_RECEIVED_UNCHANGED
+        sent = s.sent
+        once = {i for i, e in enumerate(out_edges)  # edges into a parameter used once: its leaf hook reuses them
+                if nodes[e.dst].kind == "param" and s.in_count.get(e.dst) == 1}
+        joins = s.joins
+        to_join = [i for i, e in enumerate(out_edges) if joins.wants(e.dst)] if joins is not None else []
 
         def hook(outs, ins):
             t = time.perf_counter()
             try:
                 produced = stats.flat_tensors(outs)
-                for e, g in zip(out_edges, produced):
-                    e.grad = stats.grad_meta(g, with_stats, queue)
+                paired = len(produced) == len(out_edges)
+                if paired:
+                    for i, (e, g) in enumerate(zip(out_edges, produced)):
+                        e.grad = stats.grad_meta(g, with_stats, queue)
+                        if i in once:
+                            sent[e.dst] = (g.data_ptr(), g._inplace_version(), e.grad)
+                        if e.dst in cuts:
+                            cuts[e.dst][1] = g  # cut into its inputs' parts when the backward is over
+                else:  # holes or extra slots: no gradient is put on an edge it may not belong to
+                    for e in out_edges:
+                        e.grad = GradMeta(note="unpaired")
                 for i in to_leaf:  # before Paddle accumulates it into the leaf (see _ParamTotals)
                     if i < len(produced):
                         prev = sums.get(out_edges[i].dst)
                         sums[out_edges[i].dst] = produced[i] if prev is None else prev + produced[i]
-                if root_edge is not None or want_in:
-                    received = stats.flat_tensors(ins)
+                if to_join and paired:
+                    for i in to_join:  # a Concat/AddN cuts or copies it (joins.py)
+                        joins.arrive(out_edges[i].dst, produced[i])
+                if want_in or want_sum:
+                    received = stats.flat_tensors(ins)  # several: several forward outputs
                     if len(received) == 1:
-                        m = stats.grad_meta(received[0], with_stats, queue)
-                        if root_edge is not None:
-                            root_edge.grad = m
-                        s.in_meta[nid] = m
+                        r = received[0]
+                        if not keeps_values and r.size and any(r.data_ptr() == g.data_ptr() for g in produced):
+                            # the kernel wrote what it passes on into the buffer it received
+                            m = stats.grad_meta(r, False)
+                            m.note = "overwritten"
+                        else:
+                            m = stats.grad_meta(r, with_stats, queue)
+                        if want_in:
+                            s.in_meta[nid] = m
+                            if joins is not None:
+                                joins.reported(nid)
+                        if want_sum and m.note is None:
+                            nodes[nid].received = m
             except Exception as exc:  # a raising hook would abort backward
                 s.errors.append(exc)
             except BaseException as exc:  # Ctrl-C: re-raised when the backward returns
@@ -433,28 +610,28 @@ class BackwardCapture:
         return hook
 
     def _end(self, s: _Session | None, ok: bool, retain_graph: bool) -> None:
+        if s is not None:
+            run_all(lambda: self._unhook(s))  # first: nothing of this backward's stays hooked
         self._backwards = max(0, self._backwards - 1)
         if self._saved_on and self._active and not self._backwards:
             self.observe_saved(True)  # the next forward of the block
+        if not self._backwards:
+            self._hold_sources(self._sources_on and self._active)  # the next forward of the block
         if not retain_graph:
             self._programs.reset()  # that forward's program runs are consumed
         if s is None:
             if not retain_graph and self._attribution is not None:
                 self._attribution.reset()
-            self._after(ok)
+            if not self._backwards:  # a backward run inside another (recompute) is checked with it
+                self._after(ok)
             return
         t0 = time.perf_counter()
         try:
-            for h in s.handles:
-                try:
-                    h.remove()
-                except Exception:
-                    pass
-            s.handles.clear()
-            s.totals.hooked.difference_update(s.param_hooks)
-            for ret in s.returned:  # see _make_hook: drop the gradients Paddle leaks
-                ret.clear()
-            s.returned.clear()
+            if s.joins is not None:
+                s.joins.finish()  # before _fill_received: a cut slice is exact
+            if s.wants_stacks or self.sources:
+                sources_.apply_stacks(s.walk.nodes, s.ptrs, s.stacks if s.wants_stacks else None,
+                                      PROGRAM_OP_NOTE, nested=s.parent is not None)
             s.walk.release()
             if not retain_graph and self._attribution is not None:
                 # that forward's graph is consumed (a nested one: the recomputed forward's);
@@ -478,6 +655,16 @@ class BackwardCapture:
             self._warn("finish", f"backward graph capture failed and was skipped: {exc!r}")
         self._after(ok)
 
+    @staticmethod
+    def _unhook(s: _Session) -> None:
+        """Remove the session's hooks (idempotent: a second call finishes an interrupted one)."""
+        pop_each(s.handles, _remove_quietly)
+        s.roots, s.sent = [], {}  # s.cuts: used, then dropped, by _fill_received
+        s.totals.hooked.difference_update(s.param_hooks)
+        for ret in s.returned:  # see _make_hook: drop the gradients Paddle leaks
+            ret.clear()
+        s.returned.clear()
+
     def _deliver(self, graph: BackwardGraph) -> None:
         if self.keep_graphs:
             self.graphs.append(graph)
@@ -495,6 +682,7 @@ class BackwardCapture:
         self._fill_received(s)
         self._leaf_totals(s)
         self._merge_children(s)
+        explain(s.walk.nodes, s.walk.edges, s.joins)  # after stitching: it may fill the PyLayer's edge
         if s.at is not None:
             s.parent.children.append((s.at, s))
             s.parent.hook_seconds += s.prepare_seconds + s.hook_seconds  # the step's capture cost
@@ -516,14 +704,36 @@ class BackwardCapture:
 
     @staticmethod
     def _fill_received(s: _Session) -> None:
-        """An unhooked producer's edge: the receiver saw the same tensor when it is its only input."""
+        """An unhooked producer's edge: the receiver saw the same tensor when it is its only input
+        (unless the receiver's kernel rewrote it first: then the edge says so)."""
         w = s.walk
         in_count: dict[int, int] = {}
         for e in w.edges:
             in_count[e.dst] = in_count.get(e.dst, 0) + 1
+        BackwardCapture._cut(s)
         for e in w.edges:
-            if e.grad is None and in_count.get(e.dst) == 1 and e.dst in s.in_meta:
+            if e.grad is None and in_count[e.dst] == 1 and e.dst in s.in_meta:
                 e.grad = s.in_meta[e.dst]
+
+    @staticmethod
+    def _cut(s: _Session) -> None:
+        """A Stack's outgoing edges, cut from the gradient it received (``cut.py``)."""
+        cuts, s.cuts = s.cuts, {}
+        w = s.walk
+        for nid, (slots, received) in cuts.items():
+            if received is None:
+                continue
+            shapes: list[tuple[int, ...] | None] = [None] * slots
+            for e in w.out_edges.get(nid, []):
+                d = w.nodes[e.dst]
+                shape = d.shape if d.kind == "param" else (s.in_meta[e.dst].shape if e.dst in s.in_meta else None)
+                if e.slot < slots:
+                    shapes[e.slot] = shape
+            parts = cut(w.nodes[nid].name, received, shapes)
+            for e in w.out_edges.get(nid, []):
+                part = parts[e.slot] if e.slot < slots else None
+                if part is not None and (e.grad is None or e.grad.norm is None):
+                    e.grad = stats.grad_meta(part, s.cap.grad_stats, s.stats)
 
     def _leaf_totals(self, s: _Session) -> None:
         """A detached input's total gradient, when every gradient reaching it was seen."""
@@ -539,6 +749,7 @@ class BackwardCapture:
         """Stitch the nested backwards (already merged with theirs) into this session's graph."""
         for at, child in s.children:
             s.calls.update({k: v for k, v in child.calls.items() if k not in s.calls})
+            sources_.prefix_recomputed(s.walk.nodes[at], child.walk.nodes)
             stitch(s.walk.nodes, s.walk.edges, s.ptrs, at, child.walk.nodes, child.walk.edges, child.ptrs)
         s.children.clear()
 
@@ -550,6 +761,7 @@ class BackwardCapture:
                 s.walk.nodes[nid].saved_bytes = nbytes
         stitched = len(s.children)
         self._merge_children(s)
+        explain(s.walk.nodes, s.walk.edges, s.joins)  # after stitching: it may fill the PyLayer's edge
         sync = self._read_applied(s)
         s.stats.resolve()  # every statistic of this backward, in one read
         graph = self._graph(s, s.walk.nodes, s.walk.edges, s.ptrs)
@@ -566,6 +778,26 @@ class BackwardCapture:
         if s.saved is not None:
             graph.meta["saved_memory"] = saved_meta
         return graph
+
+    def _grad_results(self, s: _Session, nodes: list, ptrs: list) -> None:
+        """``paddle.grad``: each input's node gets what it returned (its leaf hooks do not run):
+        a parameter's row, another node's received gradient (the sum over its uses)."""
+        if s.inputs is None or s.results is None:
+            return
+        at = {p: i for i, p in enumerate(ptrs) if p is not None}
+        results = s.results if isinstance(s.results, (list, tuple)) else [s.results]
+        for t, r in zip(s.inputs, results):
+            ptr = grad_node_ptr(t)
+            if r is None or ptr not in at:
+                continue
+            n = nodes[at[ptr]]
+            m = stats.grad_meta(r, self.grad_stats, s.stats)
+            if n.kind == "param":
+                n.grad = m
+            else:
+                n.received = m
+        s.stats.resolve()
+        s.inputs = s.results = None
 
     def _read_applied(self, s: _Session) -> dict[str, Any] | None:
         """Several processes: each parameter's applied gradient, read from ``param.grad`` now.
@@ -600,6 +832,7 @@ class BackwardCapture:
         for n, p in zip(nodes, ptrs):
             if n.kind == "param" and p in metas:
                 n.grad = metas[p]
+        self._grad_results(s, nodes, ptrs)
         in_count: dict[int, int] = {}
         for e in edges:
             in_count[e.dst] = in_count.get(e.dst, 0) + 1
@@ -623,8 +856,17 @@ class BackwardCapture:
             meta={"entry": s.entry, "grad_stats": self.grad_stats, **self.meta},
         )
         graph.assign_keys()
+        if self.node_ptrs is not None:
+            self.node_ptrs.append(list(ptrs))
         return graph
 
+
+
+def _remove_quietly(handle: Any) -> None:
+    try:
+        handle.remove()
+    except Exception:  # a hook whose node is gone already
+        pass
 
 
 def capture_backward(
@@ -633,6 +875,8 @@ def capture_backward(
     grad_stats: bool = True,
     params: Any = None,
     saved_memory: bool = False,
+    sources: bool = True,
+    **unknown: Any,
 ) -> BackwardCapture:
     """Capture the backward graph of every backward call inside a ``with`` block.
 
@@ -654,6 +898,12 @@ def capture_backward(
             its backward (activation memory): bytes per grad node
             (``Node.saved_bytes``), per layer call and per op in
             ``graph.meta["saved_memory"]``. Run the forward inside the block.
+        sources: record where the user's code called each op's forward
+            (``Node.source``: file, line, function and code of each frame),
+            from the call stacks Paddle keeps while
+            ``FLAGS_call_stack_level`` is 3; the flag is on from the start of
+            the block (and again after each backward) until a backward
+            starts. Run the forward inside the block.
 
     Returns:
         A :class:`BackwardCapture`; ``cap.graphs`` holds one graph per backward,
@@ -662,7 +912,7 @@ def capture_backward(
     Raises:
         TypeError: ``layer`` or ``params`` of the wrong type.
 
-    Example:
+    Examples:
         >>> import paddle
         >>> model = paddle.nn.Sequential(paddle.nn.Linear(4, 8), paddle.nn.ReLU(), paddle.nn.Linear(8, 3))
         >>> x, y = paddle.randn([2, 4]), paddle.to_tensor([[0], [2]])
@@ -674,5 +924,10 @@ def capture_backward(
         >>> cap.graph.count_ops()["Matmul"]
         2
     """
-    return BackwardCapture(layer, grad_stats=grad_stats, params=params, saved_memory=saved_memory)
+    if unknown:  # a typo: the closest option is named
+        from ..argcheck import reject_unknown
+
+        reject_unknown("capture_backward", unknown, ("layer", "grad_stats", "params", "saved_memory", "sources"))
+    return BackwardCapture(layer, grad_stats=grad_stats, params=params, saved_memory=saved_memory,
+                           sources=sources)
 

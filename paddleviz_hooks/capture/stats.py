@@ -6,11 +6,11 @@ depends on where it lives:
 * **On the host** (the CPU wheel, CPU tensors): the gradient already is host
   memory, so numpy reduces it where it lies: a small one (under 8,192
   elements) as a float64 copy, which is exact and cheaper than making a
-  view; a larger one through a zero-copy DLPack view, its sum of squares as
-  BLAS dot products over blocks of 2,048 elements added in float64 (within
-  about 5e-8 relative of a float64 sum: more exact than Paddle's own CPU
-  ``square().sum()``, and four times faster than numpy's). There is nothing to
-  transfer and nothing to synchronise.
+  view; a larger one through a zero-copy DLPack view, its sum of squares
+  accumulated in float64 (chunks converted to float64, dot products over
+  blocks of 2,048 elements): within ``n * 2**-53`` of the exact sum whatever
+  BLAS kernel the machine picks. There is nothing to transfer and nothing to
+  synchronise.
 * **On an accelerator**: the reductions (sum of squares, min, max, NaN and
   Inf counts) are queued as 0-d tensors on the device, and
   :meth:`StatsQueue.resolve` brings every queued number to the host in one
@@ -38,19 +38,33 @@ __all__ = ["StatsQueue", "grad_meta", "sum_of_squares", "flat_tensors", "is_dist
 
 _FLOAT_DTYPES = {"float16", "bfloat16", "float32", "float64"}
 _VIEW_MIN = 1 << 13  # elements from which a zero-copy view beats a float64 copy (docs/performance.md)
-_BLOCK = 2048  # elements per float32 dot product: worst relative error 5e-8 (docs/performance.md)
+_BLOCK = 2048  # elements per float64 dot product (a batched matmul: no BLAS threads, docs/performance.md)
+_CHUNK = 1 << 18  # elements converted to float64 at a time (2 MB): no full-size copy of a large gradient
 _SCALE = {"float32": 2.0 ** -64, "float64": 2.0 ** -512}  # exact rescaling when squares overflow
 
 
 def _sum_squares(a: np.ndarray) -> float:
-    """Sum of the squares of a float array: BLAS dot products over blocks of
-    ``_BLOCK`` elements, the blocks' sums added in float64."""
+    """Sum of the squares of a float array, accumulated in float64 whatever BLAS kernel runs.
+
+    The array is read in chunks of ``_CHUNK`` elements converted to float64
+    (a float32 element's square is exact there); each chunk's squares are
+    summed as float64 dot products over blocks of ``_BLOCK`` elements. Every
+    product and addition is a float64 operation, so in any order a kernel
+    may pick the relative error is at most ``n * 2**-53`` (under 3e-9 for 25M
+    elements; measured 2e-13 for 1M equal elements, with and without
+    ``OPENBLAS_CORETYPE=Haswell``). A float32 dot product's error depends on
+    the kernel OpenBLAS picks (docs/performance.md).
+    """
     a = np.ascontiguousarray(a).reshape(-1)  # a copy only when the view is strided
-    rows = a.size // _BLOCK
-    blocks = a[: rows * _BLOCK].reshape(rows, 1, _BLOCK)
-    sq = float(np.matmul(blocks, blocks.transpose(0, 2, 1)).sum(dtype=np.float64))
-    rest = a[rows * _BLOCK:].astype(np.float64)
-    return sq + float(np.dot(rest, rest))
+    total = 0.0
+    for i in range(0, a.size, _CHUNK):
+        c = a[i: i + _CHUNK].astype(np.float64)  # float32: a copy; float64: one too (small, kept simple)
+        rows = c.size // _BLOCK
+        blocks = c[: rows * _BLOCK].reshape(rows, 1, _BLOCK)
+        total += float(np.matmul(blocks, blocks.transpose(0, 2, 1)).sum())
+        rest = c[rows * _BLOCK:]
+        total += float(np.dot(rest, rest))
+    return total
 
 
 def _host_stats(meta: GradMeta, f: Any, numel: int) -> None:
@@ -86,7 +100,7 @@ class StatsQueue:
     over) reads every queued number in one transfer and fills the rest. A
     queued gradient itself is not kept: only its 0-d results are.
 
-    Example:
+    Examples:
         >>> q = StatsQueue()
         >>> m = grad_meta(paddle.to_tensor([3.0, -4.0]), True, q)
         >>> m.norm, m.min, m.max  # a host tensor: read at once
@@ -174,7 +188,7 @@ def sum_of_squares(tensors: Iterable[Any]) -> float:
     Host tensors are read in place as :class:`StatsQueue` reads them; the
     device tensors' sums are added on the device and read in one transfer.
 
-    Example:
+    Examples:
         >>> sum_of_squares([paddle.to_tensor([3.0]), paddle.to_tensor([[4.0, 0.0]])])
         25.0
     """

@@ -4,8 +4,11 @@
   escaping from ``paddleviz_hooks.escape``).
 * ``engine.py``: the external layout program behind one function; it sees DOT
   text, never graph objects.
-* ``draw.py``: SVG at full detail; the PNG size and collapse plan (the viewing
-  PNG and its SVG come from one engine run).
+* ``draw.py``: SVG at full detail; the levels of detail of a viewing PNG (the
+  viewing PNG and its SVG come from one engine run).
+* ``plan.py``: chooses the detail, direction and rows of every sized picture
+  within a few engine runs, and reuses the choice for the same structure.
+* ``sizes.py``: the size model ``plan.py`` predicts layouts with.
 * ``diff.py``: a :class:`~paddleviz_hooks.diff.GraphDiff` drawn over the newer graph.
 * ``ranks.py``: one step captured on several ranks, merged in one drawing.
 * ``output.py``: the checks of an output path and format, shared by the writers.

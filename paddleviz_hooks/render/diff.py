@@ -20,14 +20,16 @@ import os
 from typing import Any
 
 from .._fileio import atomic_write
-from ..collapse import collapse_alike, collapse_graph, layer_depths
+from ..collapse import collapse_alike, collapse_graph
 from ..diff import GraphDiff, diff_graphs, edge_metas, norm_ratio
 from ..escape import dot_attrs, dot_html_table, dot_label
 from ..graph import BackwardGraph
 from ..text import collapse_note, describe_node, edge_lines, fmt_num, fmt_ratio, ghost_lines
 from .dot import to_dot
 from .output import output_target
-from .draw import LEGIBLE_DPI, render_png, render_svg, render_views
+from .draw import (LEGIBLE_DPI, VIEW_MAX_PX, collapse_specs, render_svg, render_views, structure_key,
+                   svg_viewbox_as_drawn)
+from .plan import Candidate, Frame, draw_planned
 
 __all__ = ["diff_to_dot", "render_diff", "render_diff_png", "render_diff_views", "diff_styles", "DIFF_STYLE"]
 
@@ -205,7 +207,7 @@ def diff_to_dot(diff: GraphDiff, newer: BackwardGraph, older: BackwardGraph, **o
         TypeError: wrong argument types.
         ValueError: bad option values.
 
-    Example:
+    Examples:
         >>> import paddle, tempfile, os
         >>> from paddleviz_hooks import capture_backward, diff_graphs
         >>> net = paddle.nn.Sequential(paddle.nn.Linear(3, 3), paddle.nn.Linear(3, 1))
@@ -237,7 +239,8 @@ def render_diff(
 
     Args:
         diff: ``diff_graphs(older, newer)``.
-        newer / older: the two graphs.
+        newer: the later graph.
+        older: the earlier graph.
         path: output file; its suffix picks the format when ``format`` is
             None. Without a path the bytes are returned.
         format: ``"png"``, ``"svg"``, ``"dot"`` or ``"json"`` (the diff
@@ -253,7 +256,7 @@ def render_diff(
         FileNotFoundError: the output directory does not exist.
         EngineNotFound / RenderTimeout: as for :func:`render_png`.
 
-    Example:
+    Examples:
         >>> import paddle, tempfile, os
         >>> from paddleviz_hooks import capture_backward, diff_graphs
         >>> net = paddle.nn.Sequential(paddle.nn.Linear(3, 3), paddle.nn.Linear(3, 1))
@@ -300,7 +303,7 @@ def render_diff_png(
             :func:`render_png` fills it, where ``collapsed_depth`` and
             ``folded`` say how both graphs were collapsed.
 
-    Example:
+    Examples:
         >>> import paddle, tempfile, os
         >>> from paddleviz_hooks import capture_backward, diff_graphs
         >>> net = paddle.nn.Sequential(paddle.nn.Linear(3, 3), paddle.nn.Linear(3, 1))
@@ -342,7 +345,7 @@ def render_diff_views(
     Returns:
         format -> bytes.
 
-    Example:
+    Examples:
         >>> import paddle
         >>> from paddleviz_hooks import capture_backward, diff_graphs
         >>> net = paddle.nn.Sequential(paddle.nn.Linear(3, 3), paddle.nn.Linear(3, 1))
@@ -356,30 +359,53 @@ def render_diff_views(
     """
     _check(diff, newer, older)
     opts = dict(options)
-    full = newer
-    if auto_collapse and "depth" not in opts and opts.get("max_nodes") is None:  # as render_png decides
-        decided: dict[str, Any] = {}
-        render_views(newer, (), info=decided, **opts)  # decides only (the plan is reused later)
-        start, fold = decided["collapsed_depth"], decided["fold_repeats"]
-        deepest = max(layer_depths(newer).values(), default=0)
-        depths = [start] + list(range(deepest if start is None else start - 1, -1, -1))
-        for depth in depths:
-            trial = dict(opts) if depth is None else {**opts, "depth": depth, "fold_repeats": fold}
-            d2, n2, o2 = _collapsed(diff, newer, older, trial)
-            trial = _diff_options(d2, n2, o2, trial)
-            plan: dict[str, Any] = {}
-            render_views(n2, (), info=plan, auto_collapse=False, **trial)
-            if plan["dpi"] >= LEGIBLE_DPI or depth == depths[-1]:
-                break
-        if depth is not None:
-            opts.update(depth=depth, fold_repeats=fold)
+    if opts.get("dpi") is not None:  # a fixed resolution: no size policy to plan
+        diff, n2, o2 = _collapsed(diff, newer, older, opts)
+        return render_views(n2, tuple(formats), auto_collapse=False, info=info, **_diff_options(diff, n2, o2, opts))
+    max_px = opts.pop("max_px", VIEW_MAX_PX)
+    timeout = opts.pop("timeout", 120.0)
+    min_dpi = opts.pop("min_dpi", LEGIBLE_DPI)
+    rankdir = opts.pop("rankdir", None)
+    explicit = "depth" in opts or opts.get("max_nodes") is not None
     titled = "title" in opts  # a title given by the caller is kept as it is
-    diff, newer, older = _collapsed(diff, newer, older, opts)
-    opts = _diff_options(diff, newer, older, opts)
-    if newer is not full and not titled:
-        note = collapse_note(newer, full, full_detail) if full_detail else collapse_note(newer, full)
-        opts["title"] = f"{opts['title']} - {note}"
-    out = render_views(newer, tuple(formats), auto_collapse=False, info=info, **opts)
+
+    def build(spec: Any) -> Candidate:
+        trial = dict(opts) if spec is None else {**opts, "depth": spec[0], "fold_repeats": spec[1]}
+        d2, n2, o2 = _collapsed(diff, newer, older, trial)
+        trial = _diff_options(d2, n2, o2, trial)
+        if n2 is not newer and not titled:
+            note = collapse_note(n2, newer, full_detail) if full_detail else collapse_note(n2, newer)
+            trial["title"] = f"{trial['title']} - {note}"
+        return Candidate(spec, len(n2.nodes), lambda rd: to_dot(n2, rankdir=rd, **trial), n2)
+
+    def candidates():
+        yield build(None)
+        if not auto_collapse or explicit:
+            return
+        seen = set()
+        for spec in collapse_specs(newer, {k: opts[k] for k in ("by_type", "fold_repeats") if k in opts}):
+            c = build(spec)
+            shape = tuple((n.key, n.layer, n.count) for n in c.data.nodes)
+            if len(c.data.nodes) >= len(newer.nodes) or shape in seen:
+                continue
+            seen.add(shape)
+            yield c
+
+    styles = ("node_style", "edge_style", "extra_body", "title")
+    key = ("diff", structure_key(newer), structure_key(older), tuple(sorted(
+        (k, repr(v)) for k, v in opts.items() if k not in styles)), max_px, rankdir, auto_collapse, min_dpi)
+    planned = draw_planned(key, candidates(), tuple(formats), Frame(max_px, max_px),
+                           rankdirs=(rankdir,) if rankdir else ("TB", "LR"), min_dpi=min_dpi, timeout=timeout,
+                           structure=key[1], build=build)
+    newer_drawn = planned.candidate.data if planned.candidate is not None else newer
+    out = planned.outputs
+    if "svg" in out:
+        out["svg"] = svg_viewbox_as_drawn(out["svg"])
+    d = planned.decision
+    full, newer = newer, newer_drawn
+    if info is not None:
+        info.update(nodes=len(newer.nodes), dpi=round(d.dpi, 3), rankdir=d.rankdir, bands=d.bands,
+                    padded=planned.padded, full_detail=newer is full, engine_runs=planned.attempts)
     if info is not None:
         used = newer.meta.get("collapse", {}) if newer is not full else {}
         info.update(collapsed_depth=used.get("depth"), folded=bool(used.get("fold_repeats")))

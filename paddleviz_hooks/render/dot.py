@@ -6,13 +6,18 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any, Mapping
 
+import textwrap
+
 from ..escape import dot_attrs, dot_html_table, dot_label, dot_quote
+from ..findings import marks, record_of
 from ..graph import BackwardGraph, Edge, Node, is_communication
 from ..hazards import PROGRAM_OP_NOTE
-from ..text import (COMMUNICATION_LEGEND, NOT_OBSERVED, SAVED_SHADE_NONE, SAVED_SHADE_TITLE, box_name, call_of,
-                    edge_lines, node_lines, node_tooltip, origin_mark, saved_shade_line)
+from ..text import (COMMUNICATION_LEGEND, DASHED_LEGEND, FIRST_GRADIENT, NOT_OBSERVED, ORIGIN_LEGEND, SAVED_SHADE_NONE,
+                    SAVED_SHADE_TITLE, box_name, call_of, edge_lines, node_lines, node_tooltip, origin_mark,
+                    origin_node_lines, saved_shade_line)
 
-__all__ = ["to_dot", "dot_parts", "STYLE", "COLOR_BY", "SAVED_SHADES", "check_color_by", "saved_shades"]
+__all__ = ["to_dot", "dot_parts", "STYLE", "COLOR_BY", "SAVED_SHADES", "ORIGIN_NODE_ID", "check_color_by", "saved_shades",
+           "title_lines"]
 
 # Colours chosen to stay distinguishable in greyscale thumbnails too.
 STYLE = {
@@ -24,7 +29,7 @@ STYLE = {
     "nonfinite": {"fillcolor": "#ff6b6b", "color": "#b00000", "penwidth": "2.5"},
     "unhooked": {"style": "rounded,filled,dashed"},
     "communication": {"fillcolor": "#ffe0b2", "color": "#e65100", "penwidth": "1.5"},
-    # where the NaN/Inf started (graph.meta["nonfinite_origin"]): a thick violet double frame
+    # where the NaN/Inf started (graph.nonfinite.origin): a thick violet double frame
     "origin": {"color": "#7b1fa2", "penwidth": "4", "peripheries": "2", "fontcolor": "#4a0072"},
 }
 
@@ -40,7 +45,7 @@ _SHADE_STEP = 4
 def check_color_by(color_by: Any) -> None:
     """Raise ``TypeError``/``ValueError`` unless ``color_by`` is None or one of :data:`COLOR_BY`.
 
-    Example:
+    Examples:
         >>> check_color_by("memory")
         Traceback (most recent call last):
         ...
@@ -59,7 +64,7 @@ def saved_shades(graph: BackwardGraph) -> dict[int, int]:
     quarter of that, too; then shade 1 down to a sixteenth, and so on.
     A collapsed box carries the sum of its ops' bytes (each storage counted once).
 
-    Example:
+    Examples:
         >>> from paddleviz_hooks.graph import Node
         >>> g = BackwardGraph([Node(0, "op", "A", "A", saved_bytes=4096), Node(1, "op", "B", "B", saved_bytes=1000),
         ...                    Node(2, "op", "C", "C")])
@@ -133,16 +138,15 @@ def dot_parts(
         "newrank": "true",
     }
     if title:
-        graph_attr.update({"label": title, "labelloc": "t", "fontsize": "16"})
-    body = [
+        graph_attr.update({"labelloc": "t", "fontsize": "16"})
+    body = [f"label={dot_label(*title_lines(title))}"] if title else []
+    body += [
         f"node [{dot_attrs({'fontname': 'Helvetica', 'fontsize': '11', 'margin': '0.08,0.03', 'height': '0.3'})}]",
         f"edge [{dot_attrs({'fontname': 'Helvetica', 'fontsize': '9', 'color': '#555555', 'arrowsize': '0.6'})}]",
     ]
     bad_src = {e.src for e in graph.edges if e.grad is not None and e.grad.nonfinite}
-    sites = graph.nonfinite_sites() if bad_src else []
-    origin = sites[0].id if sites else None
-    found = graph.meta.get("nonfinite_origin")
-    found_id = _origin_node(graph, found) if isinstance(found, dict) else None
+    found = record_of(graph).origin
+    mark = marks(graph)
 
     def node_stmt(n: Node) -> str:
         attrs = dict(STYLE.get(n.kind, STYLE["op"]))
@@ -158,9 +162,9 @@ def dot_parts(
         if n.id in bad_src or (n.kind == "layer" and n.nonfinite):
             attrs.pop("fontcolor", None)
             attrs.update(STYLE["nonfinite"])
-            if n.id == origin and found_id is None:
-                lines = lines + ["NaN/Inf origin" if found is None else origin_mark({})]
-        if n.id == found_id:
+        if n.id == mark.first_gradient and n.id != mark.origin:
+            lines = lines + [FIRST_GRADIENT]
+        if n.id == mark.origin:
             attrs.update(STYLE["origin"])
             lines = lines + [origin_mark(found)]
         attrs["tooltip"] = node_tooltip(n)
@@ -191,7 +195,7 @@ def dot_parts(
     for e in graph.edges:
         attrs: dict[str, str] = {}
         seen = _observed(graph, e)
-        text = edge_lines(e.grad, stats, seen)
+        text = edge_lines(e.grad, stats, seen, e.note)
         if text:
             attrs["label"] = "\n".join(text)
         if e.grad is None or not seen:
@@ -204,10 +208,14 @@ def dot_parts(
         lbl = f"label={dot_label(*label.split(chr(10)))}" if label else ""
         sep = ", " if lbl and rest else ""
         body.append(f"n{e.src} -> n{e.dst} [{lbl}{sep}{rest}]")
+    drawn_origin = mark.origin is not None
+    if found is not None and found.kind == "forward" and not drawn_origin:
+        body.extend(_origin_node(found, mark.entry))
+        drawn_origin = True
     if extra_body:
         body.extend(extra_body)
     if legend:
-        body.append(_legend(stats, any(n.note == PROGRAM_OP_NOTE for n in graph.nodes), found_id is not None,
+        body.append(_legend(stats, any(n.note == PROGRAM_OP_NOTE for n in graph.nodes), drawn_origin,
                             any(n.kind == "op" and is_communication(n.op) for n in graph.nodes),
                             None if shades is None else _shade_rows(graph, shades)))
     return graph_attr, body
@@ -217,8 +225,10 @@ def _observed(graph: BackwardGraph, e: Edge) -> bool:
     """False for a gradient with a known shape whose values no hook saw: one
     that leaves or enters an op without a hook (inside a compiled program,
     AddN, Concat...) or a box of such ops only, and carries no statistics."""
-    if e.grad is None or e.grad.norm is not None or not graph.meta.get("grad_stats"):
-        return e.grad is not None
+    if e.grad is None or e.grad.note is not None:  # a reason it was not observed (GradMeta.note)
+        return False
+    if e.grad.norm is not None or not graph.meta.get("grad_stats"):
+        return True
 
     def unseen(n: Node) -> bool:  # an op without a hook (AddN, Concat, a program op) or a box of such ops
         return (n.kind == "op" and not n.hooked) or (n.kind == "layer" and 0 < n.ops == n.unhooked)
@@ -268,23 +278,41 @@ def _cluster_lines(graph: BackwardGraph, by_layer: dict[tuple[str, int], list[No
     return lines
 
 
-def _origin_node(graph: BackwardGraph, origin: dict) -> int | None:
-    """The node of the origin's op, or the deepest layer box holding it when collapsed."""
-    key = origin.get("key")
-    if key:
-        for n in graph.nodes:
-            if n.key == key:
-                return n.id
-    layer = origin.get("layer")
-    if origin.get("kind") != "forward" or layer is None:
-        return None
-    best = None
-    for n in graph.nodes:
-        if n.kind == "layer" and n.layer is not None and (
-                n.layer == layer or n.layer == "" or layer.startswith(n.layer + ".")):
-            if best is None or len(n.layer) > len(best.layer):
-                best = n
-    return best.id if best is not None else None
+#: The id of the node a drawing adds for an origin op that has no node in the graph.
+ORIGIN_NODE_ID = "nan_origin"
+
+
+def _origin_node(origin, entry: int | None) -> list[str]:
+    """DOT lines of the node added for an origin op without a grad node, joined (dashed,
+    no arrow: no gradient flows into it) to the node where its output enters the graph."""
+    attrs = {"shape": "box", "style": "rounded,filled,dashed", "fillcolor": "white", **STYLE["origin"],
+             "tooltip": " | ".join(origin_node_lines(origin))}
+    lines = [f"{ORIGIN_NODE_ID} [label={dot_label(*origin_node_lines(origin))}, {dot_attrs(attrs)}]"]
+    if entry is not None:
+        lines.append(f"n{entry} -> {ORIGIN_NODE_ID} "
+                     f"[{dot_attrs({'style': 'dashed', 'color': STYLE['origin']['color'], 'arrowhead': 'none'})}]")
+    return lines
+
+
+def title_lines(title: str, width: int = 72) -> list[str]:
+    """A title cut into lines of about ``width`` characters, at its `` - `` parts where it can:
+    a long title wraps, it is never cut short.
+
+    Examples:
+        >>> title_lines("step 13 - trigger: nonfinite_loss - NaN/Inf starts at log in the model's own forward, "
+        ...             "run.py:18, on data that needs no gradient - collapsed to layer depth 4", width=60)
+        ['step 13 - trigger: nonfinite_loss', "NaN/Inf starts at log in the model's own forward, run.py:18,", 'on data that needs no gradient', 'collapsed to layer depth 4']
+    """
+    lines: list[str] = []
+    joinable = False  # the last line is whole parts (not a wrapped one's tail)
+    for part in str(title).split(" - "):
+        pieces = textwrap.wrap(part, width, break_long_words=True, break_on_hyphens=False) or [""]
+        if len(pieces) == 1 and joinable and len(lines[-1]) + 3 + len(pieces[0]) <= width:
+            lines[-1] += " - " + pieces[0]
+        else:
+            lines.extend(pieces)
+        joinable = len(pieces) == 1
+    return lines
 
 
 def _shade_rows(graph: BackwardGraph, shades: dict[int, int]) -> list[tuple[dict[str, str], str]]:
@@ -310,10 +338,10 @@ def _legend(stats: bool, compiled: bool = False, origin: bool = False, communica
         ("#ff6b6b", "NaN/Inf gradient"),
     ) if not (shade_rows and c == STYLE["op"]["fillcolor"])]  # shaded: ops are blue by bytes or white
     if origin:
-        rows.append(({"BGCOLOR": "#7b1fa2"}, "where the NaN/Inf starts"))
+        rows.append(({"BGCOLOR": STYLE["origin"]["color"]}, ORIGIN_LEGEND))
     if communication:
         rows.append(({"BGCOLOR": STYLE["communication"]["fillcolor"]}, COMMUNICATION_LEGEND))
-    rows.append(({}, f"dashed: gradient {NOT_OBSERVED} (the node takes no hook)"))
+    rows.append(({}, DASHED_LEGEND))
     if compiled:
         rows.append(({}, f"dashed *_grad op: {PROGRAM_OP_NOTE} (to_static)"))
     rows.append(({}, "edge: grad shape dtype" + (", |g| = L2 norm" if stats else "")))
@@ -332,7 +360,7 @@ def to_dot(graph: BackwardGraph, **options: Any) -> str:
     Returns:
         The DOT text, ready for ``dot -Tsvg``.
 
-    Example:
+    Examples:
         >>> import paddle
         >>> from paddleviz_hooks import capture_backward
         >>> net = paddle.nn.Linear(3, 2)

@@ -5,7 +5,13 @@ from __future__ import annotations
 import os
 from typing import Any
 
-__all__ = ["output_target"]
+from ..argcheck import check_path
+
+__all__ = ["DRAW_MAX_NODES", "output_target"]
+
+#: Graphs with more nodes are drawn collapsed to this many by the command line and
+#: the report: the layout engine needs minutes, or crashes, on tens of thousands.
+DRAW_MAX_NODES = 2000
 
 
 def output_target(path: Any, format: str | None, formats: tuple[str, ...], *, optional: bool = False,
@@ -26,10 +32,10 @@ def output_target(path: Any, format: str | None, formats: tuple[str, ...], *, op
 
     Raises:
         TypeError: ``path`` of the wrong type.
-        ValueError: a format the writer cannot produce.
+        ValueError: an empty path or one with a NUL byte; a format the writer cannot produce.
         FileNotFoundError: the output directory does not exist.
 
-    Example:
+    Examples:
         >>> output_target("out.svg", None, ("svg", "png"))
         ('out.svg', 'svg')
         >>> output_target(None, None, ("svg", "png"), optional=True)
@@ -42,7 +48,7 @@ def output_target(path: Any, format: str | None, formats: tuple[str, ...], *, op
     if not isinstance(path, (str, os.PathLike)) and not (optional and path is None):
         allowed = "str, os.PathLike or None" if optional else "str or os.PathLike"
         raise TypeError(f"path must be a {allowed}, got {type(path).__name__}")
-    path = os.fspath(path) if path is not None else None
+    path = check_path("path", path, allow_none=optional)  # not empty, no NUL byte
     fmt = (format or (os.path.splitext(path)[1].lstrip(".") if path else default)).lower()
     if fmt not in formats:
         raise ValueError(f"format must be one of {', '.join(formats)}; got {fmt!r}" + (f" (from {path!r})" if path else ""))

@@ -16,7 +16,7 @@ both as plain JSON-ready data (no server, no import of ``model_explorer``):
   metadata of the gradients it produced (shape, dtype, norm, min, max, NaN,
   Inf), or ``not observed``;
 * overlays, one file each, holding one entry per graph: NaN/Inf elements
-  (the origin node in red), the log10 of the gradient norm, the change of
+  (red where the NaN/Inf starts), the log10 of the gradient norm, the change of
   that norm since the previous capture of the same run, the ops new since
   that capture, and saved-for-backward bytes when the capture recorded them.
 
@@ -32,15 +32,21 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from .._fileio import atomic_write
+from ..argcheck import check_path
 from ..collapse import call_paths
 from ..diff import GraphDiff, diff_graphs, node_norms
-from ..escape import safe_filename
+from ..escape import safe_filename, visible, visible_data
 from ..graph import BackwardGraph, GradMeta, Node, merge_grad_metas
-from ..text import NOT_OBSERVED, backward_role, box_name, call_of, capture_title, describe_node, fmt_shape, graph_summary, layer_name
+from ..findings import marks, record_of
+from ..text import (FIRST_GRADIENT, NOT_OBSERVED, UNOBSERVED_WHY, backward_role, combined_norm, box_name, call_of, capture_title, describe_node,
+                    describe_origin, fmt_shape, graph_summary, layer_name, origin_mark, origin_node_lines,
+                    source_attrs)
 
 __all__ = ["ExplorerExport", "explorer_graph", "explorer_overlays", "export_explorer", "GRAPHS_FILE"]
 
 GRAPHS_FILE = "backward_graphs.json"
+#: The id of the node added for an origin op that has no node in the graph.
+ORIGIN_NODE = "nan_origin"
 
 #: Overlay file stems, most useful first (the order the viewer lists them in).
 NONFINITE = "nan_inf_elements"
@@ -72,8 +78,11 @@ def _grad_attrs(meta: GradMeta | None, prefix: str = "") -> list[dict[str, str]]
     if meta is None:
         return [_kv(prefix + "gradient", NOT_OBSERVED)]
     out = [_kv(prefix + "shape", fmt_shape(meta.shape)), _kv(prefix + "dtype", meta.dtype or "?")]
-    if meta.norm is not None:
-        out += [_kv(prefix + "norm", repr(meta.norm)), _kv(prefix + "min", repr(meta.min)),
+    if meta.note is not None:
+        out.append(_kv(prefix + "statistics", UNOBSERVED_WHY.get(meta.note, NOT_OBSERVED)))
+    elif meta.norm is not None:
+        norm = repr(meta.norm) if meta.parts == 1 else combined_norm(meta)
+        out += [_kv(prefix + "norm", norm), _kv(prefix + "min", repr(meta.min)),
                 _kv(prefix + "max", repr(meta.max)), _kv(prefix + "NaN", meta.nan), _kv(prefix + "Inf", meta.inf)]
     else:
         out.append(_kv(prefix + "statistics", NOT_OBSERVED))
@@ -127,7 +136,7 @@ def explorer_graph(graph: BackwardGraph, graph_id: str) -> dict[str, Any]:
     Returns:
         JSON-ready data. Node ids are the graph's node ids as text.
 
-    Example:
+    Examples:
         >>> from paddleviz_hooks.graph import Edge
         >>> g = BackwardGraph([Node(0, "root", "loss"), Node(1, "op", "ExpGradNode", "Exp", layer="f")],
         ...                   [Edge(0, 1)], layers={"": "Net", "f": "Act"})
@@ -139,8 +148,7 @@ def explorer_graph(graph: BackwardGraph, graph_id: str) -> dict[str, Any]:
     paths = call_paths(graph)
     calls = _call_counts(paths)
     spaces = [_namespace(p, calls) for p in paths]
-    sites = graph.nonfinite_sites()
-    origin = sites[0].id if sites else None
+    rec, mark = record_of(graph), marks(graph)
     saved_recorded = isinstance(graph.meta.get("saved_memory"), dict)
     nodes = []
     for n in graph.nodes:
@@ -165,22 +173,40 @@ def explorer_graph(graph: BackwardGraph, graph_id: str) -> dict[str, Any]:
             elif n.grad is None and len(observed) > 1:
                 attrs.append(_kv("grad", f"{len(observed)} received, combined (norm: root-sum-square)"))
             attrs += _grad_attrs(_received(n, inn), "grad ")
-        if n.id == origin:
-            attrs.append(_kv("NaN/Inf origin", "yes: the first node that turned finite gradients non-finite"))
+        if n.id == mark.origin:
+            attrs.append(_kv("NaN/Inf origin", describe_origin(rec.origin)))
+        if n.id == mark.first_gradient:
+            attrs.append(_kv(FIRST_GRADIENT, "yes: it received finite gradients and passed a non-finite one on"))
         if n.note:
             attrs.append(_kv("note", n.note))
+        attrs += [_kv(k, v) for k, v in source_attrs(n).items()]
         if saved_recorded:
             attrs.append(_kv("saved for backward (bytes)", n.saved_bytes))
         attrs.append(_kv("key", n.key))
+        label = _label(n, paths[n.id], out)
+        if n.id == mark.origin:  # found by searching the op's name as Paddle's checker gave it
+            label = f"{label}: {origin_mark(rec.origin)}"
         nodes.append({
             "id": str(n.id),
-            "label": _label(n, paths[n.id], out),
+            "label": label,
             "namespace": spaces[n.id],
             "attrs": attrs,
             "incomingEdges": [{"sourceNodeId": str(e.src), "sourceNodeOutputId": str(e.slot),
                                "targetNodeInputId": str(k)} for k, e in enumerate(inn)],
             "outputsMetadata": [{"id": str(e.slot), "attrs": [_kv("to", describe_node(graph.nodes[e.dst]))]
-                                 + _grad_attrs(e.grad)} for e in out],
+                                 + _grad_attrs(e.grad)
+                                 + ([_kv("why not observed", e.note)] if e.note else [])} for e in out],
+        })
+    if origin_node_id(graph) == ORIGIN_NODE:
+        # the origin's op has no node in the graph: one is added where its output enters it
+        entry = mark.entry
+        nodes.append({
+            "id": ORIGIN_NODE, "label": " ".join(origin_node_lines(rec.origin)),
+            # in its layer's box: the entry's, unless the origin ran in the model's own forward
+            "namespace": spaces[entry] if entry is not None and rec.origin.layer else "",
+            "attrs": [_kv("node", origin_node_lines(rec.origin)[0]), _kv("NaN/Inf origin", describe_origin(rec.origin))],
+            "incomingEdges": ([{"sourceNodeId": str(entry), "sourceNodeOutputId": "origin", "targetNodeInputId": "0"}]
+                              if entry is not None else []),
         })
     return {"id": graph_id, "nodes": nodes, "groupNodeAttributes": _group_attrs(graph, paths, spaces),
             "layoutConfigs": {"keepLayersWithASingleChild": True}}
@@ -201,11 +227,9 @@ def _group_attrs(graph: BackwardGraph, paths: list, spaces: list[str]) -> dict[s
     for k in ("step", "entry", "trigger", "loss", "accumulated_grad_norm", "trigger_note"):
         if k in graph.meta:
             top[k] = str(graph.meta[k])
-    origin = graph.meta.get("nonfinite_origin")
-    if isinstance(origin, dict):
-        for k in ("op", "layer", "layer_class", "file", "line", "code"):
-            if origin.get(k) is not None:
-                top[f"NaN/Inf origin {k}"] = str(origin[k])
+    origin = record_of(graph).origin
+    if origin is not None:
+        top["NaN/Inf origin"] = describe_origin(origin)
     if graph.layers.get(""):
         top["model"] = graph.layers[""]
     groups[""] = top
@@ -227,16 +251,28 @@ def _produced_nonfinite(graph: BackwardGraph) -> dict[int, int]:
     return count
 
 
+def origin_node_id(graph: BackwardGraph) -> str | None:
+    """The explorer node id where the NaN/Inf starts: the origin op's node, the node added for
+    an origin op without one (:data:`ORIGIN_NODE`), else the first non-finite gradient's."""
+    rec, mark = record_of(graph), marks(graph)
+    if mark.origin is not None:
+        return str(mark.origin)
+    if rec.origin is not None and rec.origin.kind == "forward":
+        return ORIGIN_NODE
+    return str(mark.first_gradient) if mark.first_gradient is not None else None
+
+
 def _nonfinite_data(graph: BackwardGraph) -> dict[str, Any]:
-    sites = graph.nonfinite_sites()
-    origin = sites[0].id if sites else None
-    results = {}
+    origin = origin_node_id(graph)
+    results: dict[str, Any] = {}
     for nid, c in _produced_nonfinite(graph).items():
-        r: dict[str, Any] = {"value": c}
-        if nid == origin:
-            r.update(bgColor=_ORIGIN_RED, textColor="#ffffff")
-        results[str(nid)] = r
-    return {"name": "NaN/Inf elements (origin red)", "results": results,
+        results[str(nid)] = {"value": c}
+    if origin == ORIGIN_NODE:  # the node added for an origin op: the NaN/Inf elements the op made
+        o = record_of(graph).origin
+        results[origin] = {"value": (o.nan or 0) + (o.inf or 0)}
+    if origin is not None:
+        results.setdefault(origin, {"value": 0}).update(bgColor=_ORIGIN_RED, textColor="#ffffff")
+    return {"name": "NaN/Inf elements (red: where it starts)", "results": results,
             "thresholds": [{"value": 0, "bgColor": _CLEAN_GREEN}, {"value": 1e300, "bgColor": _BAD_ORANGE}],
             # the viewer's per-layer table shows shares of the total: "NaN" (0/0) for a clean graph
             "hideInChildrenStatsTable": True}
@@ -320,8 +356,9 @@ class ExplorerExport:
         overlays: overlay name -> node-data file, most useful first.
         graph_ids: the graph ids, in the collection's order.
         label: the collection's label.
-        start: ``(graph id, node id)`` the page should open at: the NaN/Inf
-            origin of the first capture that has one; None otherwise.
+        start: ``(graph id, node id)`` the page should open at: where the
+            NaN/Inf starts in the first capture that has one
+            (:func:`origin_node_id`); None otherwise.
     """
 
     graphs: str
@@ -375,7 +412,8 @@ def _role(meta: dict) -> Any:
 
 
 def _name(items: list[tuple[str, Any, BackwardGraph]]) -> list[tuple[str, BackwardGraph, BackwardGraph | None]]:
-    """Unique ids that sort by step as text; each graph with the previous capture of its run."""
+    """Unique ids that sort by step as text; each graph with the previous capture of its run
+    and backward role (replayed captures included: ``diff_graphs`` aligns them)."""
     width = max((len(str(s)) for _, s, _ in items if isinstance(s, int) and s >= 0), default=1)
     out, seen, last = [], set(), {}
     for i, (run, step, g) in enumerate(items):
@@ -386,8 +424,11 @@ def _name(items: list[tuple[str, Any, BackwardGraph]]) -> list[tuple[str, Backwa
         while gid in seen:
             gid, k = f"{base} #{k}", k + 1
         seen.add(gid)
-        out.append((gid, g, last.get(run)))
-        last[run] = g
+        # a recorded step is compared with the same backward of an earlier step; captures
+        # without a step (by hand) with the one before
+        same = (run, str(_role(g.meta))) if g.meta.get("step") is not None else (run,)
+        out.append((gid, g, last.get(same)))
+        last[same] = g
     return out
 
 
@@ -405,10 +446,10 @@ def export_explorer(source: Any, out_dir: str) -> ExplorerExport:
         An :class:`ExplorerExport` naming the files.
 
     Raises:
-        TypeError: ``source`` is of another type.
-        ValueError: the log directory does not exist or holds no capture.
+        TypeError: ``source`` or ``out_dir`` is of another type.
+        ValueError: the log directory does not exist or holds no capture; ``out_dir`` is empty or has a NUL byte.
 
-    Example:
+    Examples:
         >>> import tempfile
         >>> from paddleviz_hooks.graph import Edge
         >>> g = BackwardGraph([Node(0, "root", "loss"), Node(1, "op", "ExpGradNode", "Exp")], [Edge(0, 1)],
@@ -417,14 +458,17 @@ def export_explorer(source: Any, out_dir: str) -> ExplorerExport:
         >>> files.graph_ids, list(files.overlays)
         (['step 3'], ['grad_norm_log10', 'nan_inf_elements'])
     """
+    out_dir = check_path("out_dir", out_dir)
     label, series = _series(source)
+    # names that could hide or reorder text are shown escaped, the same way in every file
+    label, series = visible(label), [(visible(gid), g, prev) for gid, g, prev in series]
     os.makedirs(out_dir, exist_ok=True)
     collection = {"label": label, "graphs": [explorer_graph(g, gid) for gid, g, _ in series],
                   "graphSorting": "name_asc"}
-    graphs_path = atomic_write(os.path.join(out_dir, GRAPHS_FILE), json.dumps(collection, allow_nan=False))
+    graphs_path = atomic_write(os.path.join(out_dir, GRAPHS_FILE), json.dumps(visible_data(collection), allow_nan=False))
     overlays = {}
     for stem, data in explorer_overlays(series).items():
         overlays[stem] = atomic_write(os.path.join(out_dir, safe_filename(stem) + ".json"),
-                                      json.dumps(data, allow_nan=False))
-    start = next(((gid, str(sites[0].id)) for gid, g, _ in series if (sites := g.nonfinite_sites())), None)
+                                      json.dumps(visible_data(data), allow_nan=False))
+    start = next(((gid, node) for gid, g, _ in series if (node := origin_node_id(g)) is not None), None)
     return ExplorerExport(graphs_path, overlays, [gid for gid, _, _ in series], label, start)

@@ -29,19 +29,24 @@ import hashlib
 import math
 import os
 import re
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from importlib import resources
 from string import Template
 from typing import Any
 
-from .._fileio import atomic_write
+from .._fileio import MAX_INPUT_BYTES, atomic_write, read_input
+from ..argcheck import check_path
 from ..diff import DIFF_FORMAT, GraphDiff, diff_graphs
 from ..escape import clean_svg, html_escape, json_for_script
+from ..findings import record_of
 from ..graph import BackwardGraph, parse_json
 from ..render import render_diff, render_ranks, render_svg
-from ..text import (backward_role, call_name, capture_title, describe_node, describe_origin, diff_summary, fmt_bytes,
-                    fmt_num, graph_summary, plural, rank_comparison_lines)
+from ..render.output import DRAW_MAX_NODES
+from ..text import (FIRST_GRADIENT, backward_role, call_name, capture_title, describe_first_gradient,
+                    describe_node, describe_origin, diff_summary, fmt_bytes, fmt_num, graph_summary, origin_badge,
+                    plural, rank_comparison_lines)
 from .report_ranks import MergedRun, merged_chart, merged_overview, merged_panel, merged_run
 
 __all__ = ["build_report", "find_step_files", "ReportError"]
@@ -120,9 +125,8 @@ class _NotAGraph(Exception):
     """A file the report knows and skips silently (the callback's saved diffs)."""
 
 
-def _read_graph(path: str) -> BackwardGraph:
-    with open(path, "rb") as f:
-        data = f.read()
+def _read_graph(path: str, max_bytes: int = MAX_INPUT_BYTES) -> BackwardGraph:
+    data = read_input(path, max_bytes)  # a regular file of a bounded size
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError:
@@ -159,7 +163,8 @@ def _step_number(graph: BackwardGraph, file_number: int) -> int:
     return s if isinstance(s, int) and not isinstance(s, bool) else file_number
 
 
-def _load_runs(log_dir: str, timeout: float) -> tuple[list[_Run], list[tuple[str, str]], list[MergedRun]]:
+def _load_runs(log_dir: str, timeout: float,
+               max_bytes: int = MAX_INPUT_BYTES) -> tuple[list[_Run], list[tuple[str, str]], list[MergedRun]]:
     groups = find_step_files(log_dir)
     if not groups:
         raise ReportError(f"no step_*.json files under {log_dir}")
@@ -175,11 +180,13 @@ def _load_runs(log_dir: str, timeout: float) -> tuple[list[_Run], list[tuple[str
                                           suffix=run_suffix))
         for number, path in files:
             try:
-                g = _read_graph(path)
+                g = _read_graph(path, max_bytes)
             except _NotAGraph:
                 continue
             except (OSError, ValueError) as exc:
-                skipped.append((os.path.relpath(path, log_dir), str(exc)))
+                reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+                skipped.append((os.path.relpath(path, log_dir), reason))
+                warnings.warn(f"skipped {path}: {reason}", RuntimeWarning, stacklevel=2)
                 continue
             role = backward_role(g.meta.get("backward")) if suffix != run_suffix else ""
             run.steps.append(_Step(_step_number(g, number), path, g, suffix=suffix if suffix != run_suffix else "",
@@ -202,17 +209,16 @@ def _load_runs(log_dir: str, timeout: float) -> tuple[list[_Run], list[tuple[str
         for st in run.steps:
             prev = prevs.get(st.suffix)
             st.svg = _existing_svg(st.json_path)
+            big = {"max_nodes": DRAW_MAX_NODES} if len(st.graph.nodes) > DRAW_MAX_NODES else {}
             if st.svg is None:
-                jobs.append((st, "svg", render_svg, (st.graph,), {"title": f"step {st.number}"}))
-            # a replayed step (rooted at the model output) is not compared with ordinary ones
-            replayed = bool(st.graph.meta.get("replayed"))
-            if prev is not None and not replayed:
+                jobs.append((st, "svg", render_svg, (st.graph,), {"title": f"step {st.number}", **big}))
+            # a replayed step (rooted at the model output) is compared too: diff_graphs aligns it
+            if prev is not None:
                 st.older = prev
                 st.diff = diff_graphs(prev.graph, st.graph)
                 if st.diff.changed:
-                    jobs.append((st, "diff_svg", render_diff, (st.diff, st.graph, prev.graph), {"format": "svg"}))
-            if not replayed:
-                prevs[st.suffix] = st
+                    jobs.append((st, "diff_svg", render_diff, (st.diff, st.graph, prev.graph), {"format": "svg", **big}))
+            prevs[st.suffix] = st
     workers = max(1, min(4, os.cpu_count() or 1))
     with ThreadPoolExecutor(max_workers=workers) as pool:
         futures = [
@@ -363,23 +369,18 @@ def _chart(run: _Run, ri: int) -> str:
     return "".join(parts) + f'<ul class="legend">{"".join(legend)}{more}</ul>'
 
 
-def _origin(graph: BackwardGraph) -> dict | None:
-    found = graph.meta.get("nonfinite_origin")
-    return found if isinstance(found, dict) else None
-
-
 def _site_list(graph: BackwardGraph) -> str:
-    sites = graph.nonfinite_sites()
-    found = _origin(graph)
-    head = (f'<p class="bad origin"><span class="badge bad">starts here</span> {_e(describe_origin(found))}</p>'
-            if found is not None else "")
+    rec = record_of(graph)
+    sites = graph.nonfinite_sites() if rec.first_gradient is not None else []
+    head = (f'<p class="bad origin"><span class="badge bad">{_e(origin_badge(rec.origin))}</span> '
+            f'{_e(describe_origin(rec.origin))}</p>' if rec.origin is not None else "")
     if not sites:
         return head
     items = []
-    for k, n in enumerate(sites[:30]):
-        info = {"kind": n.kind, "op": n.op, "layer": n.layer, "call": n.call, "param": n.param}
-        badge = f'<span class="badge bad">{"first" if found else "origin"}</span> ' if k == 0 else ""
-        items.append(f"<li>{badge}{_e(describe_node(info))} <code>{_e(n.key)}</code></li>")
+    for n in sites[:30]:
+        badge = (f'<span class="badge first">{_e(FIRST_GRADIENT)}</span> '
+                 if n.key == rec.first_gradient.key else "")
+        items.append(f"<li>{badge}{_e(describe_node(n))} <code>{_e(n.key)}</code></li>")
     if len(sites) > 30:
         items.append(f'<li class="muted">and {len(sites) - 30} more</li>')
     return (f'{head}<h3 class="bad">NaN/Inf gradients at {len(sites)} nodes</h3>'
@@ -476,18 +477,13 @@ def _step_panel(run: _Run, ri: int, si: int) -> str:
 def _overview(run: _Run, ri: int) -> str:
     rows = []
     for si, st in enumerate(run.steps):
-        sites = st.graph.nonfinite_sites()
-        found = _origin(st.graph)
-        if sites or found is not None:
-            if found is not None:
-                where = describe_origin(found)
-            else:
-                n = sites[0]
-                where = "origin " + describe_node({"kind": n.kind, "op": n.op, "layer": n.layer, "call": n.call,
-                                                   "param": n.param})
+        rec = record_of(st.graph)
+        if rec.origin is not None or rec.first_gradient is not None:
+            where = (describe_origin(rec.origin) if rec.origin is not None
+                     else describe_first_gradient(rec.first_gradient))
             rows.append(
                 f'<li><button class="jump" data-run="{ri}" data-step="{si}">{_e(st.title)}</button> '
-                f"{len(sites)} nodes, {_e(where)}</li>"
+                f"{rec.gradient_sites} nodes, {_e(where)}</li>"
             )
     changed = [
         f'<button class="jump" data-run="{ri}" data-step="{si}">{_e(st.number)}</button>'
@@ -590,7 +586,7 @@ def _html(title: str, runs: list[_Run], skipped: list[tuple[str, str]], merged: 
 
 
 def build_report(log_dir: str | os.PathLike, out_path: str | os.PathLike, *, title: str | None = None,
-                 timeout: float = 120.0) -> str:
+                 timeout: float = 120.0, max_input_bytes: int = MAX_INPUT_BYTES) -> str:
     """Write one self-contained HTML file showing every captured step under ``log_dir``.
 
     Args:
@@ -599,23 +595,28 @@ def build_report(log_dir: str | os.PathLike, out_path: str | os.PathLike, *, tit
         out_path: the HTML file to write.
         title: page title (default: from the log directory's name).
         timeout: seconds per drawing before the layout engine is stopped.
+        max_input_bytes: a larger ``step_*.json`` is skipped unread (with a
+            warning, like any malformed one), so the report stays within a
+            known time and memory.
 
     Returns:
         ``out_path``.
 
     Raises:
         ReportError: no readable ``step_*.json`` under ``log_dir``.
+        TypeError / ValueError: a path that is not a str or os.PathLike, empty or with a NUL byte.
         NotADirectoryError: ``log_dir`` is not a directory.
         OSError: ``out_path`` cannot be written.
 
-    Example:
+    Examples:
         >>> import os, tempfile, paddle
         >>> from paddleviz_hooks import capture_backward
         >>> log = tempfile.mkdtemp()
         >>> net = paddle.nn.Linear(3, 2)
         >>> with capture_backward(net) as cap:
         ...     net(paddle.randn([2, 3])).sum().backward()
-        >>> _ = open(os.path.join(log, "step_000001.json"), "w").write(cap.graph.to_json())
+        >>> with open(os.path.join(log, "step_000001.json"), "w") as f:
+        ...     _ = f.write(cap.graph.to_json())
         >>> out = build_report(log, os.path.join(log, "report.html"))
         >>> out.endswith("report.html")
         True
@@ -624,11 +625,11 @@ def build_report(log_dir: str | os.PathLike, out_path: str | os.PathLike, *, tit
     if no layout engine is installed the page still lists every step, without
     drawings. Unreadable files are listed on the page and skipped.
     """
-    log_dir = os.fspath(log_dir)
-    out_path = os.fspath(out_path)
+    log_dir = check_path("log_dir", log_dir)
+    out_path = check_path("out_path", out_path)
     if not os.path.isdir(log_dir):
         raise NotADirectoryError(f"{log_dir} is not a directory")
-    runs, skipped, merged = _load_runs(log_dir, timeout)
+    runs, skipped, merged = _load_runs(log_dir, timeout, max_input_bytes)
     if title is None:
         title = f"paddleviz-hooks report: {os.path.basename(os.path.abspath(log_dir))}"
     page = _html(title, runs, skipped, merged)

@@ -11,9 +11,11 @@ Here every layer is a box (its first view shows the top-level layers), every
 call of a layer that ran more than once is a box of its own, parameters sit
 in their layer, the loss is the graph's input, edges are labelled with the
 gradient's shape and norm, and each node carries the gradient it received.
-The first node with a non-finite gradient is flagged in its type.
+Where the NaN/Inf starts (``graph.nonfinite``) is named in the type of its
+op's node, or of a node added where its output enters the graph when the op
+has none; the first node with a non-finite gradient carries an attribute.
 
-Example:
+Examples:
     >>> from paddleviz_hooks.graph import BackwardGraph, Edge, GradMeta, Node
     >>> g = BackwardGraph(
     ...     nodes=[Node(0, "root", "loss", "loss"),
@@ -41,9 +43,11 @@ from typing import Any
 
 from .._fileio import atomic_write
 from ..collapse import call_paths
-from ..escape import vdl_graph_name
+from ..escape import vdl_graph_name, visible_data
 from ..graph import BackwardGraph, GradMeta, Node
-from ..text import NOT_OBSERVED, edge_lines, fmt_num, layer_name
+from ..findings import marks, record_of
+from ..text import (FIRST_GRADIENT, NOT_OBSERVED, describe_origin, edge_lines, fmt_num, layer_name, origin_short,
+                    source_attrs)
 
 __all__ = ["vdl_graph", "write_vdl_graph", "VDL_GRAPH_VERSION"]
 
@@ -143,7 +147,7 @@ def _layer_of(graph: BackwardGraph, n: Node) -> str | None:
 def _levels(layer: str | None, skip: int = 0) -> list[tuple[str, None]]:
     """The layer boxes down to ``layer`` (not one call of any), without the first ``skip``.
 
-    Example:
+    Examples:
         >>> _levels("encoder.layers.0", 1)
         [('encoder.layers', None), ('encoder.layers.0', None)]
     """
@@ -232,7 +236,7 @@ def vdl_graph(graph: BackwardGraph) -> dict[str, Any]:
         first = graph.nodes[e.src]
         var = names.child("/", i, first.name or "loss", "", leaf=True)[1:] if first.kind == "root" else f"grad_{i}"
         src, dst = leaf[e.src], leaf[e.dst]
-        label = " ".join(edge_lines(e.grad, stats))
+        label = " ".join(edge_lines(e.grad, stats, why=e.note))
         variables.append({
             "name": var, "shape": [label], "type": "gradient",
             "dtype": (e.grad.dtype if e.grad is not None else None) or "?", "value": [],
@@ -261,25 +265,39 @@ def vdl_graph(graph: BackwardGraph) -> dict[str, Any]:
             _grad_attrs(node, [n.grad])  # what this backward added to param.grad
         elif n.kind != "root":
             _grad_attrs(node, inn.get(n.id, []))
+        for k, v in source_attrs(n).items():
+            _set(node, k, v)
     for box, values in norms.items():
         _set(tree.nodes[box], "param |g|", _exact(math.sqrt(sum(v * v for v in values))))
 
-    sites = graph.nonfinite_sites()
-    if sites:
-        node = tree.nodes[leaf[sites[0].id]]
-        node["type"] = "NaN origin: " + node["type"]
-        _set(node, "NaN origin", "first node to pass on a NaN/Inf gradient")
-    origin = graph.meta.get("nonfinite_origin")
-    if isinstance(origin, dict):
-        where = " ".join(str(origin[k]) for k in ("op", "layer") if origin.get(k))
-        at = f"{origin.get('file')}:{origin.get('line')}" if origin.get("file") else ""
-        text = " ".join(x for x in (where, at, str(origin.get("code") or "")) if x) or "unknown"
-        target = "/" if not origin.get("layer") else layer_box(_levels(str(origin["layer"])))
-        if target != "/":
-            tree.nodes[target]["type"] = "NaN origin: " + tree.nodes[target]["type"]
-        _set(tree.nodes[target], "NaN from", text)
-        if sites:
-            _set(tree.nodes[leaf[sites[0].id]], "NaN from", text)
+    rec, mark = record_of(graph), marks(graph)
+    if mark.first_gradient is not None:
+        _set(tree.nodes[leaf[mark.first_gradient]], FIRST_GRADIENT, "yes: it received finite gradients "
+                                                                    "and passed a non-finite one on")
+    if rec.origin is not None:
+        story = describe_origin(rec.origin)
+        _set(tree.nodes["/"], "NaN/Inf origin", story)
+        target = None
+        if mark.origin is not None:
+            target = leaf[mark.origin]
+        elif rec.origin.kind == "forward":
+            # the origin's op has no node here: one is added where its output enters the graph
+            o = rec.origin
+            box = layer_box(_levels(o.layer)) if o.layer else "/"
+            target = tree.child(box, ("origin", 0), o.op or "origin", "", leaf=True)
+            if mark.entry is not None:
+                src = leaf[mark.entry]
+                edges.append({"from_node": src, "to_node": target, "vars": [], "label": ""})
+                tree.nodes[src]["output_nodes"].append(target)
+                tree.nodes[target]["input_nodes"].append(src)
+                tree.nodes[src]["edge_output_nodes"].append(target)
+                tree.nodes[target]["edge_input_nodes"].append(src)
+        if target is not None:
+            node = tree.nodes[target]
+            node["type"] = origin_short(rec.origin)  # the file is in the attribute (a type shows after its last dot)
+            _set(node, "NaN/Inf origin", story)
+            for box in tree.ancestors(target):  # the boxes on the way there say so too
+                _set(tree.nodes[box], "NaN/Inf origin", "inside: " + story)
 
     return {"version": VDL_GRAPH_VERSION, "nodes": list(tree.nodes.values()), "vars": variables, "edges": edges}
 
@@ -302,5 +320,5 @@ def write_vdl_graph(directory: str, graph: BackwardGraph) -> str:
         OSError: the directory cannot be written.
     """
     os.makedirs(directory, exist_ok=True)
-    text = json.dumps(vdl_graph(graph), allow_nan=False, separators=(",", ":"))
+    text = json.dumps(visible_data(vdl_graph(graph)), allow_nan=False, separators=(",", ":"))
     return atomic_write(os.path.join(directory, f"vdlgraph.{int(time.time()):010d}.log"), text)

@@ -6,26 +6,27 @@ each page named by the step it starts at: ``backward_graph/from_step_000001``,
 ``backward_graph/from_step_000100``... Every capture stays reachable. Scalars
 keep 1000 samples and are not paged; their groups start with ``~`` so that
 VisualDL, which sorts groups by name, lists them after the user's own curves.
+Every capture is also written as an interactive graph for VisualDL's Graphs
+tab, one folder per capture under ``graphs/``.
 """
 
 from __future__ import annotations
 
-import io
-import math
+import os
+import re
 import zlib
 from collections import defaultdict
 from typing import Any
 
-from ..escape import vdl_tag
+from ..escape import vdl_graph_name, vdl_tag, visible
+from .base import (LAYER_NORM_GROUP, SAVED_MEMORY_GROUP, SCALAR_GROUP, CaptureData, CapturePictures, Sink, SinkContext,
+                   finite_scalars, png_to_array, suffixed)
+from .vdl_graph import write_vdl_graph
 
-__all__ = ["VisualDLSink", "TagPages", "png_to_array", "encode_like_visualdl", "PAGE", "SCALAR_GROUP",
-           "LAYER_NORM_GROUP"]
+__all__ = ["VisualDLSink", "TagPages", "png_to_array", "encode_like_visualdl", "graph_dir", "PAGE", "SCALAR_GROUP",
+           "LAYER_NORM_GROUP", "SAVED_MEMORY_GROUP"]
 
 PAGE = 10  # VisualDL's per-tag sample budget for images and text
-#: Scalar groups: '~' sorts after letters, digits and '_' in VisualDL's group order
-SCALAR_GROUP = "~backward_graph"
-LAYER_NORM_GROUP = "~grad_norm"
-SAVED_MEMORY_GROUP = "~saved_memory"  # MB held for backward, with saved_memory=True
 
 
 class TagPages:
@@ -34,7 +35,7 @@ class TagPages:
     Pages are given out in capture order (the data thread), so a page's name
     tells the steps it holds even when its pictures are drawn out of order.
 
-    Example:
+    Examples:
         >>> pages = TagPages()
         >>> [pages.tag("backward_graph", s) for s in (1, 10, 20)][-1]
         'backward_graph/from_step_000001'
@@ -59,15 +60,6 @@ class TagPages:
         return self._current[base]
 
 
-def png_to_array(png: bytes) -> Any:
-    """Decode PNG bytes to a uint8 HWC RGB array."""
-    import numpy as np
-    from PIL import Image
-
-    with Image.open(io.BytesIO(png)) as im:
-        return np.asarray(im.convert("RGB"), dtype=np.uint8).copy()
-
-
 def encode_like_visualdl(array: Any) -> bytes:
     """PNG bytes exactly as VisualDL stores (and later serves) ``array``."""
     from visualdl.component.base_component import imgarray2bytes
@@ -75,39 +67,99 @@ def encode_like_visualdl(array: Any) -> bytes:
     return imgarray2bytes(array)
 
 
-class VisualDLSink:
-    """Writes image, text and scalar records to one VisualDL run.
+def graph_dir(directory: str, display_name: str, step: int, trigger: str, suffix: str = "") -> str:
+    """The folder of one capture's Graphs-tab file; its name is what VisualDL's
+    "Choose a model" list shows (cut to about 30 characters there, hence the step
+    first): step, trigger and run, ``step_000008-nonfinite_loss-vdl_log.backward_graph``.
 
-    Args:
-        run_dir: the run's own directory (never shared with another writer:
-            the dashboard shows only the newest records file per directory).
-        display_name: the run's name in the dashboard.
+    Examples:
+        >>> os.path.basename(graph_dir("/logs/run", "vdl_log/backward_graph", 8, "nonfinite_loss"))
+        'step_000008-nonfinite_loss-vdl_log.backward_graph'
+    """
+    run = ".".join(vdl_graph_name(part, limit=60) for part in display_name.split("/"))
+    label = suffixed(f"step_{int(step):06d}", suffix) + ("" if trigger == "scheduled" else f"-{vdl_graph_name(trigger)}")
+    return os.path.join(directory, "graphs", f"{label}-{run}")
+
+
+class VisualDLSink(Sink):
+    """Writes image, text and scalar records to one VisualDL run, and Graphs-tab files.
+
+    The run is the recorder's run folder (never shared with another writer: the
+    dashboard shows only the newest records file per directory), named by the
+    context's ``display_name``. Pages of ten captures per tag; the picture of a
+    triggered capture is also under ``backward_graph/trigger_<name>``, a
+    structure change's diff picture under ``backward_graph/structure_change``.
 
     Raises:
-        ImportError: VisualDL is not installed.
+        ImportError: (from :meth:`open`) VisualDL is not installed.
     """
 
-    def __init__(self, run_dir: str, display_name: str = "") -> None:
+    name = "visualdl"
+
+    def open(self, context: SinkContext) -> None:
         from visualdl import LogWriter
 
-        self._writer = LogWriter(logdir=run_dir, display_name=display_name)
+        self.context = context
+        self._writer = LogWriter(logdir=context.directory, display_name=context.display_name)
         self._scalar_tags: dict[str, str] = {}  # raw name -> tag, unique per raw name
         self._tag_owner: dict[str, str] = {}  # tag -> the raw name that has it
+        self._pages = TagPages()  # given out in capture order (data), used when drawn (pictures)
+        self._image_tags: dict[tuple[int, str], tuple[list[str], str]] = {}
         self.file_name = self._writer.file_name
 
+    # ------------------------------------------------------------ the sink
+    def file_png(self, png: bytes) -> bytes:
+        """The same encoder VisualDL uses, so the dashboard serves these exact bytes."""
+        return encode_like_visualdl(png_to_array(png))
+
+    def data(self, record: CaptureData) -> None:
+        step, suffix = record.step, record.suffix
+        self.text(self._pages.tag(suffixed("summary", suffix), step), record.text, step)
+        self.scalars(record.scalars, step)
+        base = suffixed("backward_graph", suffix)
+        tags = [self._pages.tag(base, step)]
+        if record.trigger != "scheduled":
+            tags.append(self._pages.tag(f"{base}/trigger_{record.trigger}", step))
+        diff_tag = self._pages.tag(f"{base}/structure_change", step) if record.diff is not None else ""
+        self._image_tags[(step, suffix)] = (tags, diff_tag)
+        if self.context.graphs:
+            self._write_graph(record)
+
+    def pictures(self, record: CapturePictures) -> None:
+        tags, diff_tag = self._image_tags.pop((record.step, record.suffix), ([], ""))
+        if record.picture is not None:
+            array = png_to_array(record.picture)
+            for tag in tags:
+                self.image(tag, array, record.step)
+        if record.diff_picture is not None and diff_tag:
+            self.image(diff_tag, png_to_array(record.diff_picture), record.step)
+
+    def _write_graph(self, record: CaptureData) -> None:
+        directory = self.context.directory
+        path = graph_dir(directory, self.context.display_name, record.step, record.trigger, record.suffix)
+        try:
+            write_vdl_graph(path, record.graph)
+        except Exception as exc:
+            self.context.warn("vdl-graph", f"step {record.step} was not written for VisualDL's Graphs tab: {exc!r}")
+            return
+        if not _URL_SAFE_PATH.match(directory):
+            self.context.warn("vdl-graph-path", (
+                f"VisualDL's Graphs tab cannot open graphs under {directory!r}: its page puts "
+                "the folder path into web addresses unencoded, so a path with spaces or & # + % "
+                "breaks it. Use a log_dir whose full path has only letters, digits and / . _ -"))
+
+    # --------------------------------------------------------- the records
     def image(self, tag: str, array: Any, step: int) -> None:
         """One image sample under ``tag`` (a :class:`TagPages` tag)."""
         self._writer.add_image(tag=tag, img=array, step=step)
 
     def text(self, tag: str, text: str, step: int) -> None:
         """One text sample under ``tag`` (a :class:`TagPages` tag)."""
-        self._writer.add_text(tag=tag, text_string=text, step=step)
+        self._writer.add_text(tag=tag, text_string=visible(text, lines=True), step=step)
 
     def scalars(self, values: dict[str, float | None], step: int) -> None:
-        for tag, value in values.items():
-            if value is None or not math.isfinite(value):
-                continue  # the chart cannot draw NaN; counts are logged instead
-            self._writer.add_scalar(tag=self.scalar_tag(tag), value=float(value), step=step)
+        for tag, value in finite_scalars(values).items():  # the chart cannot draw NaN; counts are logged
+            self._writer.add_scalar(tag=self.scalar_tag(tag), value=value, step=step)
 
     def scalar_tag(self, name: str) -> str:
         """The tag for ``name``; two names that clean to the same text
@@ -126,3 +178,7 @@ class VisualDLSink:
 
     def close(self) -> None:
         self._writer.close()
+
+
+
+_URL_SAFE_PATH = re.compile(r"^[A-Za-z0-9/._~:\\-]*$")

@@ -164,10 +164,30 @@ vp.addEventListener("wheel", function(e){
   var ns = Math.min(40, Math.max(0.02, scale * Math.exp(-e.deltaY * 0.0015)));
   tx = mx - (mx - tx) * ns / scale; ty = my - (my - ty) * ns / scale; scale = ns; userView = true; apply();
 }, {passive: false});
-var drag = null;
+var drag = null, pressed = null;
 vp.addEventListener("pointerdown", function(e){
   if (e.button !== 0) return;
+  pressed = e.target && e.target.closest ? e.target.closest("g.node") : null;
   drag = [e.clientX, e.clientY, tx, ty]; vp.setPointerCapture(e.pointerId); vp.classList.add("dragging");
+});
+// a click (no drag) on a node lists what its tooltip says, one fact a line: its layer,
+// the line of code that made it and where that was called from
+var nodeInfo = document.getElementById("node-info"), nodeLines = document.getElementById("node-info-lines");
+function showNode(g){
+  var a = g.querySelector("a");
+  var t = a ? (a.getAttributeNS("http://www.w3.org/1999/xlink", "title") || a.getAttribute("title")) : null;
+  if (!t) return;
+  nodeLines.innerHTML = "";
+  t.split(" | ").forEach(function(line){
+    var li = document.createElement("li");
+    li.textContent = line;
+    nodeLines.appendChild(li);
+  });
+  nodeInfo.hidden = false;
+}
+vp.addEventListener("pointerup", function(e){
+  if (drag && pressed && Math.abs(e.clientX - drag[0]) + Math.abs(e.clientY - drag[1]) < 5) showNode(pressed);
+  pressed = null;
 });
 vp.addEventListener("pointermove", function(e){
   if (!drag) return;

@@ -1,0 +1,444 @@
+"""Forward source lines: where in the user's code each op of a captured graph was made.
+
+Paddle records the Python stack of a forward op call on the grad node it
+creates while ``FLAGS_call_stack_level`` is 3, and writes those stacks, keyed
+by the node's address (``grad_fn.node_ptr()``), when a backward is given a
+``dump_backward_graph_path``. So, on captured steps only:
+
+* :func:`arm` sets the flag for the forward (the capture arms it when its
+  block is entered or its step starts, and again after each backward of the
+  block); :func:`disarm` puts the previous value back when the backward
+  starts. Arming is counted: the flag returns to the user's value when the
+  last capture disarms, on every exit path.
+* Paddle formats each stack with ``traceback.format_stack``, which in Python
+  3.11 parses every frame's line to place ``^^^`` markers: about 0.9 ms per op
+  call 30 frames deep. While armed, ``traceback.format_stack`` is a version
+  that gives the same frames and code lines without the markers, each frame's
+  text formatted once (:func:`_format_stack`); the original is put back with
+  the flag.
+* A few ops are made by hand-written Paddle code that keeps no stack on
+  their grad node (``Conv2dGradNodeFinal``, ``AddNGradNodeFinal``). While
+  armed, their ``paddle._C_ops`` entry points are wrapped to note the
+  caller's frames by the node's address (:data:`UNTRACED_OPS`).
+* :class:`StackDump` gives the backward a temporary dump folder, reads the
+  stacks of the nodes the capture walked and removes the folder.
+* :func:`user_frames` keeps the frames of the user's code, outermost first:
+  frames inside Paddle, the standard library and this package are left out,
+  and so are the launcher frames (pytest, a notebook kernel, ``paddle.distributed.launch``)
+  installed packages run before the first frame of the user's own files.
+
+Nothing here runs on a step that is not captured.
+"""
+
+from __future__ import annotations
+
+import _thread
+import linecache
+import os
+import re
+import shutil
+import site
+import sys
+import sysconfig
+import tempfile
+import threading
+import traceback
+from typing import Any
+
+import paddle
+
+from .._interrupts import held_interrupts
+from ..graph import Node, SourceFrame
+from .gradnode import grad_fn
+
+__all__ = ["arm", "disarm", "armed", "StackDump", "parse_call_stacks", "user_frames", "apply_stacks", "prefix_recomputed"]
+
+FLAG = "FLAGS_call_stack_level"
+_LOCK = threading.Lock()
+_ARMED = 0  # captures holding the flag on
+_PREVIOUS: int | None = None  # the user's value, put back when the last one disarms
+_ORIGINAL_FORMAT = traceback.format_stack
+# (id of the code object, instruction) -> (the code object, its frame's text); emptied on disarm
+_FRAME_TEXT: dict[tuple[int, int], tuple[Any, str]] = {}
+
+
+def _format_stack(f: Any = None, limit: int | None = None) -> list[str]:
+    """``traceback.format_stack`` without the column markers: one string per frame,
+    outermost first, ``  File "...", line N, in fn\n    code\n``.
+
+    Paddle calls it from C++ for every op while the call-stack flag is on, and
+    crashes (SIGSEGV) when it raises: a Ctrl-C landing in it is handed back to
+    the main thread a moment later (landing then in the user's code), and any
+    other error gives no stack for that op.
+    """
+    try:
+        return _frames_text(f if f is not None else sys._getframe(1), limit)
+    except KeyboardInterrupt:
+        timer = threading.Timer(0.01, _thread.interrupt_main)
+        timer.daemon = True
+        timer.start()
+        return []
+    except BaseException:
+        return []
+
+
+def _frames_text(f: Any, limit: int | None) -> list[str]:
+    out = []
+    text = _FRAME_TEXT
+    while f is not None:
+        co = f.f_code
+        key = (id(co), f.f_lasti)  # f_lineno is worked out from the line table on each read: slower
+        hit = text.get(key)
+        if hit is None or hit[0] is not co:
+            line = linecache.getline(co.co_filename, f.f_lineno).strip()
+            hit = text[key] = (co, f'  File "{co.co_filename}", line {f.f_lineno}, in {co.co_name}\n' + (
+                f"    {line}\n" if line else ""))
+        out.append(hit[1])
+        f = f.f_back
+    if limit is not None:
+        out = out[:limit] if limit >= 0 else out[limit:]  # as traceback counts: innermost first
+    out.reverse()
+    return out
+
+
+#: ``paddle._C_ops`` functions whose grad node Paddle 3.3 leaves without a call stack
+UNTRACED_OPS = ("conv2d", "add_n")
+_WRAPPED: dict[str, tuple[Any, Any]] = {}  # name -> (what was there, our wrapper), while armed
+_MADE: dict[int, list[SourceFrame]] = {}  # node address -> the frames that made it
+_FRAMES: dict[tuple[Any, int], SourceFrame] = {}
+
+
+def _frames_of(f: Any) -> list[SourceFrame]:
+    """The stack from frame ``f`` outwards, outermost first."""
+    out = []
+    while f is not None:
+        key = (f.f_code, f.f_lineno)
+        fr = _FRAMES.get(key)
+        if fr is None:
+            co = f.f_code
+            fr = _FRAMES[key] = SourceFrame(co.co_filename, f.f_lineno, co.co_name,
+                                            linecache.getline(co.co_filename, f.f_lineno).strip())
+        out.append(fr)
+        f = f.f_back
+    out.reverse()
+    return out
+
+
+def _traced(name: str, original: Any) -> Any:
+    def op(*args: Any, **kwargs: Any) -> Any:
+        out = original(*args, **kwargs)
+        try:
+            gf = grad_fn(out)
+            if gf is not None:
+                _MADE[gf.node_ptr()] = _frames_of(sys._getframe(1))
+        except Exception:  # never break the forward
+            pass
+        return out
+
+    op.__name__ = op.__qualname__ = name
+    op.__wrapped__ = original
+    return op
+
+
+def _wrap_untraced(on: bool) -> None:
+    from paddle import _C_ops
+
+    if on:
+        for name in UNTRACED_OPS:
+            original = getattr(_C_ops, name, None)
+            if original is not None and name not in _WRAPPED:
+                _WRAPPED[name] = (original, _traced(name, original))
+                setattr(_C_ops, name, _WRAPPED[name][1])
+        return
+    for name, (original, ours) in list(_WRAPPED.items()):
+        # saved-memory observing (saved.py) wraps every _C_ops function too and puts
+        # Paddle's own back when it stops: only our own wrapper is replaced here
+        if getattr(_C_ops, name, None) is ours:
+            setattr(_C_ops, name, original)
+        del _WRAPPED[name]
+
+
+def fill_untraced(stacks: dict[int, list[SourceFrame]]) -> None:
+    """Give the nodes of ``stacks`` that Paddle left without a stack what the wrapped
+    ops noted for them (each note is used once; the rest wait for another backward,
+    such as the one that made a recomputed block run inside this one)."""
+    for ptr in [p for p in _MADE if p in stacks and not stacks[p]]:
+        stacks[ptr] = _MADE.pop(ptr)
+
+
+def arm() -> bool:
+    """Record forward call stacks from now on (one more holder); False when it could not.
+
+    Whatever raises on the way (a Ctrl-C included), nothing stays patched
+    unless the holder was counted (its :func:`disarm` then puts it back).
+    """
+    with _LOCK, held_interrupts():
+        ok = _arm_locked()
+    return ok
+
+
+def _arm_locked() -> bool:
+    global _ARMED, _PREVIOUS
+    try:
+        if _ARMED == 0:
+            _PREVIOUS = int(paddle.get_flags(FLAG)[FLAG])
+            if _PREVIOUS < 3:
+                paddle.set_flags({FLAG: 3})
+            if traceback.format_stack is _ORIGINAL_FORMAT:
+                traceback.format_stack = _format_stack
+            _MADE.clear()
+            _wrap_untraced(True)
+        _ARMED += 1
+        return True
+    except BaseException as exc:
+        if _ARMED == 0:
+            _release()
+        if isinstance(exc, Exception):
+            return False
+        raise
+
+
+def disarm() -> None:
+    """One holder less; the last one puts the user's flag value back.
+
+    Safe to call again after an interrupt cut it short: what is still
+    patched when no holder is left is put back then.
+    """
+    global _ARMED
+    with _LOCK, held_interrupts():
+        if _ARMED > 0:
+            _ARMED -= 1
+        if _ARMED == 0:
+            _release()
+
+
+def _release() -> None:
+    """No holder is left: put back everything :func:`arm` changed (idempotent)."""
+    global _PREVIOUS
+    if traceback.format_stack is _format_stack:
+        traceback.format_stack = _ORIGINAL_FORMAT
+    _wrap_untraced(False)
+    _FRAME_TEXT.clear()
+    _FRAMES.clear()
+    if _PREVIOUS is not None:
+        if _PREVIOUS < 3:
+            paddle.set_flags({FLAG: _PREVIOUS})
+        _PREVIOUS = None  # after: a second call puts it back if this one was cut short
+
+
+def armed() -> bool:
+    """Whether some capture holds the flag on now."""
+    return _ARMED > 0
+
+
+# the dump path's position in the arguments of run_backward and run_partial_grad
+_DUMP_ARG = {"backward": 3, "grad": 8}
+
+
+class StackDump:
+    """A temporary folder for Paddle's dump of one backward, and the stacks read from it."""
+
+    def __init__(self) -> None:
+        self.dir: str | None = None
+
+    def inject(self, entry: str, args: tuple) -> tuple:
+        """``args`` of the backward call with the dump folder in place; unchanged
+        when the user gave a dump path of their own (then nothing is read)."""
+        at = _DUMP_ARG.get(entry)
+        if at is None:
+            return args
+        if len(args) > at and args[at]:
+            return args  # the user's own dump: theirs alone
+        self.dir = tempfile.mkdtemp(prefix="pvh-stacks-")
+        if len(args) > at:
+            return args[:at] + (self.dir,) + args[at + 1:]
+        return args + (None,) * (at - len(args)) + (self.dir,)
+
+    def read(self) -> dict[int, list[SourceFrame]] | None:
+        """Node address -> its forward stack as Paddle recorded it (every frame); None without a dump."""
+        if self.dir is None:
+            return None
+        names = [f for f in os.listdir(self.dir) if f.endswith("_call_stack.log")]
+        if not names:
+            return None
+        stacks: dict[int, list[SourceFrame]] = {}
+        for name in names:
+            with open(os.path.join(self.dir, name), encoding="utf-8", errors="replace") as fh:
+                stacks.update(parse_call_stacks(fh.read()))
+        return stacks
+
+    def collect(self) -> dict[int, list[SourceFrame]] | None:
+        """:meth:`read` with what the wrapped ops noted (:data:`UNTRACED_OPS`), then the
+        folder removed; None (never an error) when nothing could be read."""
+        try:
+            stacks = self.read()
+            if stacks is not None:
+                fill_untraced(stacks)
+            return stacks
+        except Exception:
+            return None
+        finally:
+            d, self.dir = self.dir, None
+            if d is not None:
+                shutil.rmtree(d, ignore_errors=True)
+
+
+_HEADER = re.compile(r"\S+ ptr : (0x[0-9a-fA-F]+) call stack:")
+_FIRST = re.compile(r'(.*)", line (\d+), in (.*)$')
+_CARETS = re.compile(r"^\s*[\^~]+\s*$")
+
+
+def parse_call_stacks(text: str) -> dict[int, list[SourceFrame]]:
+    """Paddle's ``*_call_stack.log``: node address -> frames (outermost first), each with its code line.
+
+    Each node is ``GradNodeBase <Name> ptr : 0x<address> call stack:`` then
+    ``traceback.format_stack`` text; a frame's text, repeated by every node
+    made under it, is parsed once.
+
+    Examples:
+        >>> log = "\\n".join(["GradNodeBase TanhGradNode ptr : 0x1f call stack: ",
+        ...     '  File "/src/train.py", line 40, in <module>', "    loss = net(x)",
+        ...     '  File "/src/model.py", line 19, in squash', "    h = paddle.tanh(h)", ""])
+        >>> parse_call_stacks(log)[0x1f][-1]
+        SourceFrame(file='/src/model.py', line=19, function='squash', code='h = paddle.tanh(h)')
+    """
+    stacks: dict[int, list[SourceFrame]] = {}
+    parsed: dict[str, SourceFrame | None] = {}
+    for block in text.split("GradNodeBase ")[1:]:
+        head, _, body = block.partition("\n")
+        m = _HEADER.match(head)
+        if m is None:
+            continue
+        frames = stacks.setdefault(int(m.group(1), 16), [])
+        for chunk in body.split('  File "')[1:]:
+            f = parsed.get(chunk, False)
+            if f is False:
+                f = parsed[chunk] = _frame(chunk)
+            if f is not None:
+                frames.append(f)
+    return stacks
+
+
+def _frame(chunk: str) -> SourceFrame | None:
+    """One frame of ``traceback.format_stack`` text, after its ``  File "``."""
+    first, _, rest = chunk.partition("\n")
+    m = _FIRST.match(first)
+    if m is None:
+        return None
+    code = ""
+    for line in rest.split("\n"):
+        if line.startswith("    ") and not _CARETS.match(line):
+            code = line.strip()
+            break
+    return SourceFrame(m.group(1), int(m.group(2)), m.group(3), code)
+
+
+_OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def _dirs() -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+    """Folders of (Paddle and this package, the standard library, installed packages)."""
+    paths = sysconfig.get_paths()
+    never = (os.path.dirname(os.path.abspath(paddle.__file__)) + os.sep, _OWN_DIR)
+    stdlib = {os.path.abspath(paths[k]) + os.sep for k in ("stdlib", "platstdlib") if paths.get(k)}
+    installed = {os.path.abspath(paths[k]) for k in ("purelib", "platlib") if paths.get(k)}
+    try:
+        installed.update(os.path.abspath(p) for p in site.getsitepackages())
+        installed.add(os.path.abspath(site.getusersitepackages()))
+    except Exception:
+        pass
+    return never, tuple(stdlib), tuple(d + os.sep for d in installed)
+
+
+_NEVER, _STDLIB, _INSTALLED = _dirs()
+
+
+_USER, _NOT_USER, _INSTALLED_PKG, _OWN = 0, 1, 2, 3
+_KINDS: dict[str, int] = {}  # file -> one of the above (a few hundred files at most)
+
+
+def _kind(file: str) -> int:
+    """Whose a frame's file is: the user's, never the user's (Paddle, this package, the
+    standard library: an installed package under its folder, as in a system Python, is no
+    part of it), an installed package's; this package is also told apart."""
+    k = _KINDS.get(file)
+    if k is None:
+        path = file if file.startswith("<") else os.path.abspath(file)
+        if path.startswith(_OWN_DIR):
+            k = _OWN
+        elif path.startswith(("<frozen ", *_NEVER)) or (path.startswith(_STDLIB) and not path.startswith(_INSTALLED)):
+            k = _NOT_USER
+        elif path.startswith(_INSTALLED):
+            k = _INSTALLED_PKG
+        else:
+            k = _USER
+        if len(_KINDS) > 10000:
+            _KINDS.clear()
+        _KINDS[file] = k
+    return k
+
+
+def user_frames(frames: list[SourceFrame], after_own: bool = False) -> tuple[SourceFrame, ...]:
+    """The frames of the user's code among ``frames`` (outermost first).
+
+    Args:
+        frames: a stack as Paddle recorded it.
+        after_own: keep only the frames after the last frame of this package
+            (a recomputed forward runs inside a backward this package started:
+            what came before is the step's ``backward()`` call, not the block).
+    """
+    kinds = [_kind(f.file) for f in frames]
+    if after_own:
+        last = max((i for i, k in enumerate(kinds) if k == _OWN), default=-1)
+        frames, kinds = frames[last + 1:], kinds[last + 1:]
+    out: list[SourceFrame] = []
+    for f, k in zip(frames, kinds):
+        if k in (_NOT_USER, _OWN):
+            continue
+        if not out and k == _INSTALLED_PKG:
+            continue  # a launcher before the user's first own frame
+        out.append(f)
+    if not out:  # only installed packages: the user's code is one of them
+        out = [f for f, k in zip(frames, kinds) if k == _INSTALLED_PKG]
+    return tuple(out)
+
+
+def apply_stacks(nodes: list[Node], ptrs: list[int | None], stacks: dict[int, list[SourceFrame]] | None,
+                 program_note: str, nested: bool = False) -> None:
+    """Give every op node of a walk its source, or the reason it has none.
+
+    Args:
+        nodes, ptrs: the walk's nodes and their grad node addresses.
+        stacks: what :meth:`StackDump.read` gave; None: not recorded.
+        program_note: ``Node.note`` of ops opened from a to_static program.
+        nested: the walk is a backward run inside another (a recomputed forward).
+    """
+    cache: dict[tuple, tuple[SourceFrame, ...]] = {}
+    for n, p in zip(nodes, ptrs):
+        if n.kind != "op" or n.source is not None:
+            continue
+        if n.note == program_note or n.op == "Dy2St":  # Paddle records no stack for a program's run
+            n.source_note = "static"
+            continue
+        raw = stacks.get(p) if stacks is not None and p is not None else None
+        if not raw:  # no dump, or a node made while the flag was off (a forward run before the block)
+            n.source_note = "unrecorded"
+            continue
+        key = tuple(raw)
+        frames = cache.get(key)
+        if frames is None:
+            frames = cache[key] = user_frames(raw, after_own=nested)
+        if frames:
+            n.source = frames
+        else:  # a stack of Paddle's and the standard library's frames only
+            n.source_note = "internal"
+
+
+def prefix_recomputed(at: Node, nodes: list[Node]) -> None:
+    """A recomputed block's ops (a nested backward's walk) are called from where its
+    PyLayer was made: that node's frames go in front of theirs."""
+    if at.source is None:
+        return
+    for n in nodes:
+        if n.kind == "op" and n.source is not None:
+            n.source = at.source + n.source
