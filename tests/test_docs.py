@@ -58,9 +58,10 @@ def test_runnable_snippet(code, tmp_path):
 
 
 def test_site_builds_strict(tmp_path):
-    """``mkdocs build --strict``: a broken link, a missing page or an unresolved API reference fails."""
+    """``mkdocs build --strict``: a broken link, a missing page or an unresolved API reference fails
+    (not ``-q``: it hides the warnings that strict mode counts)."""
     env = dict(os.environ, PYTHONPATH=str(REPO), NO_MKDOCS_2_WARNING="1")
-    r = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-f", str(REPO / "mkdocs.yml"),
+    r = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(REPO / "mkdocs.yml"),
                         "-d", str(tmp_path / "site")], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert (tmp_path / "site" / "index.html").exists()
