@@ -10,7 +10,7 @@ PFVENV  := .venv-pf
 DETVENV := .venv-det
 APT    := $(shell if [ "$$(id -u)" = 0 ]; then echo "apt-get"; elif command -v sudo >/dev/null && sudo -n true 2>/dev/null; then echo "sudo apt-get"; fi)
 
-.PHONY: setup setup-demo venvs engine browser demo test bench clean paddleformers-venv ppdet-venv
+.PHONY: setup setup-demo venvs engine browser demo test docs docs-pictures bench clean paddleformers-venv ppdet-venv
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV) || { echo "python venv failed: install python3-venv (apt-get install -y python3-venv)"; exit 1; }
@@ -23,7 +23,7 @@ $(VENV)/.installed-demo: $(BIN)/activate pyproject.toml setup.cfg
 	touch $@
 
 $(VENV)/.installed-test: $(BIN)/activate pyproject.toml setup.cfg
-	$(BIN)/pip install -q -e '.[pure,test,explorer,dashboards-test]'
+	$(BIN)/pip install -q -e '.[pure,test,explorer,dashboards-test,docs]'
 	touch $@
 
 # A venv of its own for one integration's tests: $(1) its folder, $(2) its setup.cfg extra
@@ -76,8 +76,16 @@ test: venvs engine browser
 	$(PFVENV)/bin/python -m pytest -q -ra tests/integrations/test_paddleformers_trainer.py
 	$(DETVENV)/bin/python -m pytest -q -ra tests/integrations/test_ppdet_trainer.py
 
+# The user guide on http://127.0.0.1:8000 (MkDocs, Material theme; API pages from the docstrings)
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve -a 127.0.0.1:8000
+
+# The pictures the README and the guide show, made anew from real captures
+docs-pictures: setup browser
+	$(BIN)/python docs/pictures.py
+
 bench: setup
 	$(BIN)/python benchmarks/run.py
 
 clean:
-	rm -rf $(VENV) $(PFVENV) $(DETVENV) vdl_log demo_out test-output
+	rm -rf $(VENV) $(PFVENV) $(DETVENV) vdl_log demo_out test-output site

@@ -15,7 +15,7 @@ Two tools, used by every place that installs or removes hooks and patches:
   raises the first exception (Paddle's wrapped interrupt as
   ``KeyboardInterrupt``).
 
-Example:
+Examples:
     >>> done = []
     >>> def bad():
     ...     raise KeyboardInterrupt

@@ -17,7 +17,7 @@ __all__ = ["check_path", "reject_unknown"]
 def check_path(name: str, value: Any, allow_none: bool = False) -> str | None:
     """A file or folder path option: ``str`` or ``os.PathLike`` (TypeError), not empty, no NUL byte (ValueError).
 
-    Example:
+    Examples:
         >>> check_path("log_dir", "")
         Traceback (most recent call last):
         ...
@@ -39,7 +39,7 @@ def check_path(name: str, value: Any, allow_none: bool = False) -> str | None:
 def reject_unknown(called: str, given: Iterable[str], known: Iterable[str]) -> None:
     """``TypeError`` naming ``called`` (the class or function the user called) and the closest valid name.
 
-    Example:
+    Examples:
         >>> reject_unknown("BackwardGraphCallback", ["evry"], ["every", "steps"])
         Traceback (most recent call last):
         ...

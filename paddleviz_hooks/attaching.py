@@ -175,7 +175,7 @@ def attach(model: paddle.nn.Layer, optimizer: Any, log_dir: str | os.PathLike = 
             call the first handle's ``detach()`` before attaching again.
         TypeError: an unknown option (the message names ``attach()``).
 
-    Example:
+    Examples:
         >>> import paddle, paddleviz_hooks, tempfile
         >>> net = paddle.nn.Linear(2, 1)
         >>> opt = paddle.optimizer.SGD(parameters=net.parameters())

@@ -347,7 +347,7 @@ def _terminate(signum: int, frame: object) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (never raises for bad input).
 
-    Example:
+    Examples:
         >>> main(["render", "no_such_step.json", "-o", "x.png"])
         1
     """

@@ -127,7 +127,7 @@ class _Layers:
 def layer_depths(graph: BackwardGraph) -> dict[str, int]:
     """Depth of every layer path of ``graph`` as :func:`collapse_graph` counts it.
 
-    Example:
+    Examples:
         >>> from paddleviz_hooks.graph import BackwardGraph
         >>> g = BackwardGraph(layers={"": "Encoder", "layers": "LayerList", "layers.0": "EncoderLayer",
         ...                           "layers.0.self_attn": "MultiHeadAttention"})
@@ -175,7 +175,7 @@ def call_paths(graph: BackwardGraph) -> list[tuple[tuple[str, int], ...]]:
         lies in the innermost call holding all the ops that used it, never
         deeper than its owner. A collapsed box lies in the calls around it.
 
-    Example:
+    Examples:
         >>> g = BackwardGraph([Node(0, "root", "loss"), Node(1, "op", "ReluGradNode", "Relu", layer="b.act", call=1),
         ...                    Node(2, "op", "ReluGradNode", "Relu", layer="b.act", call=0)],
         ...                   [Edge(0, 1), Edge(1, 2)], layers={"": "Net", "b": "Block", "b.act": "ReLU"},
@@ -699,7 +699,7 @@ def collapse_graph(
         ValueError: ``depth`` or ``max_nodes`` out of range.
         TypeError: ``by_type`` or ``fold_repeats`` of the wrong type.
 
-    Example:
+    Examples:
         >>> import paddle
         >>> from paddleviz_hooks import capture_backward
         >>> enc = paddle.nn.TransformerEncoder(paddle.nn.TransformerEncoderLayer(16, 2, 32), 3)
@@ -732,7 +732,7 @@ def collapse_with_map(
         ``(collapsed, node_of)``: ``collapsed.nodes[node_of[i]]`` is the box
         (or the copy) that holds ``graph.nodes[i]``.
 
-    Example:
+    Examples:
         >>> from paddleviz_hooks.graph import BackwardGraph, Edge, Node
         >>> g = BackwardGraph([Node(0, "root", "loss"), Node(1, "op", "ExpGradNode", "Exp", layer="f"),
         ...                    Node(2, "op", "TanhGradNode", "Tanh", layer="f")],
@@ -815,7 +815,7 @@ def collapse_alike(
     Returns:
         The collapsed graphs, in the order given.
 
-    Example:
+    Examples:
         >>> from paddleviz_hooks.graph import BackwardGraph, Edge, Node
         >>> layers = {"": "Net", "e": "Linear", "b": "Block", "b.p": "Linear", "b.q": "Linear", "h": "Linear"}
         >>> op = lambda i, layer: Node(i, "op", "MatmulGradNode", "Matmul", layer=layer)

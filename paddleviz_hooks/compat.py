@@ -98,7 +98,7 @@ def make_graph(tensors: Any, params: Any = None, dpi: Any = None, **options: Any
     Raises:
         TypeError / ValueError: not tensors, or tensors without a graph.
 
-    Example:
+    Examples:
         >>> import paddle
         >>> net = paddle.nn.Linear(3, 2)
         >>> y = net(paddle.randn([4, 3])).mean()

@@ -316,7 +316,7 @@ def align_calls(older: BackwardGraph, newer: BackwardGraph) -> dict[str, str]:
     shows as removed even when a newer call took its index. Layers called
     more than about 500 times in both graphs are left as they are.
 
-    Example:
+    Examples:
         >>> from paddleviz_hooks.graph import Edge
         >>> def chain(*ops):  # the loss, then each op feeding the one before (gradient-flow order)
         ...     nodes = [Node(0, "root", "loss", "loss")] + [
@@ -404,7 +404,7 @@ def pair_leftovers(
     Returns:
         Older key -> newer key for every pair found here.
 
-    Example:
+    Examples:
         >>> from paddleviz_hooks.graph import Edge
         >>> def chain(*ops):  # a loss and a chain of ops in layer "block"
         ...     nodes = [Node(0, "root", "loss", "loss")] + [
@@ -473,7 +473,7 @@ def from_model_output(graph: BackwardGraph) -> tuple[BackwardGraph, list[Node]]:
     Returns:
         (the trimmed graph, keys kept; the nodes left out, in gradient-flow order).
 
-    Example:
+    Examples:
         >>> from paddleviz_hooks.graph import Edge
         >>> g = BackwardGraph([Node(0, "root", "loss", "loss"), Node(1, "op", "MeanAllGradNode", "MeanAll"),
         ...                    Node(2, "op", "MatmulGradNode", "Matmul", layer="fc")], [Edge(0, 1), Edge(1, 2)])
@@ -550,7 +550,7 @@ def diff_graphs(
         TypeError: an argument is not a :class:`BackwardGraph`.
         ValueError: ``threshold`` is not a number above 1.
 
-    Example:
+    Examples:
         >>> import paddle
         >>> from paddleviz_hooks import capture_backward
         >>> net = paddle.nn.Sequential(paddle.nn.Linear(3, 3), paddle.nn.Linear(3, 1))

@@ -69,7 +69,7 @@ def visible(text: Any, *, lines: bool = False) -> str:
     ``\\u202e``..., so a right-to-left override in a layer name cannot make
     ``1.07`` read ``70.1``. Newlines stay when ``lines`` is true.
 
-    Example:
+    Examples:
         >>> print(visible("fc.weight\\u202e 1.07"))
         fc.weight\\u202e 1.07
         >>> visible("a\\nb", lines=True) == "a\\nb"
@@ -113,7 +113,7 @@ def dot_quote(text: str, limit: int = MAX_TEXT) -> str:
     Backslashes are doubled so Graphviz escapes such as ``\\N`` or ``\\l``
     cannot be injected; quotes are escaped; newlines become spaces.
 
-    Example:
+    Examples:
         >>> dot_quote('a"b')
         '"a\\\\"b"'
     """
@@ -134,7 +134,7 @@ def dot_attrs(attrs: Mapping[str, Any]) -> str:
     """``key="value", ...`` for a DOT attribute list, every value quoted
     (a ``tooltip`` may be longer than other text, up to ``MAX_TOOLTIP``).
 
-    Example:
+    Examples:
         >>> print(dot_attrs({"label": 'say "hi"', "color": "red"}))
         label="say \\"hi\\"", color="red"
     """
@@ -150,7 +150,7 @@ def dot_html_table(title: str, rows: Iterable[tuple[Mapping[str, str], str]], *,
             makes the text span both columns.
         spacing: ``CELLSPACING`` of the table.
 
-    Example:
+    Examples:
         >>> dot_html_table("legend", [({"BGCOLOR": "#ff0000"}, "a <b>")])[:40]
         '<<TABLE BORDER="0" CELLBORDER="0" CELLSP'
         >>> "a &lt;b&gt;" in dot_html_table("legend", [({}, "a <b>")])
@@ -170,7 +170,7 @@ def dot_html_table(title: str, rows: Iterable[tuple[Mapping[str, str], str]], *,
 def html_escape(text: Any) -> str:
     """Escape text for HTML element content and quoted attributes (hidden characters made :func:`visible`).
 
-    Example:
+    Examples:
         >>> html_escape('<a href="x">')
         '&lt;a href=&quot;x&quot;&gt;'
     """
@@ -181,7 +181,7 @@ def markdown_literal(text: Any) -> str:
     """Text shown as it is by a Markdown renderer (TensorBoard's text tab): an indented
     code block, so line breaks stay and nothing in it is read as markup or HTML.
 
-    Example:
+    Examples:
         >>> markdown_literal("a <b>\\n*c*")
         '    a <b>\\n    *c*'
     """
@@ -194,7 +194,7 @@ def json_for_script(data: Any) -> str:
     ``<``, ``>`` and ``&`` are written as ``\\u003c`` etc., so no text can end
     the script element.
 
-    Example:
+    Examples:
         >>> json_for_script({"name": "</script>"})
         '{"name":"\\\\u003c/script\\\\u003e"}'
     """
@@ -212,7 +212,7 @@ def vdl_tag(text: str) -> str:
 
     Letters, digits, ``_ . - / ~`` stay (``~`` sorts our groups last).
 
-    Example:
+    Examples:
         >>> vdl_tag("grad norm/../50%")
         'grad_norm/_/50_'
     """
@@ -231,7 +231,7 @@ def vdl_graph_name(text: str, limit: int = 60) -> str:
     ASCII letters, digits, ``_`` and ``-`` only (no ``/``, ``.``, ``&``,
     ``#``, ``+``, ``%`` or spaces), never empty.
 
-    Example:
+    Examples:
         >>> vdl_graph_name("PyLayer:My Op+1"), vdl_graph_name("../")
         ('PyLayer_My_Op_1', 'unnamed')
     """
@@ -247,7 +247,7 @@ def safe_filename(text: str, limit: int = 80) -> str:
 
     Never empty, never ``.``/``..``, no path separators, ASCII only.
 
-    Example:
+    Examples:
         >>> safe_filename("../../etc/passwd")
         'etc_passwd'
     """
@@ -288,7 +288,7 @@ def clean_svg(text: str) -> str | None:
     attribute may not load anything. Text and attribute values are escaped
     by the engine and may say anything.
 
-    Example:
+    Examples:
         >>> clean_svg('<svg xmlns="http://www.w3.org/2000/svg"><g id="a"/></svg>')
         '<svg xmlns="http://www.w3.org/2000/svg"><g id="a"/></svg>'
         >>> clean_svg('<svg xmlns="http://www.w3.org/2000/svg"><set attributeName="href" to="javascript:x()"/></svg>') is None

@@ -117,7 +117,7 @@ def host_allowed(header: str, host: str) -> bool:
     address or the host it was started with (any port: a forwarded port is fine).
     A DNS-rebinding page sends its own host name, which is refused.
 
-    Example:
+    Examples:
         >>> host_allowed("127.0.0.1:8080", "127.0.0.1"), host_allowed("localhost:9000", "127.0.0.1")
         (True, True)
         >>> host_allowed("evil.example:8080", "127.0.0.1"), host_allowed("", "127.0.0.1")
@@ -322,7 +322,7 @@ def explore(source: Any, *, host: str = DEFAULT_HOST, port: int | None = None, o
         TypeError / ValueError: bad arguments, an empty log directory, a taken port.
         RuntimeError: the server did not start (its output is quoted).
 
-    Example:
+    Examples:
         >>> explore(42)
         Traceback (most recent call last):
         ...

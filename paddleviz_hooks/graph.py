@@ -60,7 +60,7 @@ def op_display_name(grad_node_name: str) -> str:
         ``"Conv2dGradNodeFinal"`` gives ``"Conv2d"``, a PyLayer node
         ``"GradNodePyLayer_MyOp_..."`` gives ``"PyLayer:MyOp"``.
 
-    Example:
+    Examples:
         >>> op_display_name("CrossEntropyWithSoftmaxGradNode")
         'CrossEntropyWithSoftmax'
         >>> op_display_name("GradNodePyLayer__Twice")
@@ -94,7 +94,7 @@ COMMUNICATION_OPS = frozenset({
 def is_communication(op: str) -> bool:
     """Whether a readable op name is a grad node that communicates between ranks.
 
-    Example:
+    Examples:
         >>> is_communication(op_display_name("ReshardGradNode")), is_communication("Matmul")
         (True, False)
     """
@@ -529,7 +529,7 @@ class BackwardGraph:
     collapsing, diffing, wording and drawing are functions elsewhere that take
     it (``paddleviz_hooks.collapse``, ``.diff``, ``.text``, ``.render``).
 
-    Example:
+    Examples:
         >>> g = BackwardGraph(
         ...     nodes=[Node(0, "root", "loss", "loss"), Node(1, "op", "MatmulGradNode", "Matmul"),
         ...            Node(2, "param", "GradNodeAccumulation", "Parameter", param="fc.weight")],
@@ -614,7 +614,7 @@ class BackwardGraph:
             layer path -> call index, for ``layer`` and every call it ran
             inside as far as ``calls`` knows (just ``{layer: call}`` without it).
 
-        Example:
+        Examples:
             >>> g = BackwardGraph(calls={"block.relu#1": "block#0", "block#0": "#0"})
             >>> g.call_chain("block.relu", 1)
             {'block.relu': 1, 'block': 0, '': 0}
@@ -742,7 +742,7 @@ class BackwardGraph:
             ``"(self)"``, saves outside any layer call to ``"(outside)"``;
             empty when saved memory was not recorded.
 
-        Example:
+        Examples:
             >>> g = BackwardGraph(meta={"saved_memory": {"by_layer": {
             ...     "enc.layers.0#0": 5, "enc.layers.1#0": 7, "#0": 2, "?": 1}}})
             >>> g.saved_bytes_by_layer()
@@ -1022,7 +1022,7 @@ def merge_grad_metas(metas: Iterable[GradMeta]) -> GradMeta | None:
 def float_to_json(v: float | None) -> float | str | None:
     """A float for strict JSON: NaN and +-Inf become ``"nan"``, ``"inf"``, ``"-inf"``.
 
-    Example:
+    Examples:
         >>> float_to_json(float("inf")), float_to_json(1.5)
         ('inf', 1.5)
     """

@@ -124,7 +124,7 @@ def hook_hazard(node_name: str) -> str | None:
     Returns:
         A short reason shown in the graph, or None.
 
-    Example:
+    Examples:
         >>> hook_hazard("ConcatGradNode")
         'multi-tensor input: a post-hook breaks backward'
         >>> hook_hazard("MatmulGradNode") is None

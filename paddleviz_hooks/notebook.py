@@ -73,7 +73,7 @@ def show(obj: Any, *, full: bool = False, **options: Any) -> Drawing:
             with ``render_diff(diff, newer, older)``.
         EngineNotFound / RenderTimeout: as for :func:`~paddleviz_hooks.render.render_png`.
 
-    Example:
+    Examples:
         >>> import paddle
         >>> from paddleviz_hooks import capture_backward
         >>> net = paddle.nn.Linear(3, 2)

@@ -4,7 +4,7 @@ One rule for every option: a value of the wrong *type* raises ``TypeError``,
 a value of the right type that is out of range raises ``ValueError``; both
 name the option and quote the value received.
 
-Example:
+Examples:
     >>> RecorderOptions.check(every=0)
     Traceback (most recent call last):
     ...
@@ -235,7 +235,7 @@ class RecorderOptions:
     def scheduled(self, step: int) -> bool:
         """Whether ``step`` is selected by ``capture_first``, ``steps`` or ``every``.
 
-        Example:
+        Examples:
             >>> o = RecorderOptions.check(every=10)
             >>> [s for s in range(1, 31) if o.scheduled(s)]
             [1, 10, 20, 30]

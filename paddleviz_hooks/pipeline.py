@@ -56,7 +56,7 @@ def lower_thread_priority(nice: int = DRAWING_NICE) -> None:
     id, so nothing is changed. Never raises: drawing at normal priority is
     still drawing.
 
-    Example:
+    Examples:
         >>> import threading
         >>> t = threading.Thread(target=lower_thread_priority)
         >>> t.start(); t.join()  # the thread ended at nice 10 (on Linux); this one is untouched
@@ -102,7 +102,7 @@ class BackgroundWorker:
         name: thread name (shows in stack dumps).
         warn: how to report problems (default: ``warnings.warn`` once per cause).
 
-    Example:
+    Examples:
         >>> w = BackgroundWorker(print, queue_size=2)
         >>> w.submit("hello")
         True

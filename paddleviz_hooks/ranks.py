@@ -103,7 +103,7 @@ def compare_ranks(graphs: Mapping[int, BackwardGraph]) -> RankView:
         TypeError: ``graphs`` is not a dict of ``BackwardGraph``.
         ValueError: fewer than 2 ranks, or a rank that is not an int >= 0.
 
-    Example:
+    Examples:
         >>> import paddle
         >>> from paddleviz_hooks import capture_backward
         >>> net = paddle.nn.Linear(3, 2)

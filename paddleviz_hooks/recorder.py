@@ -160,7 +160,7 @@ class BackwardGraphRecorder:
     recorder's but a counter: no hook and no patch is in place (unless a
     trigger is on, which needs to see every backward).
 
-    Example:
+    Examples:
         A hand-written loop (``model``, ``opt``, ``loader`` are yours)::
 
             rec = BackwardGraphRecorder("vdl_log", model, every=100, on_nonfinite=True)

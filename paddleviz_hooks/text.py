@@ -141,7 +141,7 @@ _DTYPE_SHORT = {
 def fmt_num(v: float | None, digits: int = 3) -> str:
     """Short number text: ``digits`` significant digits, NaN/Inf spelled out.
 
-    Example:
+    Examples:
         >>> fmt_num(0.000123456), fmt_num(float("nan")), fmt_num(None)
         ('0.000123', 'NaN', '-')
     """
@@ -157,7 +157,7 @@ def fmt_num(v: float | None, digits: int = 3) -> str:
 def fmt_bytes(n: int | None) -> str:
     """Bytes in decimal units, three significant digits.
 
-    Example:
+    Examples:
         >>> fmt_bytes(760832), fmt_bytes(512), fmt_bytes(None)
         ('761 kB', '512 B', '?')
     """
@@ -176,7 +176,7 @@ def call_name(name: str, inclusive: bool = False) -> str:
     ``inclusive``: the call stands with its sublayers (a row of the recompute
     table), so the top layer's call is the whole model, not its own forward.
 
-    Example:
+    Examples:
         >>> call_name("layers.0.self_attn#0"), call_name("block#1"), call_name("#0"), call_name("?")
         ('layers.0.self_attn', 'block (call 2)', "the model's own forward", 'outside the model')
         >>> call_name("#0", inclusive=True)
@@ -191,7 +191,7 @@ def call_name(name: str, inclusive: bool = False) -> str:
 def fmt_ratio(r: float) -> str:
     """A change factor: ``x12.3``; ``from 0`` / ``to 0`` where one side is zero.
 
-    Example:
+    Examples:
         >>> fmt_ratio(12.345), fmt_ratio(math.inf), fmt_ratio(0.0)
         ('x12.3', 'from 0', 'to 0')
     """
@@ -216,7 +216,7 @@ def fmt_shape(shape: Iterable[int] | None) -> str:
 def plural(n: int, word: str, many: str | None = None) -> str:
     """``1 node``, ``3 nodes``.
 
-    Example:
+    Examples:
         >>> plural(1, "op"), plural(2, "op")
         ('1 op', '2 ops')
     """
@@ -233,7 +233,7 @@ def _names(items: list[str], limit: int = _LIST_LIMIT) -> str:
 def backward_role(info: dict[str, Any] | None) -> str:
     """Which backward of its step a graph is (``graph.meta["backward"]``); "" for a step's only one.
 
-    Example:
+    Examples:
         >>> backward_role({"index": 2, "of": 4, "entry": "backward", "micro_batch": 2, "micro_batches": 4})
         'micro-batch 2 of 4'
         >>> backward_role({"index": 1, "of": 2, "entry": "grad"})
@@ -263,7 +263,7 @@ def backward_role(info: dict[str, Any] | None) -> str:
 def layer_name(path: str | None) -> str:
     """A layer path as people read it: the top layer and "no layer" spelled out.
 
-    Example:
+    Examples:
         >>> layer_name("encoder.layers.0"), layer_name(""), layer_name(None)
         ('encoder.layers.0', "the model's own forward", 'outside the model')
     """
@@ -275,7 +275,7 @@ def layer_name(path: str | None) -> str:
 def box_name(path: str | None) -> str:
     """The layer a collapsed box stands for: the top layer's box is the whole model.
 
-    Example:
+    Examples:
         >>> box_name("layer1"), box_name("")
         ('layer1', 'the whole model')
     """
@@ -285,7 +285,7 @@ def box_name(path: str | None) -> str:
 def group_name(group: str) -> str:
     """A parameter group of ``BackwardGraph.layer_grad_norms`` as people read it.
 
-    Example:
+    Examples:
         >>> group_name("encoder"), group_name("(self)")
         ('encoder', "the model's own parameters")
     """
@@ -306,7 +306,7 @@ def node_where(layer: str | None, call: int = 0) -> str:
         layer: the layer path (None: outside the model).
         call: the call index, 0 for the first call (then not mentioned).
 
-    Example:
+    Examples:
         >>> node_where("block", 1), node_where(None)
         ('in block (call 2)', 'outside the model')
     """
@@ -326,7 +326,7 @@ def _call_suffix(call: int, calls: int = 1) -> str:
 def describe_node(info: Node | dict[str, Any]) -> str:
     """Short readable text for a node, or a node record of a :class:`GraphDiff`.
 
-    Example:
+    Examples:
         >>> describe_node({"kind": "op", "op": "Sqrt", "layer": "block"})
         'Sqrt in block'
         >>> describe_node({"kind": "param", "param": "fc.weight"})
@@ -357,7 +357,7 @@ def _at(o: NonfiniteOrigin, sep: str = " at ") -> str:
 def origin_output(origin: NonfiniteOrigin | dict[str, Any]) -> str:
     """The tensor the origin op made: ``float32 output with 2 NaN``; "" when unknown.
 
-    Example:
+    Examples:
         >>> origin_output({"kind": "forward", "op": "log", "dtype": "float32", "nan": 2, "inf": 0})
         'float32 output with 2 NaN'
     """
@@ -372,7 +372,7 @@ def origin_placement(origin: NonfiniteOrigin | dict[str, Any]) -> str:
     """Where a forward origin's op ran when that is not an op of the graph's own: inside a
     compiled program, or on data that needs no gradient (so it has no grad node); "" otherwise.
 
-    Example:
+    Examples:
         >>> origin_placement({"kind": "forward", "op": "log", "needs_grad": False})
         'on data that needs no gradient'
     """
@@ -404,7 +404,7 @@ def origin_badge(origin: NonfiniteOrigin | dict[str, Any]) -> str:
     """The badge naming the record's origin in a list: :data:`STARTS_HERE` for an op of the
     forward, ``cause`` for the other kinds (the input data, the weights, the loss, the backward).
 
-    Example:
+    Examples:
         >>> origin_badge({"kind": "forward", "op": "log"}), origin_badge({"kind": "backward"})
         ('starts here', 'cause')
     """
@@ -415,7 +415,7 @@ def describe_origin(origin: NonfiniteOrigin | dict[str, Any]) -> str:
     """Where a NaN/Inf started (the record's ``origin``; kinds in
     :data:`paddleviz_hooks.graph.ORIGIN_KINDS`), in one sentence.
 
-    Example:
+    Examples:
         >>> print(describe_origin({"kind": "forward", "op": "sqrt", "layer": "block", "layer_class": "Block",
         ...                        "file": "/src/model.py", "line": 16, "code": "h = paddle.sqrt(h)",
         ...                        "key": "op:block[0]/Sqrt#abc123", "needs_grad": True}))
@@ -456,7 +456,7 @@ def describe_origin(origin: NonfiniteOrigin | dict[str, Any]) -> str:
 def describe_first_gradient(site: Any) -> str:
     """The first node whose gradient turned non-finite, in words.
 
-    Example:
+    Examples:
         >>> describe_first_gradient({"kind": "op", "op": "Sqrt", "layer": "block"})
         'first non-finite gradient at Sqrt in block'
     """
@@ -470,7 +470,7 @@ def nonfinite_lines(record: NonfiniteRecord | None) -> list[str]:
     """The NaN/Inf story of a capture, one fact a line (no line when everything is finite):
     the origin, the first non-finite gradient, weights and buffers holding NaN/Inf.
 
-    Example:
+    Examples:
         >>> from paddleviz_hooks.graph import NonfiniteSite
         >>> rec = NonfiniteRecord(NonfiniteOrigin("backward"), NonfiniteSite("k", "op", "Sqrt", "block"), 3,
         ...                       buffers=("bn._variance",))
@@ -499,7 +499,7 @@ def nonfinite_lines(record: NonfiniteRecord | None) -> list[str]:
 def origin_title(origin: NonfiniteOrigin | dict[str, Any]) -> str:
     """Where a NaN/Inf started, short enough for a picture's title.
 
-    Example:
+    Examples:
         >>> origin_title({"kind": "forward", "op": "sqrt", "layer": "block", "file": "/src/model.py", "line": 16})
         'NaN/Inf starts at sqrt in block, model.py:16'
         >>> origin_title({"kind": "not_reproduced", "op": "Sqrt"})
@@ -523,7 +523,7 @@ def origin_title(origin: NonfiniteOrigin | dict[str, Any]) -> str:
 def origin_mark(origin: NonfiniteOrigin | dict[str, Any]) -> str:
     """The line drawn on the node where a NaN/Inf started (the origin op's node, or the box holding it).
 
-    Example:
+    Examples:
         >>> origin_mark({"kind": "forward", "op": "sqrt", "file": "/src/model.py", "line": 16})
         'NaN/Inf starts here: sqrt, model.py:16'
     """
@@ -534,7 +534,7 @@ def origin_mark(origin: NonfiniteOrigin | dict[str, Any]) -> str:
 def origin_short(origin: NonfiniteOrigin | dict[str, Any]) -> str:
     """The origin mark without the file (VisualDL's Graphs tab shows a node type only after its last dot).
 
-    Example:
+    Examples:
         >>> origin_short({"kind": "forward", "op": "batch_norm", "file": "/src/model.py", "line": 16})
         'NaN/Inf starts here: batch_norm'
     """
@@ -545,7 +545,7 @@ def origin_node_lines(origin: NonfiniteOrigin | dict[str, Any]) -> list[str]:
     """The label of the node a drawing adds for an origin op that has none in the graph,
     drawn where its output enters the graph.
 
-    Example:
+    Examples:
         >>> origin_node_lines({"kind": "forward", "op": "log", "layer": "", "file": "/src/m.py", "line": 18,
         ...                    "needs_grad": False})
         ['log, on data that needs no gradient: NaN/Inf starts here', "in the model's own forward, m.py:18"]
@@ -568,7 +568,7 @@ def edge_lines(meta: GradMeta | None, stats: bool, observed: bool = True, why: s
             values could not be seen (inside a compiled program).
         why: why it was not observed (``Edge.note``), shown under "not observed".
 
-    Example:
+    Examples:
         >>> edge_lines(GradMeta((2, 16), "float32"), True, observed=False)
         ['[2, 16] f32', 'not observed']
         >>> edge_lines(None, True, why="Einsum takes no hook")
@@ -596,7 +596,7 @@ def combined_norm(meta: GradMeta) -> str:
     """The figure of several different gradients drawn as one edge (a collapsed view):
     said to be combined, never written like one gradient's norm.
 
-    Example:
+    Examples:
         >>> combined_norm(GradMeta((4,), norm=5.0, parts=2))
         '2 gradients, root-sum-square of |g| 5'
     """
@@ -606,7 +606,7 @@ def combined_norm(meta: GradMeta) -> str:
 def _part_note(meta: GradMeta) -> str:
     """What part of a distributed gradient its statistics describe (they are of this rank's local value).
 
-    Example:
+    Examples:
         >>> _part_note(GradMeta((4, 8), local_shape=(4, 8), placements=("Partial(reduce_type=SUM)",)))
         " (this rank's summand)"
         >>> _part_note(GradMeta((8, 16), local_shape=(8, 8), placements=("Shard(dim=1)",))), _part_note(GradMeta((2,)))
@@ -622,7 +622,7 @@ def _part_note(meta: GradMeta) -> str:
 def shard_line(meta: GradMeta) -> str:
     """This rank's shard of a distributed gradient: local shape and placements.
 
-    Example:
+    Examples:
         >>> shard_line(GradMeta((8, 16), "float32", local_shape=(8, 8), placements=("Shard(dim=1)",)))
         'shard [8, 8] Shard(dim=1)'
     """
@@ -632,7 +632,7 @@ def shard_line(meta: GradMeta) -> str:
 def node_lines(node: Node) -> list[str]:
     """The visible label of a node (with what it saved for backward, when recorded).
 
-    Example:
+    Examples:
         >>> node_lines(Node(3, "op", "ReluGradNode", "Relu", saved_bytes=2048))
         ['Relu', 'saved 2.05 kB']
         >>> node_lines(Node(4, "param", "GradNodeAccumulation", param="fc.weight", shape=(8, 3),
@@ -657,7 +657,7 @@ def node_lines(node: Node) -> list[str]:
 def saved_shade_line(lo: int, hi: int, nodes: int) -> str:
     """Legend row of one shade of ``color_by="saved_memory"``: the bytes its nodes saved for backward.
 
-    Example:
+    Examples:
         >>> saved_shade_line(1_200_000, 4_190_000, 3), saved_shade_line(512, 512, 1)
         ('1.2 MB to 4.19 MB (3 nodes)', '512 B (1 node)')
     """
@@ -668,7 +668,7 @@ def saved_shade_line(lo: int, hi: int, nodes: int) -> str:
 def call_of(call: int, calls: int) -> str:
     """Which call of a layer called several times a box stands for.
 
-    Example:
+    Examples:
         >>> call_of(1, 2), call_of(0, 1)
         (' (call 2 of 2)', '')
     """
@@ -681,7 +681,7 @@ def ghost_lines(node: Node) -> list[str]:
     A ghost sits outside the layer frames of the drawing, so an op names its
     layer itself.
 
-    Example:
+    Examples:
         >>> ghost_lines(Node(7, "op", "AddGradNode", "Add", layer=""))
         ['Add', "in the model's own forward", '(removed)']
         >>> ghost_lines(Node(8, "op", "MeanGradNode", "Mean"))
@@ -726,7 +726,7 @@ _SOURCE_SHOWN = 4  # outer frames named after the innermost one
 def source_frame(frame: SourceFrame, full: bool = True) -> str:
     """One frame of a forward call stack: ``file:line in function: code``.
 
-    Example:
+    Examples:
         >>> f = SourceFrame("/src/model.py", 16, "forward", "h = paddle.sqrt(h)")
         >>> source_frame(f), source_frame(f, full=False)
         ('/src/model.py:16 in forward: h = paddle.sqrt(h)', 'model.py:16 in forward')
@@ -740,7 +740,7 @@ def source_short(node: Node) -> str | None:
     """Where an op's forward was called, short (``model.py:16: h = paddle.sqrt(h)``);
     the reason when that is not known; None for nodes that are no op.
 
-    Example:
+    Examples:
         >>> source_short(Node(1, "op", "SqrtGradNode", "Sqrt",
         ...                   source=(SourceFrame("/src/model.py", 16, "forward", "h = paddle.sqrt(h)"),)))
         'model.py:16: h = paddle.sqrt(h)'
@@ -756,7 +756,7 @@ def source_lines(node: Node) -> list[str]:
     ``called from: ...`` (the outermost beyond a few are counted); the reason
     when it is not known; nothing when it was not recorded at all.
 
-    Example:
+    Examples:
         >>> n = Node(1, "op", "TanhGradNode", "Tanh", source=(
         ...     SourceFrame("train.py", 40, "<module>", "loss = net(x).mean()"),
         ...     SourceFrame("model.py", 19, "squash", "h = paddle.tanh(h)")))
@@ -778,7 +778,7 @@ def source_attrs(node: Node) -> dict[str, str]:
     """Attributes of a node for viewers that list them (Model Explorer, VisualDL's
     Graphs tab): where its forward was called, in full.
 
-    Example:
+    Examples:
         >>> source_attrs(Node(1, "op", "TanhGradNode", "Tanh", source=(
         ...     SourceFrame("/src/train.py", 40, "<module>", "loss = net(x).mean()"),
         ...     SourceFrame("/src/model.py", 19, "squash", "h = paddle.tanh(h)"))))
@@ -818,7 +818,7 @@ def node_tooltip(node: Node) -> str:
 def run_folder_note(asked: str, used: str) -> str:
     """Said once, when a recorder writes beside the run folder it was given.
 
-    Example:
+    Examples:
         >>> run_folder_note("/logs/backward_graph", "/logs/backward_graph_2")
         ' (backward_graph holds an earlier run or another writer: kept as it is, this run writes beside it)'
         >>> run_folder_note("/logs/a", "/logs/a")
@@ -846,7 +846,7 @@ def redraw_command(json_path: str | None, out_path: str) -> str:
 def lost_line(steps: dict[int, str]) -> str:
     """The captured steps whose data never reached disk, each with why.
 
-    Example:
+    Examples:
         >>> lost_line({3: "no space left on device", 4: "no space left on device", 9: "the run folder was deleted"})
         'steps 3, 4 lost: no space left on device; step 9 lost: the run folder was deleted'
     """
@@ -872,7 +872,7 @@ def end_line(captured: int, graphs: int, written: int, lost: dict[int, str], dra
 
     Captured = written + lost, and written = drawn + left undrawn, always.
 
-    Example:
+    Examples:
         >>> end_line(13, 13, 6, {7: "the run folder was deleted"}, 6, 0, "/gone")
         '13 steps captured: 6 written, 1 lost (step 7 lost: the run folder was deleted); 6 drawn, 0 left undrawn (the run folder /gone no longer exists)'
     """
@@ -896,7 +896,7 @@ def capture_title(step: Any, trigger: str | None = None, role: Any = None, index
         index: the capture's position (from 1), named when the step is unknown.
         origin: the record's origin (``graph.nonfinite.origin``), worded by :func:`origin_title`.
 
-    Example:
+    Examples:
         >>> capture_title(8, "nonfinite_loss"), capture_title("03", "scheduled", "micro-batch 2 of 2")
         ('step 8 - trigger: nonfinite_loss', 'step 03 - micro-batch 2 of 2')
         >>> capture_title(None, index=2)
@@ -917,7 +917,7 @@ def graph_title(graph: BackwardGraph) -> str | None:
     trigger, which backward, NaN/Inf origin), for drawing a saved step again; None for a graph
     without a step (captured by hand).
 
-    Example:
+    Examples:
         >>> graph_title(BackwardGraph(meta={"step": 3, "trigger": "nonfinite_loss"}))
         'step 3 - trigger: nonfinite_loss'
         >>> graph_title(BackwardGraph()) is None
@@ -945,7 +945,7 @@ def collapse_note(collapsed: BackwardGraph, full: BackwardGraph, full_detail: st
 def notebook_full_detail(what: str) -> str:
     """Where every op of a drawing collapsed for a notebook cell can be seen.
 
-    Example:
+    Examples:
         >>> notebook_full_detail("graph")
         'every op: show(graph, full=True)'
     """
@@ -955,7 +955,7 @@ def notebook_full_detail(what: str) -> str:
 def svg_file_note(path: str) -> str:
     """Where the full-detail drawing of a step is, for a dashboard that cannot show SVG.
 
-    Example:
+    Examples:
         >>> svg_file_note("/logs/backward_graph/step_000004.svg")
         'every op (SVG, open it in a browser): /logs/backward_graph/step_000004.svg'
     """
@@ -980,7 +980,7 @@ def _unobserved_ops(graph: BackwardGraph) -> list[Node]:
 def grad_sync_line(graph: BackwardGraph) -> str:
     """Which gradient the norms of a multi-process capture are (``meta["grad_sync"]``); "" otherwise.
 
-    Example:
+    Examples:
         >>> g = BackwardGraph([Node(0, "param", "GradNodeAccumulation", param="w",
         ...                         grad=GradMeta(norm=0.96), local_grad=GradMeta(norm=1.72))],
         ...                   meta={"grad_sync": {"rank": 0, "world_size": 2, "params": 1, "changed": 1}})
@@ -1015,7 +1015,7 @@ def rank_comparison_lines(graph: BackwardGraph, base: BackwardGraph, diff: Graph
     Returns:
         Lines, the structural one first.
 
-    Example:
+    Examples:
         >>> from paddleviz_hooks.diff import diff_graphs
         >>> g = BackwardGraph([Node(0, "root", "loss", "loss")])
         >>> g.assign_keys()
@@ -1049,7 +1049,7 @@ def rank_values(values: dict[int, float], ranks: Iterable[int], label: str = "|g
     A rank without a value (the node is not in its graph, or nothing was
     recorded there) shows ``-``.
 
-    Example:
+    Examples:
         >>> rank_values({0: 0.4123, 1: 0.52}, [0, 1])
         ['|g| r0 0.412 / r1 0.52']
         >>> rank_values({0: 1.0}, [0, 1, 2], per_line=2)
@@ -1065,7 +1065,7 @@ def rank_values(values: dict[int, float], ranks: Iterable[int], label: str = "|g
 def rank_presence(missing: Iterable[int] = (), only: int | None = None) -> str:
     """Where a node of the merged view is: ``not on ranks 1, 3`` or ``only on rank 2``.
 
-    Example:
+    Examples:
         >>> rank_presence([1, 3]), rank_presence(only=2)
         ('not on ranks 1, 3', 'only on rank 2')
     """
@@ -1078,7 +1078,7 @@ def rank_presence(missing: Iterable[int] = (), only: int | None = None) -> str:
 def ranks_title(step: Any, ranks: Iterable[int]) -> str:
     """The title of the merged drawing of one step.
 
-    Example:
+    Examples:
         >>> ranks_title(3, [0, 1])
         'step 3 - ranks 0, 1 merged'
     """
@@ -1088,7 +1088,7 @@ def ranks_title(step: Any, ranks: Iterable[int]) -> str:
 def rank_view_lines(view: RankView) -> list[str]:
     """What the merged view of one step says in words: structure first, then the global norms per rank.
 
-    Example:
+    Examples:
         >>> from paddleviz_hooks.ranks import compare_ranks
         >>> g = BackwardGraph([Node(0, "root", "loss", "loss")])
         >>> g.assign_keys()
@@ -1124,7 +1124,7 @@ def graph_summary(graph: BackwardGraph, top: int = 5, previous: BackwardGraph | 
             (which ops give no gradient data, unnamed leaves) are not
             repeated.
 
-    Example:
+    Examples:
         >>> from paddleviz_hooks.graph import Edge
         >>> g = BackwardGraph([Node(0, "root", "loss", "loss"), Node(1, "op", "ExpGradNode", "Exp", hooked=True)],
         ...                   [Edge(0, 1)], meta={"step": 3, "grad_stats": True})
@@ -1197,7 +1197,7 @@ def graph_summary(graph: BackwardGraph, top: int = 5, previous: BackwardGraph | 
 def saved_memory_lines(graph: BackwardGraph, top: int = 5) -> list[str]:
     """Summary lines on what the forward saved for this backward (none when not recorded).
 
-    Example:
+    Examples:
         >>> g = BackwardGraph(meta={"saved_memory": {"total_bytes": 3_000_000, "saves": 12,
         ...     "by_layer": {"block.conv#0": 2_000_000, "?": 1_000_000}, "by_op": {"Conv2d": 3_000_000},
         ...     "params_bytes": 40_000, "allocated_growth": 3_000_004, "unobserved": []}})

@@ -1,6 +1,6 @@
 """The one warn-once helper: every problem becomes one clear warning per cause.
 
-Example:
+Examples:
     >>> import warnings
     >>> warn = WarnOnce()
     >>> with warnings.catch_warnings(record=True) as got:

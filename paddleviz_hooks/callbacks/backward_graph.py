@@ -41,7 +41,7 @@ class BackwardGraphCallback(paddle.callbacks.Callback):
         TypeError: an option of the wrong type (the message quotes it).
         ValueError: an option value out of range (the message quotes it).
 
-    Example:
+    Examples:
         >>> cb = BackwardGraphCallback("vdl_log", every=100)
         >>> cb.recorder.options.every
         100

@@ -29,7 +29,7 @@ def cut(kind: str, received: Any, shapes: Sequence[tuple[int, ...] | None]) -> l
         shapes: per forward input slot, the shape of the gradient that input
             received, None when unknown (no gradient, or not seen).
 
-    Example:
+    Examples:
         >>> import paddle
         >>> g = paddle.arange(6, dtype="float32").reshape([2, 3])
         >>> [p.tolist() for p in cut("StackGradNode", g, [(3,), (3,)])]

@@ -71,7 +71,7 @@ _DTYPES = {"fp32": "float32", "fp64": "float64", "fp16": "float16", "bf16": "bfl
 def has_nonfinite(obj: Any) -> bool:
     """Whether any floating-point tensor inside ``obj`` (nested lists, tuples, dicts) holds NaN/Inf.
 
-    Example:
+    Examples:
         >>> has_nonfinite(([paddle.to_tensor([1.0])], {"x": paddle.to_tensor([float("nan")])}))
         True
         >>> has_nonfinite((paddle.to_tensor([1, 2]), 3.0))
@@ -501,7 +501,8 @@ def find_nonfinite_origin(model: paddle.nn.Layer, *inputs: Any, **kwargs: Any) -
 
     Args:
         model: the ``paddle.nn.Layer``.
-        *inputs, **kwargs: what ``model`` is called with.
+        *inputs: the positional arguments ``model`` is called with.
+        **kwargs: its keyword arguments.
 
     Returns:
         None when the forward is finite everywhere; else a dict with
@@ -517,7 +518,7 @@ def find_nonfinite_origin(model: paddle.nn.Layer, *inputs: Any, **kwargs: Any) -
     Raises:
         TypeError: ``model`` is not a ``paddle.nn.Layer``.
 
-    Example:
+    Examples:
         >>> class Net(paddle.nn.Layer):
         ...     def forward(self, x):
         ...         return paddle.log(x)

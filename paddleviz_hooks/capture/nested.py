@@ -111,7 +111,7 @@ def stitch(nodes: list[Node], edges: list[Edge], ptrs: list[int | None], at: int
         at: id of the node whose backward ran the inner one.
         inner_nodes, inner_edges, inner_ptrs: the inner graph, discarded after.
 
-    Example:
+    Examples:
         >>> from paddleviz_hooks.graph import GradMeta
         >>> nodes = [Node(0, "root", "loss", "loss"), Node(1, "op", "GradNodePyLayer_F", "PyLayer:F"),
         ...          Node(2, "op", "EmbeddingGradNode", "Embedding")]

@@ -532,7 +532,7 @@ def _op_sites() -> list[tuple[Any, str]]:
 def _blind_spots(ops: Any) -> list[str]:
     """Ops of the graph that may hold tensors the pack hook never sees.
 
-    Example:
+    Examples:
         >>> for line in _blind_spots(["Matmul", "PyLayer:Clip", "PyLayer:RecomputeFunction", "Dy2St"]):
         ...     print(line)
         to_static program (Dy2St): the activations inside it

@@ -912,7 +912,7 @@ def capture_backward(
     Raises:
         TypeError: ``layer`` or ``params`` of the wrong type.
 
-    Example:
+    Examples:
         >>> import paddle
         >>> model = paddle.nn.Sequential(paddle.nn.Linear(4, 8), paddle.nn.ReLU(), paddle.nn.Linear(8, 3))
         >>> x, y = paddle.randn([2, 4]), paddle.to_tensor([[0], [2]])

@@ -295,7 +295,7 @@ def parse_call_stacks(text: str) -> dict[int, list[SourceFrame]]:
     ``traceback.format_stack`` text; a frame's text, repeated by every node
     made under it, is parsed once.
 
-    Example:
+    Examples:
         >>> log = "\\n".join(["GradNodeBase TanhGradNode ptr : 0x1f call stack: ",
         ...     '  File "/src/train.py", line 40, in <module>', "    loss = net(x)",
         ...     '  File "/src/model.py", line 19, in squash', "    h = paddle.tanh(h)", ""])

@@ -331,7 +331,7 @@ class ProgramRuns:
         warn: ``warn(cause, message)``, called when recording a run fails
             (the run itself always goes on).
 
-    Example:
+    Examples:
         >>> runs = ProgramRuns(lambda cause, msg: None)
         >>> runs.install(); runs.remove()
         >>> from paddle.jit.dy2static.pir_partial_program import PartialProgramLayer

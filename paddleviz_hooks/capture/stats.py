@@ -100,7 +100,7 @@ class StatsQueue:
     over) reads every queued number in one transfer and fills the rest. A
     queued gradient itself is not kept: only its 0-d results are.
 
-    Example:
+    Examples:
         >>> q = StatsQueue()
         >>> m = grad_meta(paddle.to_tensor([3.0, -4.0]), True, q)
         >>> m.norm, m.min, m.max  # a host tensor: read at once
@@ -188,7 +188,7 @@ def sum_of_squares(tensors: Iterable[Any]) -> float:
     Host tensors are read in place as :class:`StatsQueue` reads them; the
     device tensors' sums are added on the device and read in one transfer.
 
-    Example:
+    Examples:
         >>> sum_of_squares([paddle.to_tensor([3.0]), paddle.to_tensor([[4.0, 0.0]])])
         25.0
     """

@@ -33,7 +33,7 @@ def local_scalar(t: Any) -> float | None:
     summand, and reading the whole would be an all-reduce that the other ranks
     never join: None (not observed).
 
-    Example:
+    Examples:
         >>> local_scalar(paddle.to_tensor(2.5))
         2.5
     """
@@ -47,7 +47,7 @@ def local_scalar(t: Any) -> float | None:
 def data_parallel_world() -> tuple[int, int] | None:
     """``(rank, world_size)`` when this process is one of several, else None.
 
-    Example:
+    Examples:
         >>> data_parallel_world() is None  # a single process
         True
     """
@@ -65,7 +65,7 @@ class AppliedGrads:
         rank: this process's rank.
         world: the number of processes.
 
-    Example:
+    Examples:
         >>> ag = AppliedGrads(0, 2)
         >>> p = paddle.create_parameter([2], "float32")
         >>> ag.note(7, p, paddle.to_tensor([3.0, 4.0]))  # in the leaf hook, before accumulation

@@ -207,7 +207,7 @@ def diff_to_dot(diff: GraphDiff, newer: BackwardGraph, older: BackwardGraph, **o
         TypeError: wrong argument types.
         ValueError: bad option values.
 
-    Example:
+    Examples:
         >>> import paddle, tempfile, os
         >>> from paddleviz_hooks import capture_backward, diff_graphs
         >>> net = paddle.nn.Sequential(paddle.nn.Linear(3, 3), paddle.nn.Linear(3, 1))
@@ -239,7 +239,8 @@ def render_diff(
 
     Args:
         diff: ``diff_graphs(older, newer)``.
-        newer / older: the two graphs.
+        newer: the later graph.
+        older: the earlier graph.
         path: output file; its suffix picks the format when ``format`` is
             None. Without a path the bytes are returned.
         format: ``"png"``, ``"svg"``, ``"dot"`` or ``"json"`` (the diff
@@ -255,7 +256,7 @@ def render_diff(
         FileNotFoundError: the output directory does not exist.
         EngineNotFound / RenderTimeout: as for :func:`render_png`.
 
-    Example:
+    Examples:
         >>> import paddle, tempfile, os
         >>> from paddleviz_hooks import capture_backward, diff_graphs
         >>> net = paddle.nn.Sequential(paddle.nn.Linear(3, 3), paddle.nn.Linear(3, 1))
@@ -302,7 +303,7 @@ def render_diff_png(
             :func:`render_png` fills it, where ``collapsed_depth`` and
             ``folded`` say how both graphs were collapsed.
 
-    Example:
+    Examples:
         >>> import paddle, tempfile, os
         >>> from paddleviz_hooks import capture_backward, diff_graphs
         >>> net = paddle.nn.Sequential(paddle.nn.Linear(3, 3), paddle.nn.Linear(3, 1))
@@ -344,7 +345,7 @@ def render_diff_views(
     Returns:
         format -> bytes.
 
-    Example:
+    Examples:
         >>> import paddle
         >>> from paddleviz_hooks import capture_backward, diff_graphs
         >>> net = paddle.nn.Sequential(paddle.nn.Linear(3, 3), paddle.nn.Linear(3, 1))

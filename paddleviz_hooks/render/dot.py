@@ -45,7 +45,7 @@ _SHADE_STEP = 4
 def check_color_by(color_by: Any) -> None:
     """Raise ``TypeError``/``ValueError`` unless ``color_by`` is None or one of :data:`COLOR_BY`.
 
-    Example:
+    Examples:
         >>> check_color_by("memory")
         Traceback (most recent call last):
         ...
@@ -64,7 +64,7 @@ def saved_shades(graph: BackwardGraph) -> dict[int, int]:
     quarter of that, too; then shade 1 down to a sixteenth, and so on.
     A collapsed box carries the sum of its ops' bytes (each storage counted once).
 
-    Example:
+    Examples:
         >>> from paddleviz_hooks.graph import Node
         >>> g = BackwardGraph([Node(0, "op", "A", "A", saved_bytes=4096), Node(1, "op", "B", "B", saved_bytes=1000),
         ...                    Node(2, "op", "C", "C")])
@@ -298,7 +298,7 @@ def title_lines(title: str, width: int = 72) -> list[str]:
     """A title cut into lines of about ``width`` characters, at its `` - `` parts where it can:
     a long title wraps, it is never cut short.
 
-    Example:
+    Examples:
         >>> title_lines("step 13 - trigger: nonfinite_loss - NaN/Inf starts at log in the model's own forward, "
         ...             "run.py:18, on data that needs no gradient - collapsed to layer depth 4", width=60)
         ['step 13 - trigger: nonfinite_loss', "NaN/Inf starts at log in the model's own forward, run.py:18,", 'on data that needs no gradient', 'collapsed to layer depth 4']
@@ -360,7 +360,7 @@ def to_dot(graph: BackwardGraph, **options: Any) -> str:
     Returns:
         The DOT text, ready for ``dot -Tsvg``.
 
-    Example:
+    Examples:
         >>> import paddle
         >>> from paddleviz_hooks import capture_backward
         >>> net = paddle.nn.Linear(3, 2)

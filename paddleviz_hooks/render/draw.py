@@ -94,7 +94,7 @@ def fit_png(
         rankdir: fix the direction instead of choosing it.
         timeout: seconds per engine run.
 
-    Example:
+    Examples:
         >>> png = fit_png(lambda rd: f"digraph {{ rankdir={rd}; a -> b -> c }}", max_px=300)
         >>> png_size(png)[0] <= 300
         True
@@ -174,7 +174,7 @@ def render_png(
         EngineNotFound: no layout engine is installed.
         RenderTimeout: the engine ran past ``timeout``.
 
-    Example:
+    Examples:
         >>> import paddle
         >>> from paddleviz_hooks import capture_backward
         >>> net = paddle.nn.Linear(3, 2)
@@ -221,7 +221,7 @@ def render_views(
     Returns:
         format -> bytes.
 
-    Example:
+    Examples:
         >>> import paddle
         >>> from paddleviz_hooks import capture_backward
         >>> net = paddle.nn.Linear(3, 2)

@@ -136,7 +136,7 @@ def run_engine_formats(
     Raises:
         EngineNotFound, RenderTimeout, RuntimeError: as for :func:`run_engine`.
 
-    Example:
+    Examples:
         >>> out = run_engine_formats("digraph { a -> b }", ("png", "svg"))
         >>> out["png"][:4], b"<svg" in out["svg"]
         (b'\\x89PNG', True)

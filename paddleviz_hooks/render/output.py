@@ -35,7 +35,7 @@ def output_target(path: Any, format: str | None, formats: tuple[str, ...], *, op
         ValueError: an empty path or one with a NUL byte; a format the writer cannot produce.
         FileNotFoundError: the output directory does not exist.
 
-    Example:
+    Examples:
         >>> output_target("out.svg", None, ("svg", "png"))
         ('out.svg', 'svg')
         >>> output_target(None, None, ("svg", "png"), optional=True)

@@ -180,7 +180,7 @@ def ranks_to_dot(graphs: Mapping[int, BackwardGraph], **options: Any) -> str:
     Raises:
         TypeError / ValueError: as for :func:`paddleviz_hooks.ranks.compare_ranks`.
 
-    Example:
+    Examples:
         >>> import paddle
         >>> from paddleviz_hooks import capture_backward
         >>> net = paddle.nn.Linear(3, 2)
@@ -215,7 +215,7 @@ def render_ranks(graphs: Mapping[int, BackwardGraph], path: str | os.PathLike | 
         FileNotFoundError: the output directory does not exist.
         EngineNotFound / RenderTimeout: as for :func:`paddleviz_hooks.render.render_png`.
 
-    Example:
+    Examples:
         >>> import paddle
         >>> from paddleviz_hooks import capture_backward
         >>> net = paddle.nn.Linear(3, 2)

@@ -187,7 +187,7 @@ def _num(v: str | None, default: float) -> float:
 def read_dot(source: str) -> DotSizes:
     """The node and label sizes of DOT ``source`` as written by ``render/dot.py``.
 
-    Example:
+    Examples:
         >>> s = read_dot('digraph {\\n  a [label="Conv2d"]\\n  b [label="x"]\\n  a -> b [label="[2, 3]"]\\n}')
         >>> sorted(s.nodes), s.ranks()
         (['a', 'b'], {'a': 0, 'b': 1})

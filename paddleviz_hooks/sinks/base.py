@@ -8,7 +8,7 @@ full-detail SVG and the picture files). A sink decides how its dashboard
 shows them: tags, paging, keys, media types. Every sink keeps the scalar
 names given here, so a curve is called the same on every dashboard.
 
-Example:
+Examples:
     A sink that prints what it gets (any object with these methods will do;
     subclassing :class:`Sink` gives harmless defaults)::
 
@@ -161,7 +161,7 @@ def scalar_depth(graph: BackwardGraph, depth: int | None = None) -> int:
     layers). A layer shallower than the depth is a group of its own
     (``head`` beside ``encoder.layers.0``).
 
-    Example:
+    Examples:
         >>> from paddleviz_hooks.graph import GradMeta, Node
         >>> g = BackwardGraph(nodes=[Node(i, "param", "GradNodeAccumulation", param=p, grad=GradMeta(norm=1.0))
         ...                          for i, p in enumerate(["enc.0.w", "enc.1.w", "head.w"])])
@@ -218,7 +218,7 @@ def capture_scalars(graph: BackwardGraph, suffix: str = "", diagnostics: bool = 
 def suffixed(name: str, suffix: str) -> str:
     """``name`` for a step's first backward, ``name_b2`` for its second (tags, keys, file names).
 
-    Example:
+    Examples:
         >>> suffixed("backward_graph", ""), suffixed("backward_graph", "b2")
         ('backward_graph', 'backward_graph_b2')
     """
@@ -229,7 +229,7 @@ def finite_scalars(scalars: dict[str, float | None]) -> dict[str, float]:
     """The scalars a chart can draw: None and NaN/Inf values are left out (the NaN/Inf
     count is a scalar of its own).
 
-    Example:
+    Examples:
         >>> finite_scalars({"a": 1, "b": None, "c": float("nan")})
         {'a': 1.0}
     """

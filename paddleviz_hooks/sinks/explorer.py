@@ -136,7 +136,7 @@ def explorer_graph(graph: BackwardGraph, graph_id: str) -> dict[str, Any]:
     Returns:
         JSON-ready data. Node ids are the graph's node ids as text.
 
-    Example:
+    Examples:
         >>> from paddleviz_hooks.graph import Edge
         >>> g = BackwardGraph([Node(0, "root", "loss"), Node(1, "op", "ExpGradNode", "Exp", layer="f")],
         ...                   [Edge(0, 1)], layers={"": "Net", "f": "Act"})
@@ -449,7 +449,7 @@ def export_explorer(source: Any, out_dir: str) -> ExplorerExport:
         TypeError: ``source`` or ``out_dir`` is of another type.
         ValueError: the log directory does not exist or holds no capture; ``out_dir`` is empty or has a NUL byte.
 
-    Example:
+    Examples:
         >>> import tempfile
         >>> from paddleviz_hooks.graph import Edge
         >>> g = BackwardGraph([Node(0, "root", "loss"), Node(1, "op", "ExpGradNode", "Exp")], [Edge(0, 1)],

@@ -6,7 +6,7 @@ imported only when the first capture reaches it. Each sink is created lazily, an
 failure in one (missing package, a writer that raises) is one warning naming it, while
 the other sinks go on.
 
-Example:
+Examples:
     >>> check_sinks(["visualdl"])
     ('visualdl',)
     >>> check_sinks("tensorbord")

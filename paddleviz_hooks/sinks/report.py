@@ -608,7 +608,7 @@ def build_report(log_dir: str | os.PathLike, out_path: str | os.PathLike, *, tit
         NotADirectoryError: ``log_dir`` is not a directory.
         OSError: ``out_path`` cannot be written.
 
-    Example:
+    Examples:
         >>> import os, tempfile, paddle
         >>> from paddleviz_hooks import capture_backward
         >>> log = tempfile.mkdtemp()

@@ -15,7 +15,7 @@ Where the NaN/Inf starts (``graph.nonfinite``) is named in the type of its
 op's node, or of a node added where its output enters the graph when the op
 has none; the first node with a non-finite gradient carries an attribute.
 
-Example:
+Examples:
     >>> from paddleviz_hooks.graph import BackwardGraph, Edge, GradMeta, Node
     >>> g = BackwardGraph(
     ...     nodes=[Node(0, "root", "loss", "loss"),
@@ -147,7 +147,7 @@ def _layer_of(graph: BackwardGraph, n: Node) -> str | None:
 def _levels(layer: str | None, skip: int = 0) -> list[tuple[str, None]]:
     """The layer boxes down to ``layer`` (not one call of any), without the first ``skip``.
 
-    Example:
+    Examples:
         >>> _levels("encoder.layers.0", 1)
         [('encoder.layers', None), ('encoder.layers.0', None)]
     """

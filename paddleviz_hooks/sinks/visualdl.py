@@ -35,7 +35,7 @@ class TagPages:
     Pages are given out in capture order (the data thread), so a page's name
     tells the steps it holds even when its pictures are drawn out of order.
 
-    Example:
+    Examples:
         >>> pages = TagPages()
         >>> [pages.tag("backward_graph", s) for s in (1, 10, 20)][-1]
         'backward_graph/from_step_000001'
@@ -72,7 +72,7 @@ def graph_dir(directory: str, display_name: str, step: int, trigger: str, suffix
     "Choose a model" list shows (cut to about 30 characters there, hence the step
     first): step, trigger and run, ``step_000008-nonfinite_loss-vdl_log.backward_graph``.
 
-    Example:
+    Examples:
         >>> os.path.basename(graph_dir("/logs/run", "vdl_log/backward_graph", 8, "nonfinite_loss"))
         'step_000008-nonfinite_loss-vdl_log.backward_graph'
     """
