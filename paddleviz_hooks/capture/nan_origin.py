@@ -83,6 +83,15 @@ def has_nonfinite(obj: Any) -> bool:
     return False
 
 
+def _has_nan(obj: Any) -> bool:
+    """Whether any floating-point tensor inside ``obj`` holds NaN (±inf is a legitimate value: masks)."""
+    for t in tensors_in(obj):
+        if t._is_initialized() and t.size and t.is_floating_point():
+            if bool(paddle.isnan(t).any()):
+                return True
+    return False
+
+
 def _origin(kind: str, **fields: Any) -> NonfiniteOrigin:
     return NonfiniteOrigin(kind, **fields)
 
@@ -214,8 +223,10 @@ def _restored(layer: paddle.nn.Layer, rng: Any = None) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _numerics_checker() -> Iterator[None]:
-    """Paddle's numerics checker at level 0 for the block; its fd-1 line never reaches the user."""
+def _numerics_checker(level: int = 0) -> Iterator[Any]:
+    """Paddle's numerics checker at ``level`` for the block (0: the first op making NaN/Inf raises;
+    1: every such op prints a line, nothing raises); its fd-1 lines go to the file it yields,
+    never to the user."""
     old = paddle.get_flags(list(_FLAGS))
     try:
         sys.stdout.flush()
@@ -229,8 +240,8 @@ def _numerics_checker() -> Iterator[None]:
     try:
         if saved is not None:
             os.dup2(sink.fileno(), 1)
-        paddle.set_flags({_FLAGS[0]: True, _FLAGS[1]: 0})
-        yield
+        paddle.set_flags({_FLAGS[0]: True, _FLAGS[1]: level})
+        yield sink
     finally:
         paddle.set_flags(old)
         try:
@@ -250,10 +261,20 @@ def _layer_paths(layer: paddle.nn.Layer) -> dict[int, tuple[str, str]]:
 
 
 def _from_checker_error(exc: BaseException, layer: paddle.nn.Layer) -> NonfiniteOrigin | None:
-    """The origin named by the checker's error: op and the produced tensor's NaN/Inf counts from its
-    message, layer and line from its traceback, whether the output needs a gradient from the
-    inputs of the innermost Paddle function (the op's wrapper) in it."""
-    text = str(exc)
+    """The origin named by the checker's error: op and counts from its message, the rest from its
+    traceback (see :func:`_from_stack`)."""
+    tb = exc.__traceback__
+    try:
+        return _from_stack(str(exc), [(f, n) for f, n in traceback.walk_tb(tb)], layer)
+    finally:
+        traceback.clear_frames(tb)  # the frames hold the replay's tensors
+
+
+def _from_stack(text: str, stack: list[tuple[Any, int]], layer: paddle.nn.Layer) -> NonfiniteOrigin | None:
+    """The origin named by a checker line ``text`` (op, the produced tensor's NaN/Inf counts) and the
+    Python stack running the op (``(frame, line)`` pairs, outermost first): layer and line from the
+    stack, whether the output needs a gradient from the inputs of the innermost Paddle function (the
+    op's wrapper) in it."""
     m = _OP_RE.search(text)
     if m is None:
         return None
@@ -261,8 +282,7 @@ def _from_checker_error(exc: BaseException, layer: paddle.nn.Layer) -> Nonfinite
     where = file = line = None
     needs_grad: bool | None = None
     in_program = False
-    tb = exc.__traceback__
-    for frame, lineno in traceback.walk_tb(tb):
+    for frame, lineno in stack:
         owner = frame.f_locals.get("self")
         if owner is not None and id(owner) in paths:
             where = paths[id(owner)]  # the innermost layer call wins
@@ -277,7 +297,6 @@ def _from_checker_error(exc: BaseException, layer: paddle.nn.Layer) -> Nonfinite
             floats = [t for t in tensors_in(dict(frame.f_locals)) if t.is_floating_point()]
             if floats:
                 needs_grad = any(not t.stop_gradient for t in floats)
-    traceback.clear_frames(tb)  # the frames hold the replay's tensors
     code = linecache.getline(file, line).strip() if file else ""
     counts = {k: int(v) for k, v in _COUNT_RE.findall(text)}
     dtype = _DTYPE_RE.search(text)
@@ -316,6 +335,75 @@ def _checked_forward(layer: paddle.nn.Layer, args: tuple, kwargs: dict, rng: Any
     return None
 
 
+class _NanFound(Exception):
+    """Ends a traced forward at the first op whose output holds NaN."""
+
+    def __init__(self, text: str, stack: list[tuple[Any, int]]) -> None:
+        super().__init__(text)
+        self.text, self.stack = text, stack
+
+
+def _first_nan_op(layer: paddle.nn.Layer, args: tuple, kwargs: dict, rng: Any) -> tuple[NonfiniteOrigin | None, bool]:
+    """The first op of one forward whose output holds NaN, and whether the forward's output holds NaN/Inf.
+
+    For inputs holding ±inf (attention masks): the op that first makes a
+    ±inf from them (``scores + mask``) made nothing wrong; what went wrong is
+    the first NaN (softmax over a fully masked row). The checker at level 1
+    prints a line for every op whose output holds NaN/Inf and raises
+    nothing; a trace function (this replay's thread only) flushes C stdio at
+    every Python event and reads the new lines: the first line with NaN was
+    printed by an op run since the previous event, by the frame running then,
+    on the line that frame was running (:func:`_from_stack`).
+    """
+    libc = ctypes.CDLL(None)
+    state = {"pos": 0, "sink": None}
+    last: dict[int, int] = {}  # frame id -> the line it is running
+
+    def check(running: Any) -> None:
+        libc.fflush(None)
+        sink = state["sink"]
+        end = os.fstat(sink.fileno()).st_size
+        if end == state["pos"]:
+            return
+        sink.seek(state["pos"])
+        new = sink.read(end - state["pos"]).decode("utf-8", "replace")
+        state["pos"] = end
+        for text in new.splitlines():
+            counts = dict(_COUNT_RE.findall(text))
+            if int(counts.get("nan", 0)):
+                stack = []
+                f = running
+                while f is not None:
+                    stack.append((f, last.get(id(f), f.f_lineno) if f is running else f.f_lineno))
+                    f = f.f_back
+                raise _NanFound(text, stack[::-1])
+
+    def trace(frame: Any, event: str, arg: Any) -> Any:
+        running = frame.f_back if event == "call" else frame
+        if running is not None:
+            check(running)
+        last[id(frame)] = frame.f_lineno
+        return trace
+
+    def forward() -> bool:
+        with _numerics_checker(1) as sink, paddle.set_grad_enabled(True):
+            state["sink"] = sink
+            sys.settrace(trace)
+            try:
+                out = layer(*args, **kwargs)
+            finally:
+                sys.settrace(None)
+        return has_nonfinite(out)
+
+    with _restored(layer, rng):
+        try:
+            return None, bool(_in_fresh_thread(forward))
+        except _NanFound as found:
+            origin = _from_stack(found.text, found.stack, layer)
+            found.stack = []  # the frames hold the replay's tensors
+            return origin, True
+
+
 def _in_fresh_thread(fn: Any) -> Any:
     """``fn()`` in a new thread while this one waits; its exception is raised here."""
     box: dict[str, Any] = {}
@@ -349,16 +437,13 @@ def locate(layer: paddle.nn.Layer, kept: StepInputs, graph: BackwardGraph | None
         The origin (``kind`` one of :data:`KINDS`); for a forward op, ``key``
         names its grad node in ``graph`` when it has one.
     """
-    if has_nonfinite((kept.args, kept.kwargs)):
-        return _origin("input")
-    weights = _nonfinite_weights(layer)
-    if weights is not None:
-        return weights
     kept.paused = True
     try:
-        found = _checked_forward(layer, kept.args, kept.kwargs, kept.rng)
+        found = _forward_origin(layer, kept.args, kept.kwargs, kept.rng)
     finally:
         kept.paused = False
+    if found is not None and found.kind != "forward":
+        return found
     if found is not None:
         found.key = _node_key(graph, found)
         return found
@@ -370,6 +455,25 @@ def locate(layer: paddle.nn.Layer, kept: StepInputs, graph: BackwardGraph | None
     if graph is not None and graph.meta.get("replayed") and not graph.nonfinite_count():
         return _origin("not_reproduced")
     return _origin("backward")
+
+
+def _forward_origin(layer: paddle.nn.Layer, args: tuple, kwargs: dict, rng: Any) -> NonfiniteOrigin | None:
+    """What one forward of ``layer`` on these inputs says; None when it is finite.
+
+    Inputs holding NaN are the origin; then trainable weights holding NaN/Inf.
+    Inputs holding only ±inf (masks, a legitimate value) are the origin only
+    when no op of the forward makes a NaN and the forward's output is
+    non-finite; else the first op making a NaN is.
+    """
+    if _has_nan((args, kwargs)):
+        return _origin("input")
+    weights = _nonfinite_weights(layer)
+    if weights is not None:
+        return weights
+    if has_nonfinite((args, kwargs)):
+        found, out_bad = _first_nan_op(layer, args, kwargs, rng)
+        return found or (_origin("input") if out_bad else None)
+    return _checked_forward(layer, args, kwargs, rng)
 
 
 def _nonfinite_weights(layer: paddle.nn.Layer) -> NonfiniteOrigin | None:
@@ -522,7 +626,5 @@ def find_nonfinite_origin(model: paddle.nn.Layer, *inputs: Any, **kwargs: Any) -
     if not isinstance(model, paddle.nn.Layer):
         raise TypeError(f"model must be a paddle.nn.Layer, got {type(model).__name__}; "
                         "call find_nonfinite_origin(model, x) with your model and its inputs")
-    if has_nonfinite((inputs, kwargs)):
-        return _origin("input").to_dict()
-    found = _nonfinite_weights(model) or _checked_forward(model, inputs, kwargs, None)
+    found = _forward_origin(model, inputs, kwargs, None)
     return found.to_dict() if found is not None else None
