@@ -44,9 +44,10 @@ from typing import Any, Iterator
 
 import paddle
 
-from ..graph import ORIGIN_KINDS, BackwardGraph, NonfiniteOrigin
+from ..graph import ORIGIN_KINDS, BackwardGraph, NonfiniteOrigin, op_display_name
 from .attribution import tensors_in
 from .gradnode import grad_fn, strip_wrapper_prefix
+from .saved import _TENSOR_METHODS, _op_sites
 
 __all__ = ["KINDS", "ORIGIN_KEYS", "StepInputs", "find_nonfinite_origin", "has_nonfinite", "locate",
            "replay_step"]
@@ -446,6 +447,14 @@ def locate(layer: paddle.nn.Layer, kept: StepInputs, graph: BackwardGraph | None
         return found
     if found is not None:
         found.key = _node_key(graph, found)
+        if graph is not None and found.key is None and found.needs_grad is False:
+            kept.paused = True
+            try:
+                entry = _entry_key(layer, kept.args, kept.kwargs, kept.rng, graph, found)
+            finally:
+                kept.paused = False
+            if entry is not None:
+                graph.meta[ENTRY_META] = entry
         return found
     if has_nonfinite(kept.outputs):
         return _origin("not_reproduced")
@@ -485,6 +494,82 @@ def _nonfinite_weights(layer: paddle.nn.Layer) -> NonfiniteOrigin | None:
             return _origin("weights", layer=strip_wrapper_prefix(path),
                            layer_class=type(sub).__name__ if sub is not None else None)
     return None
+
+
+#: ``graph.meta`` key of the node where the output of an origin op without a grad node enters the
+#: graph, when :func:`locate` found it (``paddleviz_hooks.findings`` reads it).
+ENTRY_META = "nonfinite_entry"
+
+
+def _entry_key(layer: paddle.nn.Layer, args: tuple, kwargs: dict, rng: Any, graph: BackwardGraph,
+               origin: NonfiniteOrigin) -> str | None:
+    """Key of the node of ``graph`` where the output of an origin op that needs no gradient enters it.
+
+    One more forward, with every Paddle op (``paddle._C_ops`` and Tensor's C
+    arithmetic methods) wrapped for this replay's thread: the first op call
+    that takes a tensor needing no gradient holding what the origin made
+    (NaN; Inf when the origin made only Inf) and makes a grad node is where
+    it enters; its node in ``graph`` is the one of the same op in the same
+    layer, when there is exactly one. None when that cannot be said.
+    """
+    paths = _layer_paths(layer)
+    want_nan = bool(origin.nan)
+    box: dict[str, Any] = {}
+    me: list[Any] = []
+
+    def note(a: tuple, k: dict, out: Any) -> None:
+        made = [gn for gn in map(grad_fn, tensors_in(out)) if gn is not None]
+        if not made:
+            return
+        for t in tensors_in((a, k)):
+            if t.stop_gradient and t._is_initialized() and t.size and t.is_floating_point() and bool(
+                    (paddle.isnan(t) if want_nan else ~paddle.isfinite(t)).any()):
+                where = None
+                f = sys._getframe(2)
+                while f is not None and where is None:
+                    owner = f.f_locals.get("self")
+                    if owner is not None and id(owner) in paths:
+                        where = paths[id(owner)][0]
+                    f = f.f_back
+                box["op"], box["layer"] = op_display_name(made[0].name()), where
+                return
+
+    def wrap(f: Any) -> Any:
+        def op(*a: Any, **k: Any) -> Any:
+            out = f(*a, **k)
+            if me and threading.current_thread() is me[0] and "op" not in box:
+                with paddle.no_grad():
+                    note(a, k, out)
+            return out
+        return op
+
+    patched: list[tuple[Any, str, Any]] = []
+    try:
+        for owner, name in _op_sites():
+            f = owner.__dict__.get(name)
+            if type(f).__name__ == "builtin_function_or_method":
+                patched.append((owner, name, f))
+                setattr(owner, name, wrap(f))
+        for name in _TENSOR_METHODS:
+            f = paddle.Tensor.__dict__.get(name)
+            if f is not None and type(f).__name__ == "method_descriptor":
+                patched.append((paddle.Tensor, name, f))
+                setattr(paddle.Tensor, name, wrap(f))
+
+        def forward() -> None:
+            me.append(threading.current_thread())
+            with paddle.set_grad_enabled(True):
+                layer(*args, **kwargs)
+
+        with _restored(layer, rng):
+            _in_fresh_thread(forward)
+    finally:
+        for owner, name, f in reversed(patched):
+            setattr(owner, name, f)
+    if "op" not in box:
+        return None
+    same = [n for n in graph.nodes if n.kind == "op" and n.op == box["op"] and n.layer == box["layer"]]
+    return same[0].key if len(same) == 1 else None
 
 
 def _norm_op(name: str) -> str:
