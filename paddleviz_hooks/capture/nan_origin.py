@@ -336,8 +336,10 @@ def _checked_forward(layer: paddle.nn.Layer, args: tuple, kwargs: dict, rng: Any
     return None
 
 
-class _NanFound(Exception):
-    """Ends a traced forward at the first op whose output holds NaN."""
+class _NanFound(BaseException):
+    """Ends a traced forward at the first op whose output holds NaN (a BaseException: a
+    ``forward`` catching Exception does not swallow it; when something still does, the
+    finding kept in the trace's state stands)."""
 
     def __init__(self, text: str, stack: list[tuple[Any, int]]) -> None:
         super().__init__(text)
@@ -357,7 +359,7 @@ def _first_nan_op(layer: paddle.nn.Layer, args: tuple, kwargs: dict, rng: Any) -
     on the line that frame was running (:func:`_from_stack`).
     """
     libc = ctypes.CDLL(None)
-    state = {"pos": 0, "sink": None}
+    state: dict[str, Any] = {"pos": 0, "sink": None}
     last: dict[int, int] = {}  # frame id -> the line it is running
 
     def check(running: Any) -> None:
@@ -377,9 +379,12 @@ def _first_nan_op(layer: paddle.nn.Layer, args: tuple, kwargs: dict, rng: Any) -
                 while f is not None:
                     stack.append((f, last.get(id(f), f.f_lineno) if f is running else f.f_lineno))
                     f = f.f_back
-                raise _NanFound(text, stack[::-1])
+                state["found"] = _NanFound(text, stack[::-1])
+                raise state["found"]
 
     def trace(frame: Any, event: str, arg: Any) -> Any:
+        if "found" in state:
+            return None
         running = frame.f_back if event == "call" else frame
         if running is not None:
             check(running)
@@ -398,11 +403,15 @@ def _first_nan_op(layer: paddle.nn.Layer, args: tuple, kwargs: dict, rng: Any) -
 
     with _restored(layer, rng):
         try:
-            return None, bool(_in_fresh_thread(forward))
-        except _NanFound as found:
-            origin = _from_stack(found.text, found.stack, layer)
-            found.stack = []  # the frames hold the replay's tensors
-            return origin, True
+            out_bad = bool(_in_fresh_thread(forward))
+        except _NanFound:
+            out_bad = True
+        found = state.pop("found", None)
+        if found is None:
+            return None, out_bad
+        origin = _from_stack(found.text, found.stack, layer)
+        found.stack = []  # the frames hold the replay's tensors
+        return origin, True
 
 
 def _in_fresh_thread(fn: Any) -> Any:
