@@ -15,6 +15,11 @@ gradients. Gradients alone cannot name the op. This module:
 * :func:`replay_step` re-runs forward and backward with ``paddle.grad`` (which
   leaves ``param.grad`` alone), so a capture active around it records the
   bad step's graph before the optimizer writes NaN into the weights.
+* Inputs holding NaN are the origin; inputs holding only ±inf (attention
+  masks) are not: :func:`_first_nan_op` finds the first op making a NaN.
+* For an origin op whose output needs no gradient (no grad node),
+  :func:`_entry_key` finds the node where that output enters the graph
+  (kept in ``graph.meta["nonfinite_entry"]``), or nothing when unsure.
 * :func:`find_nonfinite_origin` is the same locate for notebooks and
   hand-written loops.
 
@@ -696,8 +701,10 @@ def find_nonfinite_origin(model: paddle.nn.Layer, *inputs: Any, **kwargs: Any) -
     Returns:
         None when the forward is finite everywhere; else a dict with
         ``kind`` (``"forward"``: an op of the forward; ``"input"``: the
-        inputs hold NaN/Inf; ``"weights"``: a trainable parameter does,
-        ``layer`` names its layer), ``op`` (Paddle's op type, e.g. ``"sqrt"``),
+        inputs hold NaN, or ±inf that reaches the output with no op making
+        a NaN (±inf alone, an attention mask, is a legitimate value);
+        ``"weights"``: a trainable parameter holds NaN/Inf, ``layer`` names
+        its layer), ``op`` (Paddle's op type, e.g. ``"sqrt"``),
         ``layer`` (dotted sublayer path, ``""`` for the model itself),
         ``layer_class``, ``file``, ``line`` and ``code`` (the source line
         that called the op), ``needs_grad`` (whether the op's output needs a
