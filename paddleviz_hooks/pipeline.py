@@ -14,6 +14,7 @@ that died is restarted once.
 
 from __future__ import annotations
 
+import errno
 import heapq
 import os
 import queue
@@ -33,7 +34,8 @@ from .render import (EngineNotFound, RenderTimeout, render_diff_views, render_pn
 from .sinks.base import CaptureData, CapturePictures, SinkContext, capture_scalars, suffixed
 from .sinks.files import StepFiles
 from .sinks.hub import SinkSet
-from .text import backward_role, capture_title, diff_summary, graph_summary
+from .text import backward_role, capture_title, diff_summary, graph_summary, redraw_command, undrawn_line
+from ._interrupts import run_all
 from .warn import WarnOnce
 
 __all__ = ["BackgroundWorker", "CaptureJob", "CapturePipeline", "VIEWER_LABEL_PX", "viewer_png"]
@@ -271,6 +273,10 @@ class CapturePipeline:
         self.drawn: list[int] = []
         #: steps still undrawn when close() gave up
         self.undrawn_at_close: list[int] = []
+        #: steps whose data could not be written -> why (nothing of them is on disk)
+        self.lost: dict[int, str] = {}
+        #: steps written but not drawn -> why (by close(): every written step is drawn or here)
+        self.not_drawn: dict[int, str] = {}
         self.worker = BackgroundWorker(self._process, queue_size=0, warn=warn)
         self._wake = threading.Condition(self._lock)
         self._closing_at: float | None = None  # set by close(): draw until then, then stop
@@ -314,18 +320,22 @@ class CapturePipeline:
         if self._drawer is not None:
             # the drawing under way may run up to render_timeout past the deadline
             self._drawer.join(max(0.0, deadline - time.monotonic()) + self.options.render_timeout + 5)
-        left = self.undrawn_at_close = self.undrawn
+        with self._lock:
+            for step in sorted(d.step for d in self._backlog):
+                self.not_drawn.setdefault(step, f"not drawn within close_timeout={self.options.close_timeout:g} s")
+            self._backlog.clear()
+        for step in self.drawn:  # a step with several backwards: drawn when any picture of it is
+            self.not_drawn.pop(step, None)
+        left = self.undrawn_at_close = sorted(self.not_drawn)
         if left:
             formats = [f for f in ("png", "svg") if f in self.options.formats]
-            self._warn("undrawn", (
-                f"{len(left)} captured step(s) were not drawn within close_timeout="
-                f"{self.options.close_timeout:g} s: {', '.join(map(str, left[:10]))}"
-                f"{' ...' if len(left) > 10 else ''}; their data is saved. Draw one later with "
-                f"`paddleviz-hooks render {self.files.path(left[0], 'json')} -o "
-                f"{self.files.path(left[0], formats[0] if formats else 'png')}`"))
-        with self._lock:
-            self._backlog.clear()
+            json_path = self.files.path(left[0], "json") if "json" in self.options.formats else None
+            self._warn("undrawn", undrawn_line(dict(self.not_drawn), redraw_command(
+                json_path, self.files.path(left[0], formats[0] if formats else "png"))))
         shutil.rmtree(self._spool_dir(), ignore_errors=True)
+        run_all(self._close_sinks, self.files.close)  # both, whatever the other raises
+
+    def _close_sinks(self) -> None:
         with self._sink_lock:
             self.sinks.close()
 
@@ -356,16 +366,25 @@ class CapturePipeline:
                 diff = diff_graphs(prev[0], graph)
             except Exception as exc:
                 self._warn("diff", f"comparing with the previous capture failed: {exc!r}")
-        path = self._json_path(graph, step, suffix)
+        try:
+            path = self._json_path(graph, step, suffix)
+        except OSError as exc:  # nothing of this capture reaches disk: named, with why
+            why = self._why(exc)
+            self.lost[step] = why
+            self._warn("lost", f"step {step} could not be written ({why}); later steps are tried again")
+            return
         paths = {"json": path} if "json" in opts.formats else {}
         self._prev[suffix] = (graph, path)
-        if "dot" in opts.formats:
-            paths["dot"] = files.write(step, "dot", to_dot(graph, title=_title(step, trigger, graph),
-                                                           **_shading(opts, graph)), suffix=suffix)
-        if diff is not None and diff.structure_changed and "json" in opts.formats:
-            paths["diff.json"] = files.write(step, "json", diff.to_json(), suffix=suffixed(suffix, "diff"))
+        self.written.append(step)  # its data (the JSON) is on disk; the rest is extra
+        try:
+            if "dot" in opts.formats:
+                paths["dot"] = files.write(step, "dot", to_dot(graph, title=_title(step, trigger, graph),
+                                                               **_shading(opts, graph)), suffix=suffix)
+            if diff is not None and diff.structure_changed and "json" in opts.formats:
+                paths["diff.json"] = files.write(step, "json", diff.to_json(), suffix=suffixed(suffix, "diff"))
+        except OSError as exc:
+            self._warn("lost", f"step {step}'s data is saved but not all its records ({self._why(exc)})")
         self._log_data(graph, diff, step, trigger, suffix, paths)
-        self.written.append(step)
         if not {"png", "svg"} & set(opts.formats) and not self.sinks:
             return
         keep = len(self._backlog) < opts.queue_size  # beyond: wait on disk as the JSON
@@ -394,17 +413,44 @@ class CapturePipeline:
                 d = heapq.heappop(self._backlog)
                 self._drawing += 1
             try:
-                graph = d.graph or BackwardGraph.from_json(open(d.path, encoding="utf-8").read())
-                self._draw(d, graph)
-                self.drawn.append(d.step)
-            except Exception as exc:  # keep drawing the others
-                self._warn(f"draw-{type(exc).__name__}", f"step {d.step} could not be drawn: {exc}")
+                self._draw_one(d)
             finally:
                 with self._lock:
                     self._drawing -= 1
 
-    def _draw(self, d: _Drawing, graph: BackwardGraph) -> None:
+    def _draw_one(self, d: _Drawing) -> None:
+        try:
+            if d.graph is not None:
+                graph = d.graph
+            else:
+                with open(d.path, encoding="utf-8") as f:
+                    graph = BackwardGraph.from_json(f.read())
+            why = self._draw(d, graph)
+        except Exception as exc:  # keep drawing the others
+            why = self._why(exc)
+            self._warn(f"draw-{type(exc).__name__}", f"step {d.step} could not be drawn: {exc}")
+        # drawn: a picture of it is on disk (or, with no picture file asked, drawn for the dashboards)
+        pictures = [f for f in ("png", "svg") if f in self.options.formats]
+        if any(os.path.exists(self.files.path(d.step, f, d.suffix)) for f in pictures) or (
+                not pictures and why is None):
+            self.drawn.append(d.step)
+        else:
+            self.not_drawn.setdefault(d.step, why or "no picture was written")
+
+    def _why(self, exc: BaseException) -> str:
+        """Why a file could not be written, in a few words."""
+        if isinstance(exc, OSError):
+            if not os.path.isdir(self.files.directory):
+                return "the run folder was deleted"
+            if exc.errno == errno.ENOSPC:
+                return "no space left on device"
+            return exc.strerror or str(exc)
+        return f"{type(exc).__name__}: {exc}"
+
+    def _draw(self, d: _Drawing, graph: BackwardGraph) -> str | None:
+        """Draw one capture; None when it was drawn, else why not."""
         opts, files = self.options, self.files
+        why = None
         step, trigger, suffix = d.step, d.trigger, d.suffix
         title = _title(step, trigger, graph)
         deadline = time.monotonic() + opts.render_timeout  # bounds all drawing of this capture
@@ -435,11 +481,14 @@ class CapturePipeline:
                     d.viewer = viewer
         except (EngineNotFound, RenderTimeout) as exc:
             # JSON, DOT, text and scalars are already written
+            why = ("no layout engine is installed" if isinstance(exc, EngineNotFound)
+                   else f"the layout engine ran past render_timeout={opts.render_timeout:g} s")
             self._warn(type(exc).__name__, f"step {step} was not drawn: {exc}")
         if png is not None and d.diff is not None:
             prev = d.prev
             if prev is None and d.prev_path is not None and os.path.exists(d.prev_path):
-                prev = BackwardGraph.from_json(open(d.prev_path, encoding="utf-8").read())
+                with open(d.prev_path, encoding="utf-8") as f:
+                    prev = BackwardGraph.from_json(f.read())
             if prev is not None:
                 try:
                     diff_png = render_diff_views(d.diff, graph, prev, ("png",), max_px=opts.view_max_px,
@@ -447,6 +496,9 @@ class CapturePipeline:
                 except Exception as exc:
                     self._warn("diff-render", f"drawing the graph diff failed: {exc!r}")
         self._log_pictures(d, png, diff_png, title)
+        if why is None and png is None:
+            why = "the layout engine drew nothing"
+        return why
 
     def _log_pictures(self, d: _Drawing, png: bytes | None, diff_png: bytes | None, title: str) -> None:
         with self._sink_lock:

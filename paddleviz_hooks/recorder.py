@@ -26,8 +26,9 @@ from .findings import nonfinite_record
 from .graph import BackwardGraph, NonfiniteOrigin
 from .options import FORMATS, RecorderOptions
 from .pipeline import CaptureJob, CapturePipeline
-from .sinks.files import StepFiles
-from .text import MODEL_OUTPUT, backward_role, nonfinite_lines
+from ._interrupts import as_interrupt, held_interrupts, is_wrapped_interrupt, run_all
+from .sinks.files import StepFiles, claim_run_dir
+from .text import MODEL_OUTPUT, end_line, run_folder_note, backward_role, nonfinite_lines
 from .capture.stats import local_value, sum_of_squares
 from .triggers import Triggers, global_grad_norm, weights_nonfinite
 from .warn import WarnOnce
@@ -232,12 +233,18 @@ class BackwardGraphRecorder:
         self.dropped_steps: list[int] = []
         #: steps whose data is saved but whose pictures were not drawn by close()
         self.undrawn_steps: list[int] = []
+        #: captured steps whose data never reached disk -> why (set by close())
+        self.lost_steps: dict[int, str] = {}
         #: step -> what captured it (``"scheduled"`` or a trigger name)
         self.triggers: dict[int, str] = {}
         #: the folder this rank writes to (set when the recorder opens)
         self.run_dir: str | None = None
         self._warn = WarnOnce()
         self._open = False
+        self._closed = False  # close() was called (a later step warns: use after close)
+        self._installed = False  # the recorder's hooks are in place (removed after an exception)
+        self._in_block = False  # inside `with rec.step():`
+        self._last_step = 0
         self._active = False
         self._armed: str | None = None
         self._step_capture: BackwardCapture | None = None
@@ -288,35 +295,88 @@ class BackwardGraphRecorder:
         if rank != 0:
             run_dir = os.path.join(run_dir, f"rank_{rank}")
         self.run_dir = run_dir
+        opened: list = []  # lock files opened on the way: closed if anything fails (Ctrl-C included)
         try:
-            files = StepFiles(run_dir)
+            claimed, lock = claim_run_dir(run_dir, opened=opened)
+            files = StepFiles(claimed, lock)
+            self._pipeline = CapturePipeline(opts, files, self._display_name(files.directory, rank), self._warn)
         except OSError as exc:
+            run_all(*(f.close for f in opened))
             self._warn("dir", f"cannot write to {run_dir!r} ({exc.strerror or exc}); backward graphs "
                               "will not be saved or logged. Pass a writable log_dir")
+        except BaseException:
+            run_all(*(f.close for f in opened))
+            raise
         else:
-            # named "<log dir>/<run_name>" in the dashboard: two experiments sharing a
-            # --logdir with the default run_name stay two runs
-            display = "/".join(x for x in (os.path.basename(os.path.abspath(opts.log_dir)), opts.run_name,
-                                           f"rank_{rank}" if rank else "") if x)
-            self._pipeline = CapturePipeline(opts, files, display, self._warn)
+            self.run_dir = files.directory
             if opts.verbose:
-                print(f"[paddleviz-hooks] backward graphs -> {os.path.abspath(run_dir)}")
-        # a replay runs on one rank only: under data parallel its collectives (SyncBatchNorm,
-        # gradient all-reduce) would wait for ranks that do not replay, so none is made there
-        if opts.on_nonfinite and self.model is not None and paddle.distributed.get_world_size() == 1:
-            try:
-                self._kept = StepInputs(self.model).install()
-            except Exception as exc:
-                self._kept = None
-                self._warn("keep-inputs", f"NaN/Inf origins will not be located: {exc!r}")
-        if opts.watching:
-            self._watch = self._new_capture(watch=True)
-            try:
-                self._watch.__enter__()
-            except Exception as exc:
-                self._watch = None
-                self._warn("watch", f"triggers are off: {exc!r}")
+                print(f"[paddleviz-hooks] backward graphs -> {files.directory}"
+                      + run_folder_note(os.path.abspath(run_dir), files.directory))
+        self._install()
         return self
+
+    def _display_name(self, directory: str, rank: int) -> str:
+        """The run's name in the dashboard: "<log dir>/<run folder>" (two experiments sharing a
+        --logdir with the default run_name stay two runs)."""
+        folder = os.path.basename(directory) if rank == 0 else os.path.basename(os.path.dirname(directory))
+        return "/".join(x for x in (os.path.basename(os.path.abspath(self.options.log_dir)), folder,
+                                    os.path.basename(directory) if rank else "") if x)
+
+    def _install(self) -> None:
+        """The hooks kept while open: the step inputs for replays and the trigger watch.
+        Whatever raises (Ctrl-C included), nothing of them stays half-installed."""
+        opts = self.options
+        try:
+            with held_interrupts():
+                # a replay runs on one rank only: under data parallel its collectives (SyncBatchNorm,
+                # gradient all-reduce) would wait for ranks that do not replay, so none is made there
+                if opts.on_nonfinite and self.model is not None and paddle.distributed.get_world_size() == 1:
+                    self._kept = StepInputs(self.model)
+                    try:
+                        self._kept.install()
+                    except Exception as exc:
+                        self._kept.remove()
+                        self._kept = None
+                        self._warn("keep-inputs", f"NaN/Inf origins will not be located: {exc!r}")
+                if opts.watching:
+                    self._watch = self._new_capture(watch=True)
+                    try:
+                        self._watch.__enter__()
+                    except Exception as exc:
+                        self._watch = None
+                        self._warn("watch", f"triggers are off: {exc!r}")
+                self._installed = True
+        except BaseException:
+            self._uninstall()
+            raise
+
+    def _uninstall(self) -> None:
+        """Remove every hook and patch of the recorder (idempotent; each part whatever
+        another raises). The files and VisualDL records stay open."""
+        with held_interrupts():
+            self._armed = None
+            self._installed = False
+            run_all(self._end_step_capture, self._end_watch, self._remove_kept)
+
+    def _end_step_capture(self) -> None:
+        self._end_capture("_step_capture")
+
+    def _end_watch(self) -> None:
+        self._end_capture("_watch")
+
+    def _end_capture(self, attr: str) -> None:
+        """End the capture held in ``attr``; it is forgotten only once its hooks are gone."""
+        cap = getattr(self, attr)
+        if cap is not None:
+            cap._teardown()  # idempotent; __exit__ below numbers the step's graphs
+            setattr(self, attr, None)
+            cap.__exit__(None, None, None)
+
+    def _remove_kept(self) -> None:
+        kept = self._kept
+        if kept is not None:
+            kept.remove()
+            self._kept = None
 
     def close(self) -> None:
         """Remove every hook, finish pending drawings and close the VisualDL writer.
@@ -324,26 +384,32 @@ class BackwardGraphRecorder:
         Calling it twice is harmless; :meth:`open` (or the next
         :meth:`begin_step`) starts recording again.
         """
-        self._armed = None
-        for cap in (self._step_capture, self._watch):
-            if cap is not None:
-                cap.__exit__(None, None, None)
-        self._step_capture = self._watch = None
-        self._flush()
-        kept, self._kept = self._kept, None
-        if kept is not None:
-            kept.remove()
-        pipeline, self._pipeline = self._pipeline, None
-        if pipeline is not None:
-            pipeline.close()
-            self.undrawn_steps = pipeline.undrawn_at_close
-            if self.options.verbose and self.captured_steps:
-                graphs = len(pipeline.written)  # a step may have several backwards
-                steps = len(set(pipeline.written))
-                more = f" ({graphs} graphs)" if graphs != steps else ""
-                print(f"[paddleviz-hooks] {steps} steps captured{more}, {len(pipeline.drawn)} drawn, "
-                      f"{len(self.undrawn_steps)} left undrawn (data saved in {os.path.abspath(self.run_dir)})")
+        # every part runs whatever another raises (a Ctrl-C is raised after); each is idempotent
+        run_all(self._uninstall, self._mark_closed, self._flush, self._close_pipeline)
+
+    def _mark_closed(self) -> None:
         self._open = self._active = False
+        self._closed = True
+        self._last_step = 0  # opened again, it writes a new run folder: steps may start again
+
+    def _close_pipeline(self) -> None:
+        """Write and draw what is left, close VisualDL, and say what was kept."""
+        pipeline = self._pipeline
+        if pipeline is None:
+            return
+        pipeline.close()
+        self._pipeline = None
+        self.undrawn_steps = pipeline.undrawn_at_close
+        written = set(pipeline.written)
+        self.lost_steps = {**{s: "the background writer stopped" for s in self.dropped_steps}, **pipeline.lost}
+        for step in set(self.captured_steps) - written - set(self.lost_steps):
+            self.lost_steps[step] = "not written before close() gave up"
+        if self.options.verbose and (self.captured_steps or self.lost_steps):
+            captured = written | set(self.lost_steps)
+            graphs = len(pipeline.written) + len(pipeline.lost)  # a step may have several backwards
+            print("[paddleviz-hooks] " + end_line(
+                len(captured), graphs, len(written), self.lost_steps, len(set(pipeline.drawn)),
+                len(self.undrawn_steps), self.run_dir))
 
     def __enter__(self) -> "BackwardGraphRecorder":
         return self.open()
@@ -380,11 +446,35 @@ class BackwardGraphRecorder:
             raise TypeError(f"micro_batches must be an int, 'counted' or None, got {micro_batches!r}")
         if isinstance(micro_batches, int) and micro_batches < 1:
             raise ValueError(f"micro_batches must be >= 1 or None, got {micro_batches!r}")
+        if step < 1:
+            raise ValueError(f"step must be >= 1 (steps are counted from 1, as in steps=[...]), got {step}; "
+                             "pass rec.step(step + 1) for a 0-based loop counter")
+        if self._in_block:
+            raise RuntimeError("rec.step() blocks cannot be nested: this step's block is still open. "
+                               "Put one `with rec.step(n):` around each training step, not inside another")
+        if step <= self._last_step:
+            raise ValueError(f"steps must increase: step {step} came after step {self._last_step}; "
+                             "pass increasing step numbers (or none, to count from 1), or close() this "
+                             "recorder and make a new one for a new run")
+        if self._closed and not self._open:
+            self._closed = False
+            self._warn("after-close", "the recorder was used after close(): it records again, into a new "
+                                      "run folder beside the first (call rec.open() to resume on purpose, "
+                                      "or make a new BackwardGraphRecorder)")
+        try:
+            return self._start_step(step, micro_batches)
+        except BaseException:
+            run_all(self._end_step_capture)  # nothing of this step stays armed
+            raise
+
+    def _start_step(self, step: int, micro_batches: int | str | None) -> bool:
         self._flush()  # a step that was never ended
-        self.global_step = step
+        self.global_step = self._last_step = step
         self._micro_batches = micro_batches
         if not self._open:
             self.open()
+        elif self._active and not self._installed:
+            self._install()  # the hooks removed after an exception left a step
         if not self._active:
             return False
         self._triggers.new_step()
@@ -395,12 +485,16 @@ class BackwardGraphRecorder:
             self._armed = "scheduled"
         # a capture of this step's own backward needs layer hooks during its forward
         if (scheduled or self._triggers.pending) and (self._watch is None or not self._watch_names_layers):
-            self._step_capture = self._new_capture(saved_memory=scheduled and self.options.saved_memory)
-            try:
-                self._step_capture.__enter__()
-            except Exception as exc:
-                self._step_capture = None
-                self._warn("arm", f"capture could not start: {exc!r}")
+            with held_interrupts():
+                cap = self._step_capture = self._new_capture(saved_memory=scheduled and self.options.saved_memory)
+                try:
+                    cap.__enter__()
+                except Exception as exc:
+                    self._step_capture = None
+                    self._warn("arm", f"capture could not start: {exc!r}")
+                except BaseException:
+                    self._step_capture = None
+                    raise
         elif scheduled and self._watch is not None:
             if self.options.saved_memory:
                 self._watch.observe_saved(True)  # this step's forward only
@@ -409,17 +503,26 @@ class BackwardGraphRecorder:
         return scheduled
 
     def end_step(self) -> None:
-        """The training step is over: remove what :meth:`begin_step` armed."""
-        self._armed = None
+        """The training step is over: remove what :meth:`begin_step` armed.
+
+        Everything is removed whatever raises where (a Ctrl-C is delivered
+        after); then the step's graphs go to the writer.
+        """
+        run_all(self._disarm_step, self._flush)  # the step's graphs are written whatever the other raises
+
+    def _disarm_step(self) -> None:
+        with held_interrupts():
+            self._armed = None
+            run_all(self._reset_kept, self._end_step_capture, self._unobserve)
+
+    def _reset_kept(self) -> None:
         if self._kept is not None:
             self._kept.reset()  # no reference to the step's tensors outlives it
-        cap, self._step_capture = self._step_capture, None
-        if cap is not None:
-            cap.__exit__(None, None, None)
+
+    def _unobserve(self) -> None:
         if self._watch is not None:
             self._watch.observe_saved(False)
             self._watch.observe_sources(False)
-        self._flush()
 
     def read_applied_gradients(self) -> None:
         """Read ``param.grad`` now as the gradients this step's update applies.
@@ -470,17 +573,39 @@ class BackwardGraphRecorder:
 
         With gradient accumulation, put all of the step's micro-batches
         inside and say how many (``micro_batches``, see :meth:`begin_step`).
-        An exception leaving the block (Ctrl-C, an error in the model) closes
-        the recorder, so no hook or patch stays behind, and propagates.
+        An exception leaving the block (an error in the model) removes every
+        hook and patch of the recorder and propagates; the next step puts
+        them back and the files and VisualDL records go on in the same run.
+        Ctrl-C (``KeyboardInterrupt``) and ``SystemExit`` close the recorder.
+
+        Raises:
+            ValueError: a step number below 1, or not above the previous one.
+            RuntimeError: a ``rec.step()`` block inside another.
         """
         self.begin_step(step, micro_batches=micro_batches)
+        self._in_block = True
         try:
             yield self
-        except BaseException:
-            self.end_step()
-            self.close()
+        except BaseException as exc:
+            self._step_failed(exc)
+            if is_wrapped_interrupt(exc):  # Paddle's OSError around a Ctrl-C: the Ctrl-C it was
+                raise as_interrupt(exc) from exc
             raise
-        self.end_step()
+        self._step_done()
+
+    def _step_done(self) -> None:
+        run_all(self._leave_block, self.end_step)
+
+    def _step_failed(self, exc: BaseException) -> None:
+        """An exception left the step: every hook goes (each part whatever another raises);
+        Ctrl-C and SystemExit also close the recorder."""
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)) or is_wrapped_interrupt(exc):
+            run_all(self._leave_block, self.end_step, self.close)
+        else:
+            run_all(self._leave_block, self.end_step, self._uninstall)
+
+    def _leave_block(self) -> None:
+        self._in_block = False
 
     # --------------------------------------------------------------- helpers
     def _budget_left(self) -> bool:

@@ -818,6 +818,75 @@ def node_tooltip(node: Node) -> str:
     return " | ".join(tip)
 
 
+def run_folder_note(asked: str, used: str) -> str:
+    """Said once, when a recorder writes beside the run folder it was given.
+
+    Example:
+        >>> run_folder_note("/logs/backward_graph", "/logs/backward_graph_2")
+        ' (backward_graph holds an earlier run or another writer: kept as it is, this run writes beside it)'
+        >>> run_folder_note("/logs/a", "/logs/a")
+        ''
+    """
+    if asked == used:
+        return ""
+    return (f" ({os.path.basename(asked)} holds an earlier run or another writer: kept as it is, "
+            "this run writes beside it)")
+
+
+def step_list(steps: Iterable[int], limit: int = 10) -> str:
+    """``1, 4, 8`` (the first ``limit``, then ``...``)."""
+    steps = list(steps)
+    return ", ".join(map(str, steps[:limit])) + (" ..." if len(steps) > limit else "")
+
+
+def redraw_command(json_path: str | None, out_path: str) -> str:
+    """How a person draws a saved capture later (or why that cannot be done)."""
+    if json_path is None:
+        return "its JSON was not kept (add 'json' to formats to keep it)"
+    return f"draw it with `paddleviz-hooks render {json_path} -o {out_path}`"
+
+
+def lost_line(steps: dict[int, str]) -> str:
+    """The captured steps whose data never reached disk, each with why.
+
+    Example:
+        >>> lost_line({3: "no space left on device", 4: "no space left on device", 9: "the run folder was deleted"})
+        'steps 3, 4 lost: no space left on device; step 9 lost: the run folder was deleted'
+    """
+    by_reason: dict[str, list[int]] = {}
+    for step, why in sorted(steps.items()):
+        by_reason.setdefault(why, []).append(step)
+    return "; ".join(f"{'steps' if len(s) > 1 else 'step'} {step_list(s)} lost: {why}" for why, s in by_reason.items())
+
+
+def undrawn_line(steps: dict[int, str], first: str) -> str:
+    """The steps whose data is saved but whose pictures are not, each with why, and
+    how to draw them (``first``: :func:`redraw_command` for the first one)."""
+    by_reason: dict[str, list[int]] = {}
+    for step, why in sorted(steps.items()):
+        by_reason.setdefault(why, []).append(step)
+    parts = [f"{'steps' if len(s) > 1 else 'step'} {step_list(s)}: {why}" for why, s in by_reason.items()]
+    return f"{plural(len(steps), 'captured step')} not drawn ({'; '.join(parts)}); their data is saved: {first}"
+
+
+def end_line(captured: int, graphs: int, written: int, lost: dict[int, str], drawn: int, undrawn: int,
+             folder: str) -> str:
+    """The recorder's last line: what was captured, written, drawn, and where it is.
+
+    Captured = written + lost, and written = drawn + left undrawn, always.
+
+    Example:
+        >>> end_line(13, 13, 6, {7: "the run folder was deleted"}, 6, 0, "/gone")
+        '13 steps captured: 6 written, 1 lost (step 7 lost: the run folder was deleted); 6 drawn, 0 left undrawn (the run folder /gone no longer exists)'
+    """
+    more = f" ({graphs} graphs)" if graphs != captured else ""
+    lost_part = f"{len(lost)} lost ({lost_line(lost)})" if lost else "0 lost"
+    where = (f"data saved in {folder}" if os.path.isdir(folder)
+             else f"the run folder {folder} no longer exists")
+    return (f"{plural(captured, 'step')} captured{more}: {written} written, {lost_part}; "
+            f"{drawn} drawn, {undrawn} left undrawn ({where})")
+
+
 def capture_title(step: Any, trigger: str | None = None, role: Any = None, index: int | None = None,
                   origin: NonfiniteOrigin | dict[str, Any] | None = None) -> str:
     """The name of one capture (in a list of captures, on its picture): step, backward role,

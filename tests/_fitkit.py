@@ -9,6 +9,7 @@ run without it.
 from __future__ import annotations
 
 import os
+import sys
 import re
 import threading
 import warnings
@@ -145,6 +146,19 @@ def assert_same_run(a: FitResult, b: FitResult) -> None:
     assert a.params.keys() == b.params.keys()
     for name in a.params:
         assert a.params[name].tobytes() == b.params[name].tobytes(), name
+
+
+def without_engine(tmp_path, monkeypatch) -> None:
+    """No layout engine for the rest of the test: an empty PATH, and none beside the interpreter."""
+    from paddleviz_hooks.render.engine import find_engine
+
+    empty_bin = tmp_path / "bin"
+    empty_bin.mkdir()
+    monkeypatch.setenv("PATH", str(empty_bin))
+    monkeypatch.delenv("PADDLEVIZ_ENGINE", raising=False)
+    # graphviz-pure is also looked for beside the interpreter (an unactivated venv)
+    monkeypatch.setattr(sys, "executable", str(empty_bin / "python"))
+    assert find_engine() is None
 
 
 @contextmanager

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import glob
 import os
+import pathlib
 
 import numpy as np
 import paddle
@@ -97,7 +98,7 @@ def ocr_amp_loop(net, optimizer, scaler):
 
 
 def _graphs(run_dir):
-    return {os.path.basename(f): BackwardGraph.from_json(open(f, encoding="utf-8").read())
+    return {os.path.basename(f): BackwardGraph.from_json(pathlib.Path(f).read_text(encoding="utf-8"))
             for f in sorted(glob.glob(os.path.join(run_dir, "step_*.json")))}
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pathlib
+
 import pytest
 
 from paddleviz_hooks import BackwardGraph, capture_backward
@@ -142,13 +144,13 @@ def test_hidden_characters_are_visible_in_every_view(tmp_path):
     _assert_visible("\n".join(_strings(json.loads(data))), "report data")
     files = export_explorer(g, str(tmp_path / "me"))
     for path in [files.graphs, *files.overlays.values()]:
-        text = "\n".join(_strings(json.load(open(path))))
+        text = "\n".join(_strings(json.loads(pathlib.Path(path).read_text(encoding="utf-8"))))
         if path == files.graphs:
             _assert_visible(text, "Model Explorer graph")
         for ch in HIDDEN:
             assert ch not in text, path
     vdl = write_vdl_graph(str(tmp_path / "vdl"), g)
-    _assert_visible("\n".join(_strings(json.load(open(vdl)))), "VisualDL graph")
+    _assert_visible("\n".join(_strings(json.loads(pathlib.Path(vdl).read_text(encoding="utf-8")))), "VisualDL graph")
     import contextlib
     import io
 

@@ -9,6 +9,7 @@ gradient named, norms equal to ``param.grad``.
 
 from __future__ import annotations
 
+import pathlib
 import json
 import math
 import os
@@ -386,8 +387,8 @@ def _explore_cli(log_dir, out_dir, log_file):
     log.close()
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        assert proc.poll() is None, open(log_file).read()
-        urls = [x for x in open(log_file).read().splitlines() if x.startswith("http://127.0.0.1:")]
+        assert proc.poll() is None, pathlib.Path(log_file).read_text(encoding="utf-8")
+        urls = [x for x in pathlib.Path(log_file).read_text(encoding="utf-8").splitlines() if x.startswith("http://127.0.0.1:")]
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/check_health", timeout=2) as r:
                 if urls and r.read() == b"model_explorer_ok":
@@ -395,7 +396,7 @@ def _explore_cli(log_dir, out_dir, log_file):
         except OSError:
             pass
         time.sleep(0.25)
-    raise AssertionError(f"the explorer did not start: {open(log_file).read()[-2000:]}")
+    raise AssertionError(f"the explorer did not start: {pathlib.Path(log_file).read_text(encoding='utf-8')[-2000:]}")
 
 
 def _stop(proc) -> None:
@@ -493,7 +494,7 @@ def test_explore_a_nan_run_in_chromium(tmp_path):
     finally:
         _stop(proc)
     assert outside == []  # not even the page's web font: nothing leaves the machine
-    printed = open(tmp_path / "server.log").read()
+    printed = (tmp_path / "server.log").read_text(encoding="utf-8")
     assert printed.count("http://") == 1 and url in printed  # one address, the one that opens the NaN step
     assert not (tmp_path / "me").exists() or sorted(os.listdir(tmp_path / "me"))  # --out is the user's: kept
     out = Path(__file__).resolve().parents[1] / "test-output"

@@ -45,6 +45,7 @@ from _fitkit import (
     step_files,
     vdl_records,
     image_steps,
+    without_engine,
 )
 
 STEPS = 12
@@ -105,21 +106,18 @@ def test_control_no_fault_is_bit_identical_and_silent(tmp_path):
 # no layout engine
 # --------------------------------------------------------------------------
 def test_no_layout_engine(tmp_path, monkeypatch):
-    empty_bin = tmp_path / "bin"
-    empty_bin.mkdir()
-    monkeypatch.setenv("PATH", str(empty_bin))
-    monkeypatch.delenv("PADDLEVIZ_ENGINE", raising=False)
-    # graphviz-pure is also looked for beside the interpreter (an unactivated venv)
-    monkeypatch.setattr(sys, "executable", str(empty_bin / "python"))
-    assert find_engine() is None
+    without_engine(tmp_path, monkeypatch)
 
     cb = cb_for(tmp_path)
     with recorded_warnings() as got:
         res = run_fit(callbacks=[cb], steps=STEPS)
     assert_same_run(res, baseline())
     msgs = ours(got)
-    assert len(msgs) == 1, msgs
+    assert len(msgs) == 2, msgs
     assert "Graphviz" in msgs[0] and "apt-get install" in msgs[0] and "graphviz-pure" in msgs[0]
+    # then every undrawn step, named, with the command that draws it from its JSON
+    assert "steps 1, 4, 8, 12: no layout engine is installed" in msgs[1] and "paddleviz-hooks render" in msgs[1]
+    assert cb.recorder.undrawn_steps == CAPTURED
 
     # what needs no engine is still written, for every captured step
     run_dir = tmp_path / "vdl" / "backward_graph"
@@ -290,9 +288,13 @@ def test_disk_full_tmpfs(tmp_path):
             res = run_fit(callbacks=[cb], steps=STEPS)
         assert_same_run(res, baseline())
         msgs = ours(got)
-        assert len(msgs) == 1, msgs
-        assert "No space left on device" in msgs[0]
+        assert msgs and all("no space left on device" in m.lower() for m in msgs), msgs
         assert cb.captured_steps == CAPTURED
+        # counts that add up: every captured step written or lost (with why), drawn or named undrawn
+        rec = cb.recorder
+        written = sorted(set(CAPTURED) - set(rec.lost_steps))
+        assert set(rec.lost_steps.values()) <= {"no space left on device"}
+        assert set(rec.undrawn_steps) <= set(written)
         no_tmp_leftovers(mnt)
         run_dir = mnt / "vdl" / "backward_graph"
         for n in os.listdir(run_dir):
@@ -311,8 +313,10 @@ def test_render_timeout(tmp_path):
         res = run_fit(callbacks=[cb], steps=STEPS)
     assert_same_run(res, baseline())
     msgs = ours(got)
-    assert len(msgs) == 1, msgs
+    assert len(msgs) == 2, msgs
     assert "did not finish" in msgs[0] and "0.001 s" in msgs[0] and "timeout" in msgs[0]
+    assert "the layout engine ran past render_timeout=0.001 s" in msgs[1] and "paddleviz-hooks render" in msgs[1]
+    assert cb.recorder.undrawn_steps == CAPTURED
     run_dir = tmp_path / "vdl" / "backward_graph"
     assert cb.captured_steps == CAPTURED
     # the drawing was dropped; the engine-free records are kept

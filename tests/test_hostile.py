@@ -9,6 +9,7 @@ must still be shown (escaped, shortened when very long).
 
 from __future__ import annotations
 
+import pathlib
 import json
 import math
 import os
@@ -377,7 +378,7 @@ def test_report_html_escapes_layer_names(tmp_path):
     cb = BackwardGraphCallback(str(tmp_path / "vdl"), steps=[1, 2], verbose=0, view_max_px=300, queue_size=8)
     run_fit(ScriptNamed, callbacks=[cb], steps=2)
     out = report.build_report(str(tmp_path / "vdl"), str(tmp_path / "report.html"))
-    page = open(out, encoding="utf-8").read()
+    page = pathlib.Path(out).read_text(encoding="utf-8")
     assert "<script>alert(1)</script>" not in page
     assert "<img src=x" not in page
     # the names are still on the page, escaped (HTML entities or JSON \u003c escapes)

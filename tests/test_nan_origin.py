@@ -7,6 +7,7 @@ so each test asserts the exact op, layer and line.
 
 from __future__ import annotations
 
+import pathlib
 import json
 import math
 import os
@@ -179,7 +180,7 @@ def test_sqrt_in_a_sublayer_is_named_everywhere_and_training_is_bit_identical(tm
 
     from paddleviz_hooks import build_report
 
-    html = open(build_report(str(tmp_path / "vdl"), str(tmp_path / "report.html"))).read()
+    html = pathlib.Path(build_report(str(tmp_path / "vdl"), str(tmp_path / "report.html"))).read_text(encoding="utf-8")
     assert "starts here</span> NaN/Inf first produced by op &#x27;sqrt&#x27; in layer &#x27;block&#x27;" in html
 
 
@@ -371,7 +372,8 @@ def test_on_nonfinite_alone_keeps_two_hooks_on_the_model_and_scheduled_steps_sti
         with rec.step(3):
             net(paddle.to_tensor(data.x[:2]))
             1 / 0
-    assert no_leftover_hooks(net) and not dispatcher_installed()  # the exception closed the recorder
+    assert no_leftover_hooks(net) and not dispatcher_installed()  # the exception removed every hook
+    rec.close()  # ... and left the recorder open for the next step: its files are written by close()
     g = BackwardGraph.from_json((tmp_path / "vdl" / "backward_graph" / "step_000002.json").read_text())
     assert {n.layer for n in g.nodes if n.kind == "op"} >= {"block", "block.lin", "head", "bn"}
     assert g.nonfinite is None or g.nonfinite.origin is None

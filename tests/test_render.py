@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pathlib
 import io
 import os
 import re
@@ -115,7 +116,7 @@ def test_render_png_within_max_px(graph, engine):
 
 def test_svg_has_full_names_and_op_labels(graph, engine, tmp_path):
     path = render_to_file(graph, tmp_path / "g.svg")
-    svg = open(path, encoding="utf-8").read()
+    svg = pathlib.Path(path).read_text(encoding="utf-8")
     assert svg.lstrip().startswith("<?xml") or "<svg" in svg[:500]
     tooltips = re.findall(r'xlink:title="([^"]*)"', svg)
     for name in ("MatmulGradNode", "AddGradNode", "ReluGradNode", "CrossEntropyWithSoftmaxGradNode"):
@@ -132,7 +133,7 @@ def test_svg_has_full_names_and_op_labels(graph, engine, tmp_path):
 
 def test_png_file(graph, engine, tmp_path):
     path = render_to_file(graph, str(tmp_path / "g.png"), max_px=300)
-    data = open(path, "rb").read()
+    data = pathlib.Path(path).read_bytes()
     assert max(png_size(data)) <= 300
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".tmp")]  # atomic write left nothing
 
@@ -145,7 +146,7 @@ def test_make_graph_renders_with_selected_engine(engine, tmp_path):
 
     assert str(graphviz.backend.dot_command.DOT_BINARY) == engine.path
     out = dot.render(str(tmp_path / "mg.gv"), format="svg")
-    assert "Matmul" in open(out, encoding="utf-8").read()
+    assert "Matmul" in pathlib.Path(out).read_text(encoding="utf-8")
 
 
 # --------------------------------------------------------------------------
@@ -164,12 +165,12 @@ def no_engine(monkeypatch, tmp_path):
 
 def test_dot_and_json_without_engine(graph, no_engine, tmp_path):
     p = render_to_file(graph, tmp_path / "g.dot")
-    text = open(p, encoding="utf-8").read()
+    text = pathlib.Path(p).read_text(encoding="utf-8")
     assert text.startswith("digraph backward {") and "MatmulGradNode" in text
     p = render_to_file(graph, tmp_path / "g.json")
-    assert BackwardGraph.from_json(open(p, encoding="utf-8").read()) == graph
+    assert BackwardGraph.from_json(pathlib.Path(p).read_text(encoding="utf-8")) == graph
     p = render_to_file(graph, tmp_path / "g.txt", format="dot")
-    assert open(p, encoding="utf-8").read() == text
+    assert pathlib.Path(p).read_text(encoding="utf-8") == text
 
 
 @pytest.mark.parametrize("fmt", ["png", "svg"])
@@ -273,7 +274,7 @@ def test_hostile_names_render_svg_and_png(hostile_graph, engine):
 def test_hostile_names_dot_has_no_open_strings(hostile_graph, tmp_path):
     """Every DOT line closes the strings it opens: no raw newline inside a quoted string."""
     p = render_to_file(hostile_graph, tmp_path / "h.dot")
-    source = open(p, encoding="utf-8").read()
+    source = pathlib.Path(p).read_text(encoding="utf-8")
     for line in source.splitlines():
         bare = line.replace("\\\\", "").replace('\\"', "")
         assert bare.count('"') % 2 == 0, line

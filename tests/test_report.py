@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pathlib
 import json
 import os
 import re
@@ -397,7 +398,7 @@ def test_page_inlines_the_asset_files_and_its_csp_allows_exactly_that_script(tmp
         net(paddle.randn([2, 3])).sum().backward()
     (log / "step_000001.json").write_text(cap.graph.to_json())
     out = build_report(str(log), str(tmp_path / "r.html"))
-    page = open(out, encoding="utf-8").read()
+    page = pathlib.Path(out).read_text(encoding="utf-8")
     assets = resources.files("paddleviz_hooks.sinks").joinpath("report_assets")
     css = assets.joinpath("report.css").read_text("utf-8")
     js = assets.joinpath("report.js").read_text("utf-8")

@@ -81,7 +81,7 @@ def swanlab_records(swanlog: Path) -> dict[str, dict]:
             for key, folder, kind in db.execute("select name, folder, type from tag where experiment_id=?", (exp_id,)):
                 rows = []
                 for log in sorted(glob.glob(os.path.join(run, "logs", folder, "*.log"))):
-                    for line in open(log, encoding="utf-8"):
+                    for line in Path(log).read_text(encoding="utf-8").splitlines():
                         rec = json.loads(line)
                         value = rec["data"]
                         if kind == "image":

@@ -9,6 +9,7 @@ driven in ``tests/test_dashboard.py``.
 
 from __future__ import annotations
 
+import pathlib
 import json
 import math
 import os
@@ -72,7 +73,7 @@ def test_written_file_loads_through_visualdls_reader(captured, tmp_path):
     shown = {n["name"] for n in first["nodes"]}
     # the first view: the top-level layers as boxes, plus the few ops outside any sublayer
     assert {"/encoder", "/shared", "/heads"} <= shown
-    data = json.loads(open(path, encoding="utf-8").read())
+    data = json.loads(pathlib.Path(path).read_text(encoding="utf-8"))
     by_name = {n["name"]: n for n in data["nodes"]}
     for name in shown - {"/encoder", "/shared", "/heads"}:
         key = by_name[name]["attrs"]["key"]

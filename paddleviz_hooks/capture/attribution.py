@@ -6,6 +6,7 @@ from typing import Any
 
 import paddle
 
+from .._interrupts import pop_each, run_all
 from .gradnode import grad_fn, strip_wrapper_prefix
 
 __all__ = ["LayerAttribution", "frame_name", "tensors_in"]
@@ -59,19 +60,17 @@ class LayerAttribution:
             if _is_to_static(sub):
                 compiled.append(path)
             # with_kwargs: tensors passed by keyword are seen too
+            # one line each: a hook is registered and kept for removal with nothing in between
             self._handles.append(sub.register_forward_pre_hook(self._pre, with_kwargs=True))
-            self._handles.append(
-                sub.register_forward_post_hook(self._make_post(path), with_kwargs=True)
-            )
+            post = self._make_post(path)
+            self._handles.append(sub.register_forward_post_hook(post, with_kwargs=True))
 
         _RECOMPUTED.add(self)
 
     def remove(self) -> None:
-        _RECOMPUTED.discard(self)
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-        self.reset()
+        """Remove every hook (all of them, whatever one removal raises) and forget the records."""
+        run_all(lambda: _RECOMPUTED.discard(self), lambda: pop_each(self._handles, lambda h: h.remove()),
+                self.reset)
 
     def recomputed(self, fn: Any) -> Any:
         """``fn`` (a function that reentrant recompute re-runs in the backward, outside
@@ -240,8 +239,8 @@ class _RecomputePatch:
             self.active.remove(attribution)
         if not self.active and self._original is not None:
             cls, original = self._original
-            self._original = None
             cls.forward = original
+            self._original = None  # after: a second call finishes an interrupted one
 
 
 _RECOMPUTED = _RecomputePatch()

@@ -19,12 +19,14 @@ given a temporary dump folder, whose stacks the sessions read when it is over
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import Any, Callable
 
 import paddle
 from paddle.base import core
 
+from .._interrupts import as_interrupt, held_interrupts, is_wrapped_interrupt, run_all
 from .source import StackDump
 
 __all__ = ["DISPATCHER", "dispatcher_installed"]
@@ -49,7 +51,7 @@ class Dispatcher:
         self._local = threading.local()  # .frames: the backwards under way on this thread
 
     def activate(self, cap: Any) -> None:
-        with self._lock:
+        with self._lock, held_interrupts():
             if not self._active:
                 self._orig_backward = core.eager.run_backward
                 self._orig_grad = core.eager.run_partial_grad
@@ -58,7 +60,8 @@ class Dispatcher:
             self._active.append(cap)
 
     def deactivate(self, cap: Any) -> None:
-        with self._lock:
+        """Stop ``cap``; the last one puts Paddle's functions back (idempotent)."""
+        with self._lock, held_interrupts():
             if cap in self._active:
                 self._active.remove(cap)
             if not self._active and self._orig_backward is not None:
@@ -88,6 +91,23 @@ class Dispatcher:
                          (outputs, inputs, grad_outputs, retain_graph, *rest), inputs=inputs)
 
     def _run(self, original, entry, roots, retain_graph, args, inputs=None):
+        # Ctrl-C during a captured backward: held until it is over and every hook of it
+        # removed, then raised as KeyboardInterrupt, as Paddle does without hooks (a
+        # KeyboardInterrupt raised inside a hook would reach the user as Paddle's
+        # OSError, and cut the hooks' removal short)
+        with held_interrupts():
+            result = self._run_translated(original, entry, roots, retain_graph, args, inputs)
+        return result
+
+    def _run_translated(self, original, entry, roots, retain_graph, args, inputs):
+        try:
+            return self._run_held(original, entry, roots, retain_graph, args, inputs)
+        except OSError as exc:
+            if is_wrapped_interrupt(exc):  # another thread's, or a user's hook's, interrupt
+                raise as_interrupt(exc) from exc
+            raise
+
+    def _run_held(self, original, entry, roots, retain_graph, args, inputs=None):
         with self._lock:
             caps = list(self._active)
         frames = self._local.__dict__.setdefault("frames", [])
@@ -134,15 +154,19 @@ class Dispatcher:
                 frames.pop()
             # A hook that raised (or a KeyboardInterrupt inside one) leaves
             # Paddle's grad mode off for the rest of the process: restore it.
-            if paddle.is_grad_enabled() != grad_was:
-                paddle.set_grad_enabled(grad_was)
+            ends = [lambda: paddle.is_grad_enabled() != grad_was and paddle.set_grad_enabled(grad_was)]
             if dump is not None:
-                stacks = dump.collect()
-                for _, s in sessions:
-                    if s is not None:
-                        s.stacks = stacks
-            for cap, s in sessions:
-                cap._end(s, ok=ok, retain_graph=bool(retain_graph))
+                ends.append(lambda: _hand_stacks(dump, sessions))
+            ends += [functools.partial(cap._end, s, ok=ok, retain_graph=bool(retain_graph)) for cap, s in sessions]
+            run_all(*ends)  # every capture unhooks, whatever another raises
+
+
+def _hand_stacks(dump: Any, sessions: list) -> None:
+    """The forward call stacks of the backward's nodes, to every session that observed it."""
+    stacks = dump.collect()
+    for _, s in sessions:
+        if s is not None:
+            s.stacks = stacks
 
 
 DISPATCHER = Dispatcher()

@@ -49,6 +49,7 @@ from typing import Any, Iterator
 
 import paddle
 
+from .._interrupts import held_interrupts, pop_each, run_all
 from ..graph import ORIGIN_KINDS, BackwardGraph, NonfiniteOrigin, op_display_name
 from .attribution import tensors_in
 from .gradnode import grad_fn, strip_wrapper_prefix
@@ -127,17 +128,13 @@ class StepInputs:
         self.reset()
 
     def install(self) -> "StepInputs":
-        self._handles = [
-            self.layer.register_forward_pre_hook(self._pre, with_kwargs=True),
-            self.layer.register_forward_post_hook(self._post, with_kwargs=True),
-        ]
+        self._handles.append(self.layer.register_forward_pre_hook(self._pre, with_kwargs=True))
+        self._handles.append(self.layer.register_forward_post_hook(self._post, with_kwargs=True))
         return self
 
     def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
-        self.reset()
+        """Remove both hooks (whatever one removal raises) and drop the step's references."""
+        run_all(lambda: pop_each(self._handles, lambda h: h.remove()), self.reset)
 
     def reset(self) -> None:
         """Drop every reference kept for the step (call it when a step ends)."""
@@ -216,16 +213,19 @@ def _restored(layer: paddle.nn.Layer, rng: Any = None) -> Iterator[None]:
     rng_now = paddle.get_rng_state()
     grad_was = paddle.is_grad_enabled()
     frozen = _frozen_state(layer)
+
+    def put_back() -> None:
+        with paddle.no_grad():
+            for t, value in frozen:
+                t.set_value(value)
+
     try:
         if rng is not None:
             paddle.set_rng_state(rng)
         yield
     finally:
-        paddle.set_grad_enabled(grad_was)
-        with paddle.no_grad():
-            for t, value in frozen:
-                t.set_value(value)
-        paddle.set_rng_state(rng_now)
+        with held_interrupts():  # every part is put back, whatever raises where
+            run_all(lambda: paddle.set_grad_enabled(grad_was), put_back, lambda: paddle.set_rng_state(rng_now))
 
 
 @contextlib.contextmanager
@@ -238,26 +238,34 @@ def _numerics_checker(level: int = 0) -> Iterator[Any]:
         sys.stdout.flush()
     except Exception:
         pass
-    try:
-        saved: int | None = os.dup(1)
-    except OSError:  # no file descriptor 1: nothing to hide the line from
-        saved = None
     sink = tempfile.TemporaryFile()
-    try:
-        if saved is not None:
-            os.dup2(sink.fileno(), 1)
-        paddle.set_flags({_FLAGS[0]: True, _FLAGS[1]: level})
-        yield sink
-    finally:
-        paddle.set_flags(old)
+    held: list[int] = []  # the saved fd 1, while it is redirected
+
+    def hide() -> None:
+        try:
+            saved = os.dup(1)
+        except OSError:  # no file descriptor 1: nothing to hide the line from
+            return
+        held.append(saved)
+        os.dup2(sink.fileno(), 1)
+
+    def show() -> None:
         try:
             ctypes.CDLL(None).fflush(None)  # C stdio buffers go to the sink, not to the user
         except Exception:
             pass
-        if saved is not None:
-            os.dup2(saved, 1)
-            os.close(saved)
-        sink.close()
+        if held:
+            os.dup2(held[0], 1)
+            os.close(held.pop())
+
+    try:
+        with held_interrupts():  # a Ctrl-C lands before or after, never between, these steps
+            hide()
+            paddle.set_flags({_FLAGS[0]: True, _FLAGS[1]: level})
+        yield sink
+    finally:
+        with held_interrupts():
+            run_all(lambda: paddle.set_flags(old), show, sink.close)
 
 
 def _layer_paths(layer: paddle.nn.Layer) -> dict[int, tuple[str, str]]:
@@ -578,8 +586,8 @@ def _entry_key(layer: paddle.nn.Layer, args: tuple, kwargs: dict, rng: Any, grap
         with _restored(layer, rng):
             _in_fresh_thread(forward)
     finally:
-        for owner, name, f in reversed(patched):
-            setattr(owner, name, f)
+        with held_interrupts():  # every op is put back, a Ctrl-C or not
+            pop_each(patched, lambda p: setattr(*p))
     if "op" not in box:
         return None
     same = [n for n in graph.nodes if n.kind == "op" and n.op == box["op"] and n.layer == box["layer"]]

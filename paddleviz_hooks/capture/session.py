@@ -41,6 +41,7 @@ from typing import Any, Callable
 import paddle
 
 from ..graph import BackwardGraph, GradMeta
+from .._interrupts import held_interrupts, pop_each, run_all
 from ..hazards import PROGRAM_OP_NOTE, SHARES_RECEIVED_UNCHANGED, hook_hazard
 from ..warn import WarnOnce
 from .attribution import LayerAttribution, frame_name
@@ -233,42 +234,51 @@ class BackwardCapture:
     def __enter__(self) -> "BackwardCapture":
         if self._active:
             raise RuntimeError("this capture is already active; create a new capture_backward() per block")
-        try:
-            source = self.params if self.params is not None else self.layer
-            self._param_names = parameter_names(source) if source is not None else {}
-            if self.layer is not None:
-                self._attribution = LayerAttribution(self.layer)
-                self._attribution.install()
-            self._programs.install()
-            DISPATCHER.activate(self)
-            self._active = True
-            if self.saved_memory:
-                self.observe_saved(True)
-            if self.sources and self.sources_from_enter:
-                self.observe_sources(True)
+        try:  # whatever raises where (a Ctrl-C is held until set-up is over), nothing stays half-installed
+            with held_interrupts():
+                source = self.params if self.params is not None else self.layer
+                self._param_names = parameter_names(source) if source is not None else {}
+                if self.layer is not None:
+                    self._attribution = LayerAttribution(self.layer)
+                    self._attribution.install()
+                self._programs.install()
+                DISPATCHER.activate(self)
+                self._active = True
+                if self.saved_memory:
+                    self.observe_saved(True)
+                if self.sources and self.sources_from_enter:
+                    self.observe_sources(True)
+            return self
         except BaseException:
             self._teardown()
             raise
-        return self
 
     def __exit__(self, *exc: Any) -> None:
-        self._teardown()
+        run_all(self._teardown, self._number_backwards)  # each part runs, whatever the other raises
+
+    def _number_backwards(self) -> None:
         for g in self.graphs:  # now the block's number of backwards is known
             info = g.meta.get("backward")
             if isinstance(info, dict) and info.get("of") is None:
                 info["of"] = self.backwards_seen
 
     def _teardown(self) -> None:
-        self._active = False
-        self.observe_saved(False)
-        self.observe_sources(False)
+        """Remove everything ``__enter__`` installed; every part is removed whatever
+        another part raises (the first exception is raised after)."""
+        with held_interrupts():
+            self._active = False
+            run_all(lambda: self.observe_saved(False), lambda: self.observe_sources(False), self._drop_saved,
+                    lambda: DISPATCHER.deactivate(self),
+                    self._programs.remove, self._drop_attribution)
+            self._param_names = {}
+
+    def _drop_saved(self) -> None:
         self._saved = None
-        DISPATCHER.deactivate(self)
-        self._programs.remove()
+
+    def _drop_attribution(self) -> None:
         if self._attribution is not None:
             self._attribution.remove()
             self._attribution = None
-        self._param_names = {}
 
     def observe_saved(self, on: bool) -> None:
         """Start (or stop) recording what the forwards save for backward.
@@ -306,13 +316,14 @@ class BackwardCapture:
     def _hold_sources(self, on: bool) -> None:
         """Hold (or let go of) Paddle's call-stack flag for this capture."""
         if on and not self._sources_held:
+            self._sources_held = True  # before: an arm cut short is still disarmed by the teardown
             self._sources_held = sources_.arm()
             if not self._sources_held:
                 self._warn("sources", "forward source lines are not recorded: Paddle's call-stack flag "
                                       "could not be set")
         elif not on and self._sources_held:
-            self._sources_held = False
             sources_.disarm()
+            self._sources_held = False  # after: a second call finishes an interrupted one
 
     @property
     def errors(self) -> list[str]:
@@ -599,6 +610,8 @@ class BackwardCapture:
         return hook
 
     def _end(self, s: _Session | None, ok: bool, retain_graph: bool) -> None:
+        if s is not None:
+            run_all(lambda: self._unhook(s))  # first: nothing of this backward's stays hooked
         self._backwards = max(0, self._backwards - 1)
         if self._saved_on and self._active and not self._backwards:
             self.observe_saved(True)  # the next forward of the block
@@ -614,17 +627,6 @@ class BackwardCapture:
             return
         t0 = time.perf_counter()
         try:
-            for h in s.handles:
-                try:
-                    h.remove()
-                except Exception:
-                    pass
-            s.handles.clear()
-            s.roots, s.sent = [], {}  # s.cuts: used, then dropped, by _fill_received
-            s.totals.hooked.difference_update(s.param_hooks)
-            for ret in s.returned:  # see _make_hook: drop the gradients Paddle leaks
-                ret.clear()
-            s.returned.clear()
             if s.joins is not None:
                 s.joins.finish()  # before _fill_received: a cut slice is exact
             if s.wants_stacks or self.sources:
@@ -652,6 +654,16 @@ class BackwardCapture:
         except Exception as exc:
             self._warn("finish", f"backward graph capture failed and was skipped: {exc!r}")
         self._after(ok)
+
+    @staticmethod
+    def _unhook(s: _Session) -> None:
+        """Remove the session's hooks (idempotent: a second call finishes an interrupted one)."""
+        pop_each(s.handles, _remove_quietly)
+        s.roots, s.sent = [], {}  # s.cuts: used, then dropped, by _fill_received
+        s.totals.hooked.difference_update(s.param_hooks)
+        for ret in s.returned:  # see _make_hook: drop the gradients Paddle leaks
+            ret.clear()
+        s.returned.clear()
 
     def _deliver(self, graph: BackwardGraph) -> None:
         if self.keep_graphs:
@@ -848,6 +860,13 @@ class BackwardCapture:
             self.node_ptrs.append(list(ptrs))
         return graph
 
+
+
+def _remove_quietly(handle: Any) -> None:
+    try:
+        handle.remove()
+    except Exception:  # a hook whose node is gone already
+        pass
 
 
 def capture_backward(

@@ -32,6 +32,7 @@ Nothing here runs on a step that is not captured.
 
 from __future__ import annotations
 
+import _thread
 import linecache
 import os
 import re
@@ -46,6 +47,7 @@ from typing import Any
 
 import paddle
 
+from .._interrupts import held_interrupts
 from ..graph import Node, SourceFrame
 from .gradnode import grad_fn
 
@@ -62,9 +64,25 @@ _FRAME_TEXT: dict[tuple[int, int], tuple[Any, str]] = {}
 
 def _format_stack(f: Any = None, limit: int | None = None) -> list[str]:
     """``traceback.format_stack`` without the column markers: one string per frame,
-    outermost first, ``  File "...", line N, in fn\n    code\n``."""
-    if f is None:
-        f = sys._getframe(1)
+    outermost first, ``  File "...", line N, in fn\n    code\n``.
+
+    Paddle calls it from C++ for every op while the call-stack flag is on, and
+    crashes (SIGSEGV) when it raises: a Ctrl-C landing in it is handed back to
+    the main thread a moment later (landing then in the user's code), and any
+    other error gives no stack for that op.
+    """
+    try:
+        return _frames_text(f if f is not None else sys._getframe(1), limit)
+    except KeyboardInterrupt:
+        timer = threading.Timer(0.01, _thread.interrupt_main)
+        timer.daemon = True
+        timer.start()
+        return []
+    except BaseException:
+        return []
+
+
+def _frames_text(f: Any, limit: int | None) -> list[str]:
     out = []
     text = _FRAME_TEXT
     while f is not None:
@@ -149,41 +167,63 @@ def fill_untraced(stacks: dict[int, list[SourceFrame]]) -> None:
 
 
 def arm() -> bool:
-    """Record forward call stacks from now on (one more holder); False when it could not."""
+    """Record forward call stacks from now on (one more holder); False when it could not.
+
+    Whatever raises on the way (a Ctrl-C included), nothing stays patched
+    unless the holder was counted (its :func:`disarm` then puts it back).
+    """
+    with _LOCK, held_interrupts():
+        ok = _arm_locked()
+    return ok
+
+
+def _arm_locked() -> bool:
     global _ARMED, _PREVIOUS
-    with _LOCK:
+    try:
         if _ARMED == 0:
-            try:
-                _PREVIOUS = int(paddle.get_flags(FLAG)[FLAG])
-                if _PREVIOUS < 3:
-                    paddle.set_flags({FLAG: 3})
-            except Exception:
-                return False
+            _PREVIOUS = int(paddle.get_flags(FLAG)[FLAG])
+            if _PREVIOUS < 3:
+                paddle.set_flags({FLAG: 3})
             if traceback.format_stack is _ORIGINAL_FORMAT:
                 traceback.format_stack = _format_stack
             _MADE.clear()
             _wrap_untraced(True)
         _ARMED += 1
         return True
+    except BaseException as exc:
+        if _ARMED == 0:
+            _release()
+        if isinstance(exc, Exception):
+            return False
+        raise
 
 
 def disarm() -> None:
-    """One holder less; the last one puts the user's flag value back."""
-    global _ARMED, _PREVIOUS
-    with _LOCK:
+    """One holder less; the last one puts the user's flag value back.
+
+    Safe to call again after an interrupt cut it short: what is still
+    patched when no holder is left is put back then.
+    """
+    global _ARMED
+    with _LOCK, held_interrupts():
+        if _ARMED > 0:
+            _ARMED -= 1
         if _ARMED == 0:
-            return
-        _ARMED -= 1
-        if _ARMED == 0:
-            if traceback.format_stack is _format_stack:
-                traceback.format_stack = _ORIGINAL_FORMAT
-            _wrap_untraced(False)
-            _FRAME_TEXT.clear()
-            _FRAMES.clear()
-        if _ARMED == 0 and _PREVIOUS is not None:
-            previous, _PREVIOUS = _PREVIOUS, None
-            if previous < 3:
-                paddle.set_flags({FLAG: previous})
+            _release()
+
+
+def _release() -> None:
+    """No holder is left: put back everything :func:`arm` changed (idempotent)."""
+    global _PREVIOUS
+    if traceback.format_stack is _format_stack:
+        traceback.format_stack = _ORIGINAL_FORMAT
+    _wrap_untraced(False)
+    _FRAME_TEXT.clear()
+    _FRAMES.clear()
+    if _PREVIOUS is not None:
+        if _PREVIOUS < 3:
+            paddle.set_flags({FLAG: _PREVIOUS})
+        _PREVIOUS = None  # after: a second call puts it back if this one was cut short
 
 
 def armed() -> bool:

@@ -32,6 +32,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from .._interrupts import held_interrupts
 from ..graph import Edge, GradMeta, Node
 from ..hazards import hook_hazard
 from .gradnode import Walk, dtype_name, grad_fn, has_graph
@@ -256,23 +257,25 @@ class _RunHook:
         cls = _partial_program_layer()
         if cls is None:
             return
-        with self._lock:
+        with self._lock, held_interrupts():
             if runs in self._active:
                 return
             if not self._installed:
                 self._prev = cls.HOOKED_RUN_IMPL
+                self._installed = True  # before the slot: a deactivate cut short here still puts it back
                 cls.HOOKED_RUN_IMPL = self.run
-                self._installed = True
             self._active.append(runs)
 
     def deactivate(self, runs: "ProgramRuns") -> None:
-        with self._lock:
+        """Stop ``runs``; the last one puts the previous hook back (a second call finishes
+        what an interrupt cut short)."""
+        with self._lock, held_interrupts():
             if runs in self._active:
                 self._active.remove(runs)
             if self._active or not self._installed:
                 return
             cls = _partial_program_layer()
-            if cls.HOOKED_RUN_IMPL == self.run:
+            if cls.HOOKED_RUN_IMPL == self.run or cls.HOOKED_RUN_IMPL == self._prev:
                 cls.HOOKED_RUN_IMPL = self._prev
                 self._installed = False
                 self._prev = None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -167,17 +168,43 @@ def _check_timeout(timeout: float | None) -> None:
 
 def _execute(cmd: list[str], source: str, what: str, timeout: float | None, engine: Engine,
              stdout_expected: bool = True) -> bytes:
-    """Run the engine command, killing it after ``timeout``; its stdout."""
+    """Run the engine command, killing it after ``timeout``; its stdout.
+
+    The engine runs in a process group of its own, and on a timeout (or an
+    interrupt while waiting) the whole group is killed: an engine that is a
+    wrapper script leaves none of its children behind.
+    """
+    group = os.name == "posix"
     try:
-        proc = subprocess.run(cmd, input=source.encode("utf-8"), capture_output=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        raise RenderTimeout(
-            f"{engine.name} did not finish a {what} drawing within {timeout:g} s and was stopped; "
-            "draw fewer nodes (depth=..., max_nodes=...) or raise the timeout"
-        ) from None
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                start_new_session=group)
     except OSError as exc:
         raise RuntimeError(f"could not run {engine.path}: {exc}") from None
-    if proc.returncode != 0 or (stdout_expected and not proc.stdout):
-        err = proc.stderr.decode("utf-8", "replace").strip()[-800:]
-        raise RuntimeError(f"{engine.name} failed (exit {proc.returncode}) drawing {what}: {err}")
-    return proc.stdout
+    with proc:
+        try:
+            out, err = proc.communicate(source.encode("utf-8"), timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc, group)  # before the engine is reaped: its group id is still its own
+            proc.communicate()
+            raise RenderTimeout(
+                f"{engine.name} did not finish a {what} drawing within {timeout:g} s and was stopped; "
+                "draw fewer nodes (depth=..., max_nodes=...) or raise the timeout"
+            ) from None
+        except BaseException:  # Ctrl-C, or anything else: no engine process outlives the call
+            _kill_group(proc, group)
+            raise
+    if proc.returncode != 0 or (stdout_expected and not out):
+        text = err.decode("utf-8", "replace").strip()[-800:]
+        raise RuntimeError(f"{engine.name} failed (exit {proc.returncode}) drawing {what}: {text}")
+    return out
+
+
+def _kill_group(proc: subprocess.Popen, group: bool) -> None:
+    """Kill the engine and everything it started (its process group); never raises."""
+    try:
+        if group:
+            os.killpg(proc.pid, signal.SIGKILL)  # the group id is the engine's pid (a new session)
+        else:
+            proc.kill()
+    except (ProcessLookupError, PermissionError, OSError):
+        pass

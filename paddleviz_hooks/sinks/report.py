@@ -615,7 +615,8 @@ def build_report(log_dir: str | os.PathLike, out_path: str | os.PathLike, *, tit
         >>> net = paddle.nn.Linear(3, 2)
         >>> with capture_backward(net) as cap:
         ...     net(paddle.randn([2, 3])).sum().backward()
-        >>> _ = open(os.path.join(log, "step_000001.json"), "w").write(cap.graph.to_json())
+        >>> with open(os.path.join(log, "step_000001.json"), "w") as f:
+        ...     _ = f.write(cap.graph.to_json())
         >>> out = build_report(log, os.path.join(log, "report.html"))
         >>> out.endswith("report.html")
         True

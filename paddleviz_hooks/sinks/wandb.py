@@ -95,7 +95,10 @@ class WandbSink(Sink):
             if picture is not None:
                 out[f"{base}/graph"] = wandb.Image(png_to_array(picture), caption=title)
             if svg is not None or svg_file is not None:
-                text = svg if svg is not None else open(svg_file, encoding="utf-8").read()
+                text = svg
+                if text is None:
+                    with open(svg_file, encoding="utf-8") as f:
+                        text = f.read()
                 out[f"{base}/svg"] = wandb.Html(text, inject=False)
             if diff_picture is not None:
                 out[f"{base}/structure_change"] = wandb.Image(png_to_array(diff_picture), caption=title)
