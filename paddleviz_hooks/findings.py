@@ -28,23 +28,12 @@ __all__ = ["Marks", "entry_node", "marks", "nonfinite_record", "record_of"]
 
 
 def entry_node(graph: BackwardGraph, origin: NonfiniteOrigin) -> Node | None:
-    """Where the output of an origin op without a grad node enters ``graph``.
-
-    The op's output feeds the next ops of its layer call; in gradient-flow
-    order the node that ran first in the forward among the ops of that layer
-    (and its sublayers) comes last. Without such an op (the origin's layer
-    made no node of this graph), the last op of the graph in gradient-flow
-    order, the one closest to the model's input.
-    """
-    order = [graph.nodes[i] for i in graph.topo_order()]
-    ops = [n for n in order if n.kind == "op"]
-    layer = origin.layer
-    if layer is not None:
-        inside = [n for n in ops if n.layer is not None and (
-            layer == "" or n.layer == layer or n.layer.startswith(layer + "."))]
-        if inside:
-            return inside[-1]
-    return ops[-1] if ops else None
+    """Where the output of an origin op without a grad node enters ``graph``: the node the replay
+    of the step saw first take that output (``graph.meta["nonfinite_entry"]``, see
+    ``paddleviz_hooks.capture.nan_origin``); None when it was not found (a drawing leaves the
+    origin's node unlinked rather than guess)."""
+    key = graph.meta.get("nonfinite_entry")
+    return graph.node_by_key().get(key) if isinstance(key, str) else None
 
 
 def nonfinite_record(graph: BackwardGraph, origin: NonfiniteOrigin | None = None,

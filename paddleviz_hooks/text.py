@@ -520,6 +520,10 @@ def origin_title(origin: NonfiniteOrigin | dict[str, Any]) -> str:
     }.get(o.kind, "NaN/Inf")
 
 
+#: The added origin node's last line when where its output enters the graph was not found.
+ORIGIN_UNLINKED = "not linked: where its output enters the graph was not found"
+
+
 def origin_mark(origin: NonfiniteOrigin | dict[str, Any]) -> str:
     """The line drawn on the node where a NaN/Inf started (the origin op's node, or the box holding it).
 
@@ -541,18 +545,20 @@ def origin_short(origin: NonfiniteOrigin | dict[str, Any]) -> str:
     return f"NaN/Inf {STARTS_HERE}: {_as_origin(origin).op}"
 
 
-def origin_node_lines(origin: NonfiniteOrigin | dict[str, Any]) -> list[str]:
+def origin_node_lines(origin: NonfiniteOrigin | dict[str, Any], linked: bool = True) -> list[str]:
     """The label of the node a drawing adds for an origin op that has none in the graph,
-    drawn where its output enters the graph.
+    drawn where its output enters the graph (``linked``), or alone when that was not found.
 
     Examples:
         >>> origin_node_lines({"kind": "forward", "op": "log", "layer": "", "file": "/src/m.py", "line": 18,
         ...                    "needs_grad": False})
         ['log, on data that needs no gradient: NaN/Inf starts here', "in the model's own forward, m.py:18"]
+        >>> origin_node_lines({"kind": "forward", "op": "log", "layer": "", "needs_grad": False}, linked=False)[-1]
+        'not linked: where its output enters the graph was not found'
     """
     o = _as_origin(origin)
     return [f"{o.op}, {origin_placement(o) or ORIGIN_NO_NODE}: NaN/Inf {STARTS_HERE}",
-            f"{_in_layer(o.layer).strip()}{_at(o, ', ')}"]
+            f"{_in_layer(o.layer).strip()}{_at(o, ', ')}"] + ([] if linked else [ORIGIN_UNLINKED])
 
 
 # --------------------------------------------------------------------------

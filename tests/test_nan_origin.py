@@ -498,3 +498,95 @@ def test_nan_weights_are_reported_when_the_gradients_are_finite(tmp_path):
     g = BackwardGraph.from_json((tmp_path / "backward_graph" / "step_000001.json").read_text())
     assert g.nonfinite.weights == ("0.weight",) and g.nonfinite.buffers == ()
     assert "NaN/Inf in the weights of 1 parameter: 0.weight;" in summarize(g)
+
+
+# --------------------------------------------------------------------------
+# ±inf in the inputs is a legitimate value (attention masks)
+# --------------------------------------------------------------------------
+class MaskedScores(nn.Layer):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = nn.Linear(D, H)
+
+    def forward(self, x, mask):
+        h = self.q(x)
+        scores = h @ h.T + mask  # -inf where masked: not what goes wrong
+        return F.softmax(scores, axis=-1)  # origin:masked_softmax
+
+
+class MaskedNet(nn.Layer):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = MaskedScores()
+        self.head = nn.Linear(3, C)
+
+    def forward(self, x, mask):
+        return self.head(self.attn(x, mask))
+
+
+def _mask(full_row: int | None = None) -> paddle.Tensor:
+    """A [3, 3] additive mask: column 2 (padding) is -inf; row ``full_row`` is masked entirely."""
+    m = np.zeros([3, 3], "float32")
+    m[:, 2] = -np.inf
+    if full_row is not None:
+        m[full_row, :] = -np.inf
+    return paddle.to_tensor(m)
+
+
+def _softmax_nans(net: MaskedNet, x: paddle.Tensor, mask: paddle.Tensor) -> int:
+    """NaNs of the masked softmax, recomputed in float64 numpy from the layer's weights."""
+    w, b = net.attn.q.weight.numpy().astype("float64"), net.attn.q.bias.numpy().astype("float64")
+    h = x.numpy().astype("float64") @ w + b
+    s = h @ h.T + mask.numpy().astype("float64")
+    with np.errstate(invalid="ignore"):
+        e = np.exp(s - s.max(-1, keepdims=True))
+        return int(np.isnan(e / e.sum(-1, keepdims=True)).sum())
+
+
+def test_a_mask_holding_inf_is_not_the_origin_the_softmax_over_a_fully_masked_row_is(capfd):
+    paddle.seed(5)
+    net = MaskedNet()
+    x = paddle.randn([3, D])
+    assert find_nonfinite_origin(net, x, _mask()) is None  # -inf padding every step: finite
+    bad = _mask(full_row=1)
+    o = find_nonfinite_origin(net, x, bad)
+    assert (o["kind"], o["op"], o["layer"], o["layer_class"]) == ("forward", "softmax", "attn", "MaskedScores")
+    assert o["line"] == line_of("masked_softmax") and o["code"].endswith("# origin:masked_softmax")
+    assert o["nan"] == _softmax_nans(net, x, bad) == 3 and o["needs_grad"] is True
+    assert paddle.get_flags(FLAGS)["FLAGS_check_nan_inf"] is False
+    assert capfd.readouterr().out == ""
+    # NaN in the inputs is still the input data; NaN weights come before a mask's -inf
+    nan_x = x.numpy().copy()
+    nan_x[0, 0] = np.nan
+    assert find_nonfinite_origin(net, paddle.to_tensor(nan_x), bad)["kind"] == "input"
+    with paddle.no_grad():
+        net.head.weight[0, 0] = math.nan
+    o = find_nonfinite_origin(net, x, bad)
+    assert (o["kind"], o["layer"]) == ("weights", "head")
+
+
+def test_a_fully_masked_row_in_a_hand_loop_names_the_softmax_then_the_weights(tmp_path, capsys):
+    paddle.seed(6)
+    net = MaskedNet()
+    opt = paddle.optimizer.SGD(0.1, parameters=net.parameters())
+    rec = BackwardGraphRecorder(str(tmp_path), net, every=10**6, capture_first=False, on_nonfinite=True,
+                                cooldown=0, verbose=1, visualdl=False, formats=("json",))
+    with rec:
+        for step in (1, 2, 3, 4):
+            x = paddle.randn([3, D])
+            with rec.step(step):
+                net(x, _mask(full_row=1 if step == 3 else None)).mean().backward()
+            opt.step()
+            opt.clear_grad()
+    assert rec.captured_steps == [3, 4]
+    g3, g4 = (BackwardGraph.from_json((tmp_path / "backward_graph" / f"step_{s:06d}.json").read_text())
+              for s in (3, 4))
+    o = g3.nonfinite.origin
+    assert (o.kind, o.op, o.layer, o.line) == ("forward", "softmax", "attn", line_of("masked_softmax"))
+    node = g3.node_by_key()[o.key]  # its own grad node
+    assert (node.op, node.layer) == ("Softmax", "attn")
+    assert g4.nonfinite.origin.kind == "weights"  # the update of step 3 wrote NaN into them
+    out = capsys.readouterr().out
+    assert "captured step 3 (trigger: nonfinite_loss); NaN/Inf first produced by op 'softmax' in layer 'attn'" in out
+    assert "captured step 4 (trigger: nonfinite_loss); NaN/Inf already in the weights" in out
+    assert "already in the input data" not in out

@@ -75,6 +75,24 @@ class LogOfDataNet(nn.Layer):
         return self.head(self.enc(x))
 
 
+class LogFeatureNet(nn.Layer):
+    """log of one column of the batch, multiplied into the encoder's output: its output enters
+    the graph at that Multiply, not inside ``enc``."""
+
+    def __init__(self, twice: bool = False) -> None:
+        super().__init__()
+        self.enc = nn.Sequential(nn.Linear(D, H), nn.Tanh())
+        self.head = nn.Linear(H, 2)
+        self.twice = twice
+
+    def forward(self, x):
+        feat = paddle.log(x[:, :1])  # origin:log_feature
+        h = self.enc(x)
+        if self.twice:  # two Multiply nodes in this layer: which one takes feat is not said
+            h = h * h
+        return self.head(h * feat)
+
+
 class BackwardOnlyNet(nn.Layer):
     """sqrt(relu(h)): finite forward (sqrt(0) = 0), its backward divides by 0."""
 
@@ -322,6 +340,34 @@ def test_origin_on_data_that_needs_no_gradient(tmp_path):
     paddle.seed(0)
     run = _run(tmp_path, LogOfDataNet(), {s: [_batch(s, bad=3)] for s in (1, 2, 3, 4)})
     assert_forward_origin(Views(run, 3), "log", "", line_of("log"), in_graph=False, first_op="Tanh")  # tanh(NaN)
+
+
+def test_origin_without_a_node_is_linked_to_the_op_taking_its_output(tmp_path):
+    paddle.seed(0)
+    run = _run(tmp_path, LogFeatureNet(), {s: [_batch(s, bad=3)] for s in (1, 2, 3)})
+    v = Views(run, 3)
+    assert_forward_origin(v, "log", "", line_of("log_feature"), in_graph=False, first_op="Multiply")
+    # the one node that takes log's output: the top layer's only Multiply (its other input is enc's)
+    (mul,) = [n for n in v.graph.nodes if n.op == "Multiply"]
+    assert mul.layer == "" and v.graph.nonfinite.entry.key == mul.key
+    assert {v.graph.nodes[e.dst].layer for e in v.graph.edges if e.src == mul.id} == {"enc.1"}
+    assert "not linked" not in v.dot
+
+
+def test_origin_without_a_node_is_left_unlinked_when_its_entry_is_not_certain(tmp_path):
+    paddle.seed(0)
+    run = _run(tmp_path, LogFeatureNet(twice=True), {s: [_batch(s, bad=3)] for s in (1, 2, 3)})
+    v = Views(run, 3)
+    assert [n.layer for n in v.graph.nodes if n.op == "Multiply"] == ["", ""]
+    rec = v.graph.nonfinite
+    assert (rec.origin.op, rec.origin.line, rec.origin.key, rec.entry) == ("log", line_of("log_feature"), None, None)
+    (stmt,) = v.dot_nodes_with("starts here")
+    assert stmt.startswith("nan_origin [") and "not linked: where its output enters the graph was not found" in stmt
+    assert "-> nan_origin" not in v.dot  # no guessed edge
+    start = v.me_node(ex.ORIGIN_NODE)
+    assert start["incomingEdges"] == [] and "not linked" in start["label"]
+    (typed,) = v.vdl_typed("NaN/Inf starts here")
+    assert typed["input_nodes"] == []
 
 
 def test_origin_inside_a_compiled_program(tmp_path):

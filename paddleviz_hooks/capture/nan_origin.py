@@ -15,6 +15,11 @@ gradients. Gradients alone cannot name the op. This module:
 * :func:`replay_step` re-runs forward and backward with ``paddle.grad`` (which
   leaves ``param.grad`` alone), so a capture active around it records the
   bad step's graph before the optimizer writes NaN into the weights.
+* Inputs holding NaN are the origin; inputs holding only ±inf (attention
+  masks) are not: :func:`_first_nan_op` finds the first op making a NaN.
+* For an origin op whose output needs no gradient (no grad node),
+  :func:`_entry_key` finds the node where that output enters the graph
+  (kept in ``graph.meta["nonfinite_entry"]``), or nothing when unsure.
 * :func:`find_nonfinite_origin` is the same locate for notebooks and
   hand-written loops.
 
@@ -45,9 +50,10 @@ from typing import Any, Iterator
 import paddle
 
 from .._interrupts import held_interrupts, pop_each, run_all
-from ..graph import ORIGIN_KINDS, BackwardGraph, NonfiniteOrigin
+from ..graph import ORIGIN_KINDS, BackwardGraph, NonfiniteOrigin, op_display_name
 from .attribution import tensors_in
 from .gradnode import grad_fn, strip_wrapper_prefix
+from .saved import _TENSOR_METHODS, _op_sites
 
 __all__ = ["KINDS", "ORIGIN_KEYS", "StepInputs", "find_nonfinite_origin", "has_nonfinite", "locate",
            "replay_step"]
@@ -80,6 +86,15 @@ def has_nonfinite(obj: Any) -> bool:
     for t in tensors_in(obj):
         if t._is_initialized() and t.size and t.is_floating_point():
             if not bool(paddle.isfinite(t).all()):
+                return True
+    return False
+
+
+def _has_nan(obj: Any) -> bool:
+    """Whether any floating-point tensor inside ``obj`` holds NaN (±inf is a legitimate value: masks)."""
+    for t in tensors_in(obj):
+        if t._is_initialized() and t.size and t.is_floating_point():
+            if bool(paddle.isnan(t).any()):
                 return True
     return False
 
@@ -214,8 +229,10 @@ def _restored(layer: paddle.nn.Layer, rng: Any = None) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _numerics_checker() -> Iterator[None]:
-    """Paddle's numerics checker at level 0 for the block; its fd-1 line never reaches the user."""
+def _numerics_checker(level: int = 0) -> Iterator[Any]:
+    """Paddle's numerics checker at ``level`` for the block (0: the first op making NaN/Inf raises;
+    1: every such op prints a line, nothing raises); its fd-1 lines go to the file it yields,
+    never to the user."""
     old = paddle.get_flags(list(_FLAGS))
     try:
         sys.stdout.flush()
@@ -244,8 +261,8 @@ def _numerics_checker() -> Iterator[None]:
     try:
         with held_interrupts():  # a Ctrl-C lands before or after, never between, these steps
             hide()
-            paddle.set_flags({_FLAGS[0]: True, _FLAGS[1]: 0})
-        yield
+            paddle.set_flags({_FLAGS[0]: True, _FLAGS[1]: level})
+        yield sink
     finally:
         with held_interrupts():
             run_all(lambda: paddle.set_flags(old), show, sink.close)
@@ -258,10 +275,20 @@ def _layer_paths(layer: paddle.nn.Layer) -> dict[int, tuple[str, str]]:
 
 
 def _from_checker_error(exc: BaseException, layer: paddle.nn.Layer) -> NonfiniteOrigin | None:
-    """The origin named by the checker's error: op and the produced tensor's NaN/Inf counts from its
-    message, layer and line from its traceback, whether the output needs a gradient from the
-    inputs of the innermost Paddle function (the op's wrapper) in it."""
-    text = str(exc)
+    """The origin named by the checker's error: op and counts from its message, the rest from its
+    traceback (see :func:`_from_stack`)."""
+    tb = exc.__traceback__
+    try:
+        return _from_stack(str(exc), [(f, n) for f, n in traceback.walk_tb(tb)], layer)
+    finally:
+        traceback.clear_frames(tb)  # the frames hold the replay's tensors
+
+
+def _from_stack(text: str, stack: list[tuple[Any, int]], layer: paddle.nn.Layer) -> NonfiniteOrigin | None:
+    """The origin named by a checker line ``text`` (op, the produced tensor's NaN/Inf counts) and the
+    Python stack running the op (``(frame, line)`` pairs, outermost first): layer and line from the
+    stack, whether the output needs a gradient from the inputs of the innermost Paddle function (the
+    op's wrapper) in it."""
     m = _OP_RE.search(text)
     if m is None:
         return None
@@ -269,8 +296,7 @@ def _from_checker_error(exc: BaseException, layer: paddle.nn.Layer) -> Nonfinite
     where = file = line = None
     needs_grad: bool | None = None
     in_program = False
-    tb = exc.__traceback__
-    for frame, lineno in traceback.walk_tb(tb):
+    for frame, lineno in stack:
         owner = frame.f_locals.get("self")
         if owner is not None and id(owner) in paths:
             where = paths[id(owner)]  # the innermost layer call wins
@@ -285,7 +311,6 @@ def _from_checker_error(exc: BaseException, layer: paddle.nn.Layer) -> Nonfinite
             floats = [t for t in tensors_in(dict(frame.f_locals)) if t.is_floating_point()]
             if floats:
                 needs_grad = any(not t.stop_gradient for t in floats)
-    traceback.clear_frames(tb)  # the frames hold the replay's tensors
     code = linecache.getline(file, line).strip() if file else ""
     counts = {k: int(v) for k, v in _COUNT_RE.findall(text)}
     dtype = _DTYPE_RE.search(text)
@@ -324,6 +349,84 @@ def _checked_forward(layer: paddle.nn.Layer, args: tuple, kwargs: dict, rng: Any
     return None
 
 
+class _NanFound(BaseException):
+    """Ends a traced forward at the first op whose output holds NaN (a BaseException: a
+    ``forward`` catching Exception does not swallow it; when something still does, the
+    finding kept in the trace's state stands)."""
+
+    def __init__(self, text: str, stack: list[tuple[Any, int]]) -> None:
+        super().__init__(text)
+        self.text, self.stack = text, stack
+
+
+def _first_nan_op(layer: paddle.nn.Layer, args: tuple, kwargs: dict, rng: Any) -> tuple[NonfiniteOrigin | None, bool]:
+    """The first op of one forward whose output holds NaN, and whether the forward's output holds NaN/Inf.
+
+    For inputs holding ±inf (attention masks): the op that first makes a
+    ±inf from them (``scores + mask``) made nothing wrong; what went wrong is
+    the first NaN (softmax over a fully masked row). The checker at level 1
+    prints a line for every op whose output holds NaN/Inf and raises
+    nothing; a trace function (this replay's thread only) flushes C stdio at
+    every Python event and reads the new lines: the first line with NaN was
+    printed by an op run since the previous event, by the frame running then,
+    on the line that frame was running (:func:`_from_stack`).
+    """
+    libc = ctypes.CDLL(None)
+    state: dict[str, Any] = {"pos": 0, "sink": None}
+    last: dict[int, int] = {}  # frame id -> the line it is running
+
+    def check(running: Any) -> None:
+        libc.fflush(None)
+        sink = state["sink"]
+        end = os.fstat(sink.fileno()).st_size
+        if end == state["pos"]:
+            return
+        sink.seek(state["pos"])
+        new = sink.read(end - state["pos"]).decode("utf-8", "replace")
+        state["pos"] = end
+        for text in new.splitlines():
+            counts = dict(_COUNT_RE.findall(text))
+            if int(counts.get("nan", 0)):
+                stack = []
+                f = running
+                while f is not None:
+                    stack.append((f, last.get(id(f), f.f_lineno) if f is running else f.f_lineno))
+                    f = f.f_back
+                state["found"] = _NanFound(text, stack[::-1])
+                raise state["found"]
+
+    def trace(frame: Any, event: str, arg: Any) -> Any:
+        if "found" in state:
+            return None
+        running = frame.f_back if event == "call" else frame
+        if running is not None:
+            check(running)
+        last[id(frame)] = frame.f_lineno
+        return trace
+
+    def forward() -> bool:
+        with _numerics_checker(1) as sink, paddle.set_grad_enabled(True):
+            state["sink"] = sink
+            sys.settrace(trace)
+            try:
+                out = layer(*args, **kwargs)
+            finally:
+                sys.settrace(None)
+        return has_nonfinite(out)
+
+    with _restored(layer, rng):
+        try:
+            out_bad = bool(_in_fresh_thread(forward))
+        except _NanFound:
+            out_bad = True
+        found = state.pop("found", None)
+        if found is None:
+            return None, out_bad
+        origin = _from_stack(found.text, found.stack, layer)
+        found.stack = []  # the frames hold the replay's tensors
+        return origin, True
+
+
 def _in_fresh_thread(fn: Any) -> Any:
     """``fn()`` in a new thread while this one waits; its exception is raised here."""
     box: dict[str, Any] = {}
@@ -357,18 +460,23 @@ def locate(layer: paddle.nn.Layer, kept: StepInputs, graph: BackwardGraph | None
         The origin (``kind`` one of :data:`KINDS`); for a forward op, ``key``
         names its grad node in ``graph`` when it has one.
     """
-    if has_nonfinite((kept.args, kept.kwargs)):
-        return _origin("input")
-    weights = _nonfinite_weights(layer)
-    if weights is not None:
-        return weights
     kept.paused = True
     try:
-        found = _checked_forward(layer, kept.args, kept.kwargs, kept.rng)
+        found = _forward_origin(layer, kept.args, kept.kwargs, kept.rng)
     finally:
         kept.paused = False
+    if found is not None and found.kind != "forward":
+        return found
     if found is not None:
         found.key = _node_key(graph, found)
+        if graph is not None and found.key is None and found.needs_grad is False:
+            kept.paused = True
+            try:
+                entry = _entry_key(layer, kept.args, kept.kwargs, kept.rng, graph, found)
+            finally:
+                kept.paused = False
+            if entry is not None:
+                graph.meta[ENTRY_META] = entry
         return found
     if has_nonfinite(kept.outputs):
         return _origin("not_reproduced")
@@ -380,6 +488,25 @@ def locate(layer: paddle.nn.Layer, kept: StepInputs, graph: BackwardGraph | None
     return _origin("backward")
 
 
+def _forward_origin(layer: paddle.nn.Layer, args: tuple, kwargs: dict, rng: Any) -> NonfiniteOrigin | None:
+    """What one forward of ``layer`` on these inputs says; None when it is finite.
+
+    Inputs holding NaN are the origin; then trainable weights holding NaN/Inf.
+    Inputs holding only ±inf (masks, a legitimate value) are the origin only
+    when no op of the forward makes a NaN and the forward's output is
+    non-finite; else the first op making a NaN is.
+    """
+    if _has_nan((args, kwargs)):
+        return _origin("input")
+    weights = _nonfinite_weights(layer)
+    if weights is not None:
+        return weights
+    if has_nonfinite((args, kwargs)):
+        found, out_bad = _first_nan_op(layer, args, kwargs, rng)
+        return found or (_origin("input") if out_bad else None)
+    return _checked_forward(layer, args, kwargs, rng)
+
+
 def _nonfinite_weights(layer: paddle.nn.Layer) -> NonfiniteOrigin | None:
     """The ``weights`` origin when a trainable parameter already holds NaN/Inf."""
     for name, p in layer.named_parameters():
@@ -389,6 +516,82 @@ def _nonfinite_weights(layer: paddle.nn.Layer) -> NonfiniteOrigin | None:
             return _origin("weights", layer=strip_wrapper_prefix(path),
                            layer_class=type(sub).__name__ if sub is not None else None)
     return None
+
+
+#: ``graph.meta`` key of the node where the output of an origin op without a grad node enters the
+#: graph, when :func:`locate` found it (``paddleviz_hooks.findings`` reads it).
+ENTRY_META = "nonfinite_entry"
+
+
+def _entry_key(layer: paddle.nn.Layer, args: tuple, kwargs: dict, rng: Any, graph: BackwardGraph,
+               origin: NonfiniteOrigin) -> str | None:
+    """Key of the node of ``graph`` where the output of an origin op that needs no gradient enters it.
+
+    One more forward, with every Paddle op (``paddle._C_ops`` and Tensor's C
+    arithmetic methods) wrapped for this replay's thread: the first op call
+    that takes a tensor needing no gradient holding what the origin made
+    (NaN; Inf when the origin made only Inf) and makes a grad node is where
+    it enters; its node in ``graph`` is the one of the same op in the same
+    layer, when there is exactly one. None when that cannot be said.
+    """
+    paths = _layer_paths(layer)
+    want_nan = bool(origin.nan)
+    box: dict[str, Any] = {}
+    me: list[Any] = []
+
+    def note(a: tuple, k: dict, out: Any) -> None:
+        made = [gn for gn in map(grad_fn, tensors_in(out)) if gn is not None]
+        if not made:
+            return
+        for t in tensors_in((a, k)):
+            if t.stop_gradient and t._is_initialized() and t.size and t.is_floating_point() and bool(
+                    (paddle.isnan(t) if want_nan else ~paddle.isfinite(t)).any()):
+                where = None
+                f = sys._getframe(2)
+                while f is not None and where is None:
+                    owner = f.f_locals.get("self")
+                    if owner is not None and id(owner) in paths:
+                        where = paths[id(owner)][0]
+                    f = f.f_back
+                box["op"], box["layer"] = op_display_name(made[0].name()), where
+                return
+
+    def wrap(f: Any) -> Any:
+        def op(*a: Any, **k: Any) -> Any:
+            out = f(*a, **k)
+            if me and threading.current_thread() is me[0] and "op" not in box:
+                with paddle.no_grad():
+                    note(a, k, out)
+            return out
+        return op
+
+    patched: list[tuple[Any, str, Any]] = []
+    try:
+        for owner, name in _op_sites():
+            f = owner.__dict__.get(name)
+            if type(f).__name__ == "builtin_function_or_method":
+                patched.append((owner, name, f))
+                setattr(owner, name, wrap(f))
+        for name in _TENSOR_METHODS:
+            f = paddle.Tensor.__dict__.get(name)
+            if f is not None and type(f).__name__ == "method_descriptor":
+                patched.append((paddle.Tensor, name, f))
+                setattr(paddle.Tensor, name, wrap(f))
+
+        def forward() -> None:
+            me.append(threading.current_thread())
+            with paddle.set_grad_enabled(True):
+                layer(*args, **kwargs)
+
+        with _restored(layer, rng):
+            _in_fresh_thread(forward)
+    finally:
+        with held_interrupts():  # every op is put back, a Ctrl-C or not
+            pop_each(patched, lambda p: setattr(*p))
+    if "op" not in box:
+        return None
+    same = [n for n in graph.nodes if n.kind == "op" and n.op == box["op"] and n.layer == box["layer"]]
+    return same[0].key if len(same) == 1 else None
 
 
 def _norm_op(name: str) -> str:
@@ -507,8 +710,10 @@ def find_nonfinite_origin(model: paddle.nn.Layer, *inputs: Any, **kwargs: Any) -
     Returns:
         None when the forward is finite everywhere; else a dict with
         ``kind`` (``"forward"``: an op of the forward; ``"input"``: the
-        inputs hold NaN/Inf; ``"weights"``: a trainable parameter does,
-        ``layer`` names its layer), ``op`` (Paddle's op type, e.g. ``"sqrt"``),
+        inputs hold NaN, or ±inf that reaches the output with no op making
+        a NaN (±inf alone, an attention mask, is a legitimate value);
+        ``"weights"``: a trainable parameter holds NaN/Inf, ``layer`` names
+        its layer), ``op`` (Paddle's op type, e.g. ``"sqrt"``),
         ``layer`` (dotted sublayer path, ``""`` for the model itself),
         ``layer_class``, ``file``, ``line`` and ``code`` (the source line
         that called the op), ``needs_grad`` (whether the op's output needs a
@@ -531,7 +736,5 @@ def find_nonfinite_origin(model: paddle.nn.Layer, *inputs: Any, **kwargs: Any) -
     if not isinstance(model, paddle.nn.Layer):
         raise TypeError(f"model must be a paddle.nn.Layer, got {type(model).__name__}; "
                         "call find_nonfinite_origin(model, x) with your model and its inputs")
-    if has_nonfinite((inputs, kwargs)):
-        return _origin("input").to_dict()
-    found = _nonfinite_weights(model) or _checked_forward(model, inputs, kwargs, None)
+    found = _forward_origin(model, inputs, kwargs, None)
     return found.to_dict() if found is not None else None

@@ -286,8 +286,8 @@ def _origin_node(origin, entry: int | None) -> list[str]:
     """DOT lines of the node added for an origin op without a grad node, joined (dashed,
     no arrow: no gradient flows into it) to the node where its output enters the graph."""
     attrs = {"shape": "box", "style": "rounded,filled,dashed", "fillcolor": "white", **STYLE["origin"],
-             "tooltip": " | ".join(origin_node_lines(origin))}
-    lines = [f"{ORIGIN_NODE_ID} [label={dot_label(*origin_node_lines(origin))}, {dot_attrs(attrs)}]"]
+             "tooltip": " | ".join(origin_node_lines(origin, entry is not None))}
+    lines = [f"{ORIGIN_NODE_ID} [label={dot_label(*origin_node_lines(origin, entry is not None))}, {dot_attrs(attrs)}]"]
     if entry is not None:
         lines.append(f"n{entry} -> {ORIGIN_NODE_ID} "
                      f"[{dot_attrs({'style': 'dashed', 'color': STYLE['origin']['color'], 'arrowhead': 'none'})}]")

@@ -201,10 +201,10 @@ def explorer_graph(graph: BackwardGraph, graph_id: str) -> dict[str, Any]:
         # the origin's op has no node in the graph: one is added where its output enters it
         entry = mark.entry
         nodes.append({
-            "id": ORIGIN_NODE, "label": " ".join(origin_node_lines(rec.origin)),
+            "id": ORIGIN_NODE, "label": " ".join(origin_node_lines(rec.origin, entry is not None)),
             # in its layer's box: the entry's, unless the origin ran in the model's own forward
             "namespace": spaces[entry] if entry is not None and rec.origin.layer else "",
-            "attrs": [_kv("node", origin_node_lines(rec.origin)[0]), _kv("NaN/Inf origin", describe_origin(rec.origin))],
+            "attrs": [_kv("node", " ".join(origin_node_lines(rec.origin, entry is not None)[::2])), _kv("NaN/Inf origin", describe_origin(rec.origin))],
             "incomingEdges": ([{"sourceNodeId": str(entry), "sourceNodeOutputId": "origin", "targetNodeInputId": "0"}]
                               if entry is not None else []),
         })
