@@ -471,7 +471,7 @@ class BackwardGraphRecorder:
             raise
 
     def _start_step(self, step: int, micro_batches: int | str | None) -> bool:
-        self._flush()  # a step that was never ended
+        self.end_step()  # a step that was never ended (begin_step, then `continue`): disarmed and written
         self.global_step = self._last_step = step
         self._micro_batches = micro_batches
         if not self._open:

@@ -147,3 +147,39 @@ def test_the_closing_line_counts_in_words(tmp_path, capsys):
     out = capsys.readouterr().out
     assert rec.captured_steps == [1]
     assert "[paddleviz-hooks] 1 step captured: 1 written" in out, out
+
+
+def test_a_step_begun_and_never_ended_is_ended_by_the_next_begin_step(tmp_path):
+    """A loop that skips a bad batch with ``continue`` after ``begin_step`` (so ``end_step`` is not
+    reached): the next ``begin_step`` ends it, nothing stays installed after ``close()``, and later
+    steps are whole graphs of their own (``step_N.json``, backward 1 of 1)."""
+    import json
+
+    import paddle
+    import paddle.nn.functional as F
+
+    from paddleviz_hooks import BackwardGraphRecorder
+
+    net = paddle.nn.Sequential(paddle.nn.Linear(10, 8), paddle.nn.LayerNorm(8), paddle.nn.Linear(8, 3))
+
+    def hooks():
+        return sum(len(l._forward_pre_hooks) + len(l._forward_post_hooks) for l in net.sublayers(include_self=True))
+
+    flags = paddle.get_flags(["FLAGS_call_stack_level"])
+    rec = BackwardGraphRecorder(str(tmp_path), net, every=1, formats=("json",), visualdl=False, verbose=0)
+    for step in range(1, 5):
+        rec.begin_step(step)
+        try:
+            x = paddle.randn([2, 10] if step != 2 else [2, 7])  # step 2: a bad batch
+            F.cross_entropy(net(x), paddle.randint(0, 3, [2, 1])).backward()
+        except ValueError:
+            continue
+        rec.end_step()
+    rec.close()
+    assert hooks() == 0
+    assert paddle.get_flags(["FLAGS_call_stack_level"]) == flags
+    run = tmp_path / "backward_graph"
+    assert sorted(p.name for p in run.glob("step_*.json")) == ["step_000001.json", "step_000003.json",
+                                                                "step_000004.json"]
+    for p in run.glob("step_*.json"):
+        assert json.loads(p.read_text())["meta"]["backward"]["of"] == 1, p.name
