@@ -535,6 +535,15 @@ def test_graphs_tab_lists_every_capture(server, trained):
     assert len(server.api("runs")) == 2, "graph folders are not scalar/image runs"
 
 
+def graphs_tab_page(browser, server):
+    """A 1440x900 page on the Graphs tab, its first view drawn (the ``features`` box is there)."""
+    page = browser.new_page(viewport={"width": 1440, "height": 900})
+    page.set_default_timeout(30_000)
+    page.goto(server.url + "/app/graph/dynamic_graph", timeout=60_000)
+    page.frame_locator("iframe").locator("g[id='node-/features']").wait_for(timeout=60_000)
+    return page
+
+
 @pytest.mark.browser
 @pytest.mark.skipif(not os.path.exists(CHROMIUM), reason=f"needs Debian's Chromium at {CHROMIUM}")
 def test_graphs_tab_search_finds_dotted_names(server, trained, tmp_path):
@@ -548,10 +557,7 @@ def test_graphs_tab_search_finds_dotted_names(server, trained, tmp_path):
     with sync_api.sync_playwright() as p:
         browser = launch_chromium(p)
         try:
-            page = browser.new_page(viewport={"width": 1440, "height": 900})
-            page.set_default_timeout(30_000)
-            page.goto(server.url + "/app/graph/dynamic_graph", timeout=60_000)
-            page.frame_locator("iframe").locator("g[id='node-/features']").wait_for(timeout=60_000)
+            page = graphs_tab_page(browser, server)
             page.wait_for_load_state("networkidle")  # the search needs the whole graph (get_all_nodes)
             box = page.get_by_placeholder("Search")
             for query, path in (("features.0", "/features/0"), ("features.0.weight", "/features/0/weight"),
@@ -591,12 +597,9 @@ def test_graphs_tab_in_chromium(server, trained, tmp_path):
     with sync_api.sync_playwright() as p:
         browser = launch_chromium(p)
         try:
-            page = browser.new_page(viewport={"width": 1440, "height": 900})
-            page.set_default_timeout(30_000)
-            page.goto(server.url + "/app/graph/dynamic_graph", timeout=60_000)
+            page = graphs_tab_page(browser, server)
             graph = page.frame_locator("iframe")
             layer = graph.locator("g[id='node-/features']")
-            layer.wait_for(timeout=60_000)
             for label in labels:  # "Choose a model": run, step (and trigger) per capture
                 assert page.get_by_text(label, exact=True).is_visible(), label
             # the first view shows the top-level layers closed
