@@ -11,6 +11,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -115,7 +116,7 @@ def test_yolov3_training_is_captured_with_every_parameter(tmp_path):
           f"{len(list(trainer.model.parameters()))}")
     names = {id(p): n for n, p in trainer.model.named_parameters()}
     for i, f in enumerate(sorted(glob.glob(os.path.join(cb.recorder.run_dir, "step_*.json")))):
-        g = BackwardGraph.from_json(open(f, encoding="utf-8").read())
+        g = BackwardGraph.from_json(Path(f).read_text(encoding="utf-8"))
         assert set(g.params()) == {names[k] for k in applied[i]}  # every parameter with a gradient
         assert len(g.params()) > 100
         for k, v in applied[i].items():
