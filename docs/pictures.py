@@ -109,7 +109,10 @@ def main() -> None:
         screenshot("file://" + report, os.path.join(HERE, "report.png"))
         print("wrote docs/report.png")
         nan_dir = os.path.join(work, "nan_log")
-        subprocess.run([sys.executable, "-c", f"LOG_DIR = {nan_dir!r}\n" + NAN_RUN], check=True)
+        script = os.path.join(work, "train_nan.py")  # a file, so the origin's line reads train_nan.py:N
+        with open(script, "w") as f:
+            f.write(f"LOG_DIR = {nan_dir!r}\n" + NAN_RUN)
+        subprocess.run([sys.executable, script], check=True)
         explorer_shot(nan_dir, os.path.join(HERE, "explorer.png"), work)
         print("wrote docs/explorer.png")
 
