@@ -872,6 +872,20 @@ class BackwardGraphRecorder:
             self.triggers.pop(step, None)
 
 
+def check_options(called: str, log_dir: Any, **options: Any) -> None:
+    """Raise now what ``BackwardGraphRecorder(log_dir, **options)`` would raise, an unknown keyword
+    named after ``called`` (the adapter the user made), for adapters that make their recorder later.
+
+    Examples:
+        >>> check_options("MyCallback", "vdl_log", evry=5)
+        Traceback (most recent call last):
+        ...
+        TypeError: MyCallback() got an unexpected keyword argument 'evry'; did you mean 'every'?
+    """
+    reject_unknown(called, options, option_names())
+    BackwardGraphRecorder(log_dir, **options)
+
+
 def option_names() -> tuple[str, ...]:
     """The keyword arguments :class:`BackwardGraphRecorder` takes (for "did you mean" errors)."""
     params = inspect.signature(BackwardGraphRecorder.__init__).parameters.values()

@@ -28,7 +28,7 @@ from typing import Any
 from paddleformers.trainer import TrainerCallback
 from paddleformers.trainer import integrations as _pf_integrations
 
-from ..recorder import BackwardGraphRecorder
+from ..recorder import BackwardGraphRecorder, check_options
 
 __all__ = ["BackwardGraphTrainerCallback", "register", "ENV_OPTIONS", "REPORT_NAME", "main"]
 
@@ -82,7 +82,7 @@ class BackwardGraphTrainerCallback(TrainerCallback):
         self._log_dir = log_dir
         self._options = options
         # checked now (a typo fails at construction, not after the first step)
-        BackwardGraphRecorder(log_dir or "vdl_log", **options)
+        check_options(type(self).__name__, log_dir or "vdl_log", **options)
         #: the recorder (made by ``on_train_begin``, in the Trainer's logging_dir)
         self.recorder: BackwardGraphRecorder | None = None
 
@@ -138,8 +138,8 @@ def register(name: str = REPORT_NAME, **options: Any) -> None:
     Raises:
         TypeError, ValueError: a wrong option.
     """
-    BackwardGraphRecorder(options.get("log_dir") or "vdl_log",
-                          **{k: v for k, v in options.items() if k != "log_dir"})  # checks them now
+    check_options("register", options.get("log_dir") or "vdl_log",
+                  **{k: v for k, v in options.items() if k != "log_dir"})
     _registered_options.clear()
     _registered_options.update(options)
     _pf_integrations.INTEGRATION_TO_CALLBACK[name] = BackwardGraphTrainerCallback

@@ -21,7 +21,7 @@ from typing import Any
 from ppdet.engine.callbacks import Callback
 
 from ..attaching import AttachHandle, attach
-from ..recorder import BackwardGraphRecorder
+from ..recorder import BackwardGraphRecorder, check_options
 
 __all__ = ["BackwardGraphDetCallback"]
 
@@ -42,7 +42,7 @@ class BackwardGraphDetCallback(Callback):
 
     def __init__(self, trainer: Any, log_dir: str | os.PathLike = "vdl_log", **options: Any) -> None:
         super().__init__(trainer)
-        BackwardGraphRecorder(log_dir, **options)  # wrong options fail here, not when training starts
+        check_options(type(self).__name__, log_dir, **options)  # wrong options fail here, not when training starts
         self._log_dir, self._options = log_dir, options
         #: what attach() installed while training runs (its ``recorder`` stays after)
         self.handle: AttachHandle | None = None

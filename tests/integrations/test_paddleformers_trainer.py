@@ -194,6 +194,11 @@ def test_report_to_paddleviz_after_register(tmp_path, monkeypatch):
 def test_wrong_options_fail_when_the_callback_is_made(monkeypatch):
     with pytest.raises(ValueError):
         pv_pf.BackwardGraphTrainerCallback(every=0)
+    with pytest.raises(TypeError, match=r"^BackwardGraphTrainerCallback\(\) got an unexpected keyword argument "
+                                        r"'evry'; did you mean 'every'\?"):
+        pv_pf.BackwardGraphTrainerCallback(evry=5)
+    with pytest.raises(TypeError, match=r"^register\(\) got an unexpected keyword"):
+        pv_pf.register(evry=5)
     monkeypatch.setenv(pv_pf.ENV_OPTIONS, "every=5")
     with pytest.raises(ValueError, match=pv_pf.ENV_OPTIONS):
         pv_pf.BackwardGraphTrainerCallback()
