@@ -1,15 +1,19 @@
 """The pipeline from a captured graph to files and dashboard sinks (VisualDL by default).
 
 The training thread only hands a captured graph over (:meth:`CapturePipeline.submit`).
-Two background threads do the rest. The data thread writes every capture's
-JSON, DOT, diff JSON, summary text and scalars at once (handing them to the
-sinks), never waiting behind drawing, and queues the drawing. The drawing thread works through that
-backlog, triggered captures first, and hands the pictures to the sinks;
-beyond ``queue_size`` a waiting drawing keeps only the path of its JSON, so
-memory stays bounded however far drawing lags. ``close()`` draws the backlog
-within ``close_timeout`` and names what is left, with the command that draws
-it later. Exceptions in a job become warnings (one per kind); a worker thread
-that died is restarted once.
+A data thread writes every capture's JSON, diff JSON, summary text and scalars
+at once (handing them to the sinks), never waiting behind drawing, and queues
+the drawing. Drawing happens in a process of its own (``render/worker.py``,
+driven by :class:`~paddleviz_hooks.drawproc.DrawingProcess`), so no drawing
+code shares this process's interpreter lock with training: a thread here sends
+it the backlog, triggered captures first, one capture's JSON path at a time,
+and hands the pictures it draws to the sinks (VisualDL shows only the newest
+records file of a folder: its records must all come from this process's one
+writer). A waiting drawing keeps only the path of its JSON, so memory stays
+bounded however far drawing lags. ``close()`` draws the backlog within
+``close_timeout`` and names what is left, with the command that draws it later.
+Exceptions in a job become warnings (one per kind); a worker thread that died
+is restarted once, a drawing process that died or hung is started again.
 """
 
 from __future__ import annotations
@@ -26,27 +30,19 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .diff import GraphDiff, diff_graphs
-from .findings import record_of
+from .drawproc import DrawingProcess
 from .graph import BackwardGraph
 from .options import RecorderOptions
-from .render import (EngineNotFound, RenderTimeout, render_diff_views, render_png, render_svg,
-                     render_views, to_dot)
+from .render.engine import engine_choice
+from .render.worker import DRAWING_NICE
 from .sinks.base import CaptureData, CapturePictures, SinkContext, capture_scalars, suffixed
 from .sinks.files import StepFiles
 from .sinks.hub import SinkSet
-from .text import backward_role, capture_title, diff_summary, graph_summary, redraw_command, undrawn_line
+from .text import capture_title, diff_summary, graph_summary, redraw_command, undrawn_line
 from ._interrupts import run_all
 from .warn import WarnOnce
 
-__all__ = ["BackgroundWorker", "CaptureJob", "CapturePipeline", "VIEWER_LABEL_PX", "viewer_png"]
-
-#: Node labels (11 pt) of the VisualDL picture are at least this many pixels high
-VIEWER_LABEL_PX = 8.0
-
-#: Nice value of the drawing thread, and of the layout engines it starts (they inherit it).
-#: On a core training also wants it gets about a tenth (Linux CFS weights 110 vs 1024): measured
-#: under 2-process data parallel on 2 cores, uncaptured steps went from 1.50x to 1.16x (median).
-DRAWING_NICE = 10
+__all__ = ["BackgroundWorker", "CaptureJob", "CapturePipeline"]
 
 
 def lower_thread_priority(nice: int = DRAWING_NICE) -> None:
@@ -68,26 +64,6 @@ def lower_thread_priority(nice: int = DRAWING_NICE) -> None:
         os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), nice))
     except (AttributeError, OSError):  # no permission, no such call: keep the normal priority
         pass
-
-
-def viewer_png(graph: BackwardGraph, options: RecorderOptions, title: str, *, timeout: float | None = 60.0,
-               info: dict[str, Any] | None = None) -> bytes:
-    """The picture logged to the dashboards, sized for VisualDL's image viewer.
-
-    The viewer fits a picture into the window (about 1300x750 CSS px of a
-    1440x900 window) and never enlarges it, so the picture is drawn left to
-    right (landscape) within ``options.viewer_px`` x 9/16 of that, padded to
-    16:9 when it is a strip, with node labels at least ``VIEWER_LABEL_PX``
-    high, collapsing layers into boxes as far as that needs. The same
-    structure gets the same layout at every step (the drawing plan is
-    cached), so flipping steps compares like with like. ``render/plan.py``
-    plans it with the other pictures.
-    """
-    assert options.viewer_px is not None
-    width = options.viewer_px
-    return render_png(graph, max_px=width, max_height_px=max(64, width * 9 // 16), max_nodes=options.view_max_nodes,
-                      rankdir="LR", min_dpi=VIEWER_LABEL_PX * 72 / 11, timeout=timeout, title=title, info=info,
-                      **_shading(options, graph))
 
 
 _STOP = object()
@@ -230,19 +206,15 @@ class CaptureJob:
 
 @dataclass(order=True)
 class _Drawing:
-    """A capture waiting to be drawn; triggered captures sort first."""
+    """A capture waiting to be drawn (its JSON on disk); triggered captures sort first."""
 
     priority: int
     step: int
     trigger: str = field(compare=False)
-    graph: BackwardGraph | None = field(compare=False)  # None: reload from `path`
-    path: str = field(compare=False)
-    prev: BackwardGraph | None = field(compare=False)
-    prev_path: str | None = field(compare=False)
-    diff: GraphDiff | None = field(compare=False)
+    path: str = field(compare=False)  # the capture's JSON
+    prev_path: str | None = field(compare=False)  # the previous capture of the same backward
+    diff: bool = field(compare=False)  # the structure changed since it: draw the change
     suffix: str = field(default="", compare=False)
-    viewer: bytes | None = field(compare=False, default=None)  # the dashboards' picture, once drawn
-    svg: str | None = field(compare=False, default=None)  # the full-detail SVG, once drawn
 
 
 class CapturePipeline:
@@ -282,6 +254,8 @@ class CapturePipeline:
         self._closing_at: float | None = None  # set by close(): draw until then, then stop
         self._drawer: threading.Thread | None = None
         self._drawing = 0  # drawings under way (0 or 1)
+        #: the process that draws (started at the first drawing)
+        self.drawing = DrawingProcess(warn, log_path=os.path.join(self._spool_dir(), "drawing.log"))
         self._sink_lock = threading.Lock()  # the data thread and the drawing thread both log
         self._prev_logged: dict[str, BackwardGraph] = {}  # suffix -> the last capture summarised
 
@@ -320,6 +294,9 @@ class CapturePipeline:
         if self._drawer is not None:
             # the drawing under way may run up to render_timeout past the deadline
             self._drawer.join(max(0.0, deadline - time.monotonic()) + self.options.render_timeout + 5)
+        self.drawing.close()  # a drawing still under way is cut short: its step is named undrawn
+        if self._drawer is not None:
+            self._drawer.join(10)
         with self._lock:
             for step in sorted(d.step for d in self._backlog):
                 self.not_drawn.setdefault(step, f"not drawn within close_timeout={self.options.close_timeout:g} s")
@@ -377,22 +354,16 @@ class CapturePipeline:
         self._prev[suffix] = (graph, path)
         self.written.append(step)  # its data (the JSON) is on disk; the rest is extra
         try:
-            if "dot" in opts.formats:
-                paths["dot"] = files.write(step, "dot", to_dot(graph, title=_title(step, trigger, graph),
-                                                               **_shading(opts, graph)), suffix=suffix)
             if diff is not None and diff.structure_changed and "json" in opts.formats:
                 paths["diff.json"] = files.write(step, "json", diff.to_json(), suffix=suffixed(suffix, "diff"))
         except OSError as exc:
             self._warn("lost", f"step {step}'s data is saved but not all its records ({self._why(exc)})")
         self._log_data(graph, diff, step, trigger, suffix, paths)
-        if not {"png", "svg"} & set(opts.formats) and not self.sinks:
+        if not {"png", "svg", "dot"} & set(opts.formats) and not self.sinks:
             return
-        keep = len(self._backlog) < opts.queue_size  # beyond: wait on disk as the JSON
-        drawing = _Drawing(0 if trigger != "scheduled" else 1, step, trigger,
-                           graph if keep else None, path,
-                           prev[0] if (keep and prev is not None) else None,
+        drawing = _Drawing(0 if trigger != "scheduled" else 1, step, trigger, path,
                            prev[1] if prev is not None else None,
-                           diff if (diff is not None and diff.structure_changed) else None, suffix)
+                           diff is not None and diff.structure_changed, suffix)
         with self._lock:
             heapq.heappush(self._backlog, drawing)
             self._wake.notify()
@@ -402,7 +373,8 @@ class CapturePipeline:
                 self._drawer.start()
 
     def _draw_loop(self) -> None:
-        """The drawing thread: triggered captures first, until close() says stop."""
+        """The thread that hands the backlog to the drawing process, triggered captures first, and
+        its pictures to the sinks, until close() says stop."""
         lower_thread_priority()  # pictures may lag; the training steps must not
         while True:
             with self._lock:
@@ -420,17 +392,14 @@ class CapturePipeline:
 
     def _draw_one(self, d: _Drawing) -> None:
         try:
-            if d.graph is not None:
-                graph = d.graph
-            else:
-                with open(d.path, encoding="utf-8") as f:
-                    graph = BackwardGraph.from_json(f.read())
-            why = self._draw(d, graph)
+            why = self._draw(d)
         except Exception as exc:  # keep drawing the others
             why = self._why(exc)
             self._warn(f"draw-{type(exc).__name__}", f"step {d.step} could not be drawn: {exc}")
         # drawn: a picture of it is on disk (or, with no picture file asked, drawn for the dashboards)
         pictures = [f for f in ("png", "svg") if f in self.options.formats]
+        if not pictures and not self.sinks:
+            return  # only its DOT file was asked for
         if any(os.path.exists(self.files.path(d.step, f, d.suffix)) for f in pictures) or (
                 not pictures and why is None):
             self.drawn.append(d.step)
@@ -447,76 +416,67 @@ class CapturePipeline:
             return exc.strerror or str(exc)
         return f"{type(exc).__name__}: {exc}"
 
-    def _draw(self, d: _Drawing, graph: BackwardGraph) -> str | None:
-        """Draw one capture; None when it was drawn, else why not."""
+    def _job(self, d: _Drawing) -> dict[str, Any]:
+        """What the drawing process draws of ``d``, and where it writes it (``render/worker.py``)."""
         opts, files = self.options, self.files
-        why = None
-        step, trigger, suffix = d.step, d.trigger, d.suffix
-        title = _title(step, trigger, graph)
-        deadline = time.monotonic() + opts.render_timeout  # bounds all drawing of this capture
+        spool = os.path.join(self._spool_dir(), f"{os.path.basename(files.path(d.step, '', d.suffix))}draw")
+        out = {f: files.path(d.step, f, d.suffix) for f in ("dot", "svg") if f in opts.formats}
+        if "png" in opts.formats or self.sinks:
+            out["png"] = spool + ".png"
+            if d.diff and d.prev_path is not None:
+                out["diff_png"] = spool + ".diff.png"
+        if self.sinks and opts.viewer_px is not None:
+            out["viewer"] = spool + ".viewer.png"
+        return {"step": d.step, "trigger": d.trigger, "suffix": d.suffix, "json": d.path, "prev_json": d.prev_path,
+                "diff": d.diff, "engine": engine_choice(), "out": out,
+                "options": {"viewer_px": opts.viewer_px, "view_max_px": opts.view_max_px,
+                            "view_max_nodes": opts.view_max_nodes, "color_by": opts.color_by,
+                            "render_timeout": opts.render_timeout}}
 
-        def left() -> float:  # what is left of render_timeout for the next engine run
-            return round(max(0.001, deadline - time.monotonic()), 3)
-
-        png = diff_png = None
-        try:
-            # one engine run draws the viewing PNG and, when it has every node, the full-detail SVG
-            info: dict = {}
-            formats = ("png", "svg") if "svg" in opts.formats else ("png",)
-            views = render_views(graph, formats, info=info, max_px=opts.view_max_px,
-                                 max_nodes=opts.view_max_nodes, timeout=left(), title=title,
-                                 **_shading(opts, graph))
-            png = views["png"]
-            if "svg" in opts.formats:
-                svg = views["svg"] if info["full_detail"] else render_svg(
-                    graph, timeout=left(), title=title, **_shading(opts, graph))
-                files.write(step, "svg", svg, suffix=suffix)
-                d.svg = svg if isinstance(svg, str) else svg.decode("utf-8")
-            if self.sinks and opts.viewer_px is not None:
-                seen: dict = {}
-                viewer = viewer_png(graph, opts, title, timeout=left(), info=seen)
-                # a viewer picture that had to shrink the whole model into one box shows less
-                # than the PNG file: the dashboards get the file's picture then (their viewers can zoom)
-                if not (seen.get("collapsed_depth") == 0 and info.get("collapsed_depth") != 0):
-                    d.viewer = viewer
-        except (EngineNotFound, RenderTimeout) as exc:
-            # JSON, DOT, text and scalars are already written
-            why = ("no layout engine is installed" if isinstance(exc, EngineNotFound)
-                   else f"the layout engine ran past render_timeout={opts.render_timeout:g} s")
-            self._warn(type(exc).__name__, f"step {step} was not drawn: {exc}")
-        if png is not None and d.diff is not None:
-            prev = d.prev
-            if prev is None and d.prev_path is not None and os.path.exists(d.prev_path):
-                with open(d.prev_path, encoding="utf-8") as f:
-                    prev = BackwardGraph.from_json(f.read())
-            if prev is not None:
-                try:
-                    diff_png = render_diff_views(d.diff, graph, prev, ("png",), max_px=opts.view_max_px,
-                                                 max_nodes=opts.view_max_nodes, timeout=left())["png"]
-                except Exception as exc:
-                    self._warn("diff-render", f"drawing the graph diff failed: {exc!r}")
-        self._log_pictures(d, png, diff_png, title)
-        if why is None and png is None:
+    def _draw(self, d: _Drawing) -> str | None:
+        """Have one capture drawn; None when it was drawn, else why not."""
+        job = self._job(d)
+        if os.path.isdir(self.files.directory):  # (a deleted run folder is not made again)
+            os.makedirs(self._spool_dir(), exist_ok=True)
+        answer = self.drawing.draw(job)
+        for key, message in answer.get("warnings") or ():
+            self._warn(key, message)
+        why, error, written = answer.get("why"), answer.get("error"), answer.get("written") or {}
+        if error:
+            exc: Exception = (OSError(error["errno"], error.get("strerror") or error["message"])
+                              if error.get("errno") is not None else RuntimeError(error["message"]))
+            why = self._why(exc) if isinstance(exc, OSError) else f"{error['type']}: {error['message']}"
+            self._warn(f"draw-{error['type']}", f"step {d.step} could not be drawn: {error['message']}")
+        pictures = {k: _take(written.get(k)) for k in ("png", "viewer", "diff_png")}
+        svg = written.get("svg") if self.sinks else None
+        self._log_pictures(d, pictures, svg, written,
+                           answer.get("title") or capture_title(d.step, d.trigger))
+        if why is None and pictures["png"] is None:
             why = "the layout engine drew nothing"
         return why
 
-    def _log_pictures(self, d: _Drawing, png: bytes | None, diff_png: bytes | None, title: str) -> None:
+    def _log_pictures(self, d: _Drawing, pictures: dict[str, bytes | None], svg_path: str | None,
+                      written: dict[str, str], title: str) -> None:
         with self._sink_lock:
-            self._log_pictures_locked(d, png, diff_png, title)
+            self._log_pictures_locked(d, pictures, svg_path, written, title)
 
-    def _log_pictures_locked(self, d: _Drawing, png: bytes | None, diff_png: bytes | None, title: str) -> None:
+    def _log_pictures_locked(self, d: _Drawing, pictures: dict[str, bytes | None], svg_path: str | None,
+                             written: dict[str, str], title: str) -> None:
         step, suffix = d.step, d.suffix
         files, formats = self.files, self.options.formats
-        paths: dict[str, str] = {}
+        png, diff_png = pictures["png"], pictures["diff_png"]
+        paths = {k: written[k] for k in ("dot", "svg") if k in written}
         if "png" in formats and png is not None:
             paths["png"] = files.write(step, "png", self.sinks.file_png(png), suffix=suffix)
         if "png" in formats and diff_png is not None:
             paths["diff.png"] = files.write(step, "png", self.sinks.file_png(diff_png), suffix=suffixed(suffix, "diff"))
-        if "svg" in formats and d.svg is not None:
-            paths["svg"] = files.path(step, "svg", suffix=suffix)
-        viewer, svg, d.viewer, d.svg = d.viewer, d.svg, None, None
         if not self.sinks:
             return  # (a capture not drawn still reaches the sinks: what they keep for it is let go)
+        svg = None
+        if svg_path is not None:
+            with open(svg_path, encoding="utf-8") as f:
+                svg = f.read()
+        viewer = pictures["viewer"]
         self.sinks.pictures(CapturePictures(step, d.trigger, suffix, title, viewer if viewer is not None else png,
                                             diff_png, svg, paths))
 
@@ -542,14 +502,15 @@ class CapturePipeline:
         self.sinks.data(CaptureData(step, trigger, suffix, graph, changed, text, scalars, paths))
 
 
-def _shading(options: RecorderOptions, graph: BackwardGraph) -> dict[str, Any]:
-    """The ``color_by`` drawing option, for a graph that has what it shades by (a triggered
-    capture records no saved memory: drawn unshaded, its legend then shows no shades)."""
-    if options.color_by == "saved_memory" and isinstance(graph.meta.get("saved_memory"), dict):
-        return {"color_by": options.color_by}
-    return {}
-
-
-def _title(step: int, trigger: str, graph: BackwardGraph) -> str:
-    meta = graph.meta
-    return capture_title(step, trigger, backward_role(meta.get("backward")), origin=record_of(graph).origin)
+def _take(path: str | None) -> bytes | None:
+    """The bytes of a picture the drawing process left in the spool folder, which it leaves."""
+    if path is None:
+        return None
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    finally:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass

@@ -29,6 +29,7 @@ LAYERS = [
     ("sinks", {"sinks"}),
     ("serving", {"explore"}),
     ("options", {"options"}),
+    ("drawing process", {"drawproc"}),  # the training side of render/worker.py
     ("pipeline", {"pipeline", "triggers"}),
     ("recorder", {"recorder"}),
     ("adapters", {"callbacks", "compat", "cli", "notebook", "attaching"}),

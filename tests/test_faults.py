@@ -613,9 +613,9 @@ def test_renderer_backlog_loses_nothing(tmp_path, monkeypatch):
     release = threading.Event()
     written_while_blocked = []
 
-    def slow(self, d, graph):
+    def slow(self, d):
         release.wait(30)
-        return real(self, d, graph)
+        return real(self, d)
 
     monkeypatch.setattr(CapturePipeline, "_draw", slow)
     def at_step(step):

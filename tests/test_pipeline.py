@@ -52,10 +52,10 @@ def test_every_step_fast_model_tiny_queue_loses_nothing(tmp_path, monkeypatch):
     gate = threading.Event()
     real = CapturePipeline._draw
 
-    def slow(self, d, graph):
+    def slow(self, d):
         gate.wait(30)
         order.append(d.step)
-        return real(self, d, graph)
+        return real(self, d)
 
     monkeypatch.setattr(CapturePipeline, "_draw", slow)
     cb = BackwardGraphCallback(str(tmp_path), every=2, queue_size=1, on_structure_change=True, cooldown=0,
@@ -83,9 +83,9 @@ def test_close_timeout_names_what_is_left_with_the_command(tmp_path, monkeypatch
     gate = threading.Event()
     real = CapturePipeline._draw
 
-    def blocked(self, d, graph):
+    def blocked(self, d):
         gate.wait(5)
-        return real(self, d, graph)
+        return real(self, d)
 
     monkeypatch.setattr(CapturePipeline, "_draw", blocked)
     net = mlp()
@@ -189,7 +189,7 @@ def test_visualdl_never_gets_a_one_box_picture_of_a_real_model(tmp_path):
     file's picture would be logged instead."""
     from _fitkit import vdl_records
     from paddleviz_hooks.options import RecorderOptions
-    from paddleviz_hooks.pipeline import viewer_png
+    from paddleviz_hooks.render.worker import viewer_png
     from paddleviz_hooks.render import png_size
     from paddleviz_hooks.sinks.visualdl import encode_like_visualdl, png_to_array
 
@@ -220,7 +220,7 @@ def test_viewer_shows_each_encoder_block_when_legible(blocks):
     from paddleviz_hooks import capture_backward
     from paddleviz_hooks.collapse import collapse_graph
     from paddleviz_hooks.options import RecorderOptions
-    from paddleviz_hooks.pipeline import viewer_png
+    from paddleviz_hooks.render.worker import viewer_png
     from paddleviz_hooks.render import png_size
 
     paddle.seed(0)

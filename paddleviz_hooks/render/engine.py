@@ -17,7 +17,7 @@ import tempfile
 from dataclasses import dataclass
 
 __all__ = ["Engine", "EngineNotFound", "RenderTimeout", "find_engine", "run_engine", "run_engine_formats",
-           "INSTALL_HINT"]
+           "INSTALL_HINT", "engine_choice", "pinned_engine"]
 
 INSTALL_HINT = (
     "install Graphviz's `dot` (Debian/Ubuntu: `sudo apt-get install -y graphviz`) "
@@ -75,8 +75,55 @@ def _beside_python(name: str) -> str | None:
     return path if os.path.isfile(path) and os.access(path, os.X_OK) else None
 
 
+#: the choice every run takes while set (see :func:`pinned_engine`)
+_PINNED: list[dict[str, str]] = []
+
+
+def engine_choice() -> dict[str, str]:
+    """The engine :func:`require_engine` finds here, as plain data: ``{"name", "path"}``, or
+    ``{"error", "type"}`` saying why none (``EngineNotFound`` or ``ValueError``). The drawing
+    process draws with the choice of the process that sends it the job (its ``PATH``,
+    ``PADDLEVIZ_ENGINE`` and interpreter), passed with :func:`pinned_engine`.
+
+    Examples:
+        >>> sorted(engine_choice()) in (["name", "path"], ["error", "type"])
+        True
+    """
+    try:
+        engine = require_engine()
+    except (EngineNotFound, ValueError) as exc:
+        return {"error": str(exc), "type": type(exc).__name__}
+    return {"name": engine.name, "path": engine.path}
+
+
+class pinned_engine:
+    """Within the block, every engine run takes ``choice`` (from :func:`engine_choice`).
+
+    Examples:
+        >>> with pinned_engine({"error": "none here", "type": "EngineNotFound"}):
+        ...     run_engine("digraph { a }", "svg")
+        Traceback (most recent call last):
+        ...
+        paddleviz_hooks.render.engine.EngineNotFound: none here
+    """
+
+    def __init__(self, choice: dict[str, str]) -> None:
+        self.choice = choice
+
+    def __enter__(self) -> None:
+        _PINNED.append(self.choice)
+
+    def __exit__(self, *exc: object) -> None:
+        _PINNED.pop()
+
+
 def require_engine(prefer: str | None = None) -> Engine:
     """Like :func:`find_engine` but raises :class:`EngineNotFound` with the fix."""
+    if _PINNED and prefer is None:
+        choice = _PINNED[-1]
+        if "error" in choice:
+            raise (ValueError if choice.get("type") == "ValueError" else EngineNotFound)(choice["error"])
+        return Engine(choice["name"], choice["path"])
     engine = find_engine(prefer)
     if engine is None:
         which = f"the layout engine {prefer!r} is" if prefer else "no Graphviz layout engine is"
