@@ -74,6 +74,8 @@ class DrawingProcess:
         self._next_id = 0
         #: workers started so far
         self.starts = 0
+        #: the step whose drawing the worker is on (None: none)
+        self.in_flight: int | None = None
 
     @property
     def pid(self) -> int | None:
@@ -96,6 +98,7 @@ class DrawingProcess:
             if proc is None:
                 return _not_drawn(job, "the recorder was closing")
             try:
+                self.in_flight = job["step"]
                 return self._ask(proc, job, timeout)
             except _Failed as failed:
                 failures.append(failed)
@@ -104,6 +107,8 @@ class DrawingProcess:
                     return _not_drawn(job, "the recorder was closing")
                 self._warn(f"drawing-{failed.kind}", f"the drawing process {failed.why} while drawing step "
                                                      f"{job['step']}; it was started again")
+            finally:
+                self.in_flight = None
         why = failures[-1].why if failures[0].kind == failures[1].kind else f"{failures[0].why}, then {failures[1].why}"
         return _not_drawn(job, f"the drawing process {why} twice on it")
 
@@ -120,8 +125,17 @@ class DrawingProcess:
         with self._lock:
             if self._closed:
                 return None
-            if self._proc is not None and self._proc.poll() is None:
-                return self._proc
+            old = self._proc
+            if old is not None and old.poll() is None:
+                return old
+            self._proc = None
+        if old is not None:  # it died between two drawings
+            self._warn("drawing-died", f"the drawing process {self._ended(old)} between two drawings; "
+                                       "it was started again")
+            _reap(old, 0.0)
+        with self._lock:
+            if self._closed:
+                return None
             self._proc = self._start()
             return self._proc
 

@@ -233,3 +233,25 @@ def thread_names() -> list[str]:
 def no_leftover_hooks(net: nn.Layer) -> bool:
     return all(not sub._forward_pre_hooks and not sub._forward_post_hooks
                for _, sub in net.named_sublayers(include_self=True))
+
+
+def children(pid: int) -> dict[int, str]:
+    """pid -> command line of every descendant of ``pid``, from /proc."""
+    parent, cmd = {}, {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as f:
+                    parent[int(entry)] = int(f.read().rsplit(b")", 1)[1].split()[1])
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    cmd[int(entry)] = f.read().replace(b"\0", b" ").decode(errors="replace")
+            except (OSError, IndexError, ValueError):
+                pass
+    found, todo = {}, [pid]
+    while todo:
+        p = todo.pop()
+        for c, pp in parent.items():
+            if pp == p and c not in found:
+                found[c] = cmd.get(c, "")
+                todo.append(c)
+    return found

@@ -1,4 +1,5 @@
-"""The drawing thread yields the CPU to training: it and the layout engines it starts run niced."""
+"""Drawing yields the CPU to training: the drawing process, the layout engines it starts and the
+thread that hands pictures to the sinks run niced; the training thread keeps its priority."""
 
 from __future__ import annotations
 
@@ -9,7 +10,15 @@ import threading
 
 import pytest
 
-from paddleviz_hooks.pipeline import DRAWING_NICE, lower_thread_priority
+import paddle
+import paddle.nn as nn
+
+from paddleviz_hooks import BackwardGraphRecorder
+from paddleviz_hooks.drawproc import WORKER_MODULE
+from paddleviz_hooks.pipeline import lower_thread_priority
+from paddleviz_hooks.render.worker import DRAWING_NICE
+
+from _fitkit import children
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a nice value per thread is Linux's")
@@ -32,25 +41,32 @@ def test_drawing_thread_and_its_engines_run_niced():
     assert int(subprocess.run(["sh", "-c", "nice"], capture_output=True, text=True).stdout) == before
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a nice value per thread is Linux's")
-def test_the_recorders_drawing_thread_runs_niced(tmp_path):
-    import time
+def nice_of(pid: int) -> int:
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        return int(f.read().rsplit(b")", 1)[1].split()[16])
 
-    import paddle
 
-    from paddleviz_hooks import BackwardGraphRecorder
-
-    net = paddle.nn.Linear(3, 2)
-    rec = BackwardGraphRecorder(str(tmp_path), net, every=1, formats=["png"], visualdl=False, verbose=0)
-    try:
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_the_drawing_process_and_its_engines_run_niced_and_never_import_paddle(tmp_path, engine_run_count):
+    """The worker runs at nice >= 10, so does each `dot` it starts (the shim records its nice
+    value); the training thread keeps its own; the worker has not loaded paddle."""
+    shim = tmp_path / "dot-shim" / "dot"
+    niced = tmp_path / "dot-nice.txt"
+    shim.write_text(shim.read_text().replace("exec ", f"nice >> {niced}\nexec ", 1))
+    before = os.getpriority(os.PRIO_PROCESS, 0)
+    net = nn.Linear(3, 2)
+    with BackwardGraphRecorder(str(tmp_path / "log"), net, every=1, formats=("png",), visualdl=False,
+                               verbose=0) as rec:
         with rec.step(1):
             net(paddle.randn([2, 3])).sum().backward()
-        deadline = time.monotonic() + 30
-        while not list(tmp_path.rglob("step_000001.png")) and time.monotonic() < deadline:
-            time.sleep(0.05)  # drawn: the thread has started and lowered itself
-        drawer = next(t for t in threading.enumerate() if t.name == "paddleviz-hooks-drawing")
-        assert os.getpriority(os.PRIO_PROCESS, drawer.native_id) >= DRAWING_NICE
-        assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) < DRAWING_NICE  # training's thread
-    finally:
-        rec.close()
-    assert list(tmp_path.rglob("step_000001.png"))  # the picture arrived
+        assert rec.pipeline.settle(60)
+        pid = rec.pipeline.drawing.pid
+        assert pid is not None and pid in children(os.getpid())
+        assert WORKER_MODULE in children(os.getpid())[pid]
+        assert nice_of(pid) >= DRAWING_NICE
+        with open(f"/proc/{pid}/maps") as f:
+            assert "/paddle/" not in f.read()  # no paddle library mapped: paddle was never imported
+    assert engine_run_count() >= 1
+    assert [int(v) for v in niced.read_text().split()] == [max(before, 10)] * engine_run_count()
+    assert os.getpriority(os.PRIO_PROCESS, 0) == before  # the training thread's is untouched
+    assert children(os.getpid()) == {}

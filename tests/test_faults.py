@@ -34,6 +34,7 @@ from paddleviz_hooks.render.engine import find_engine
 from paddleviz_hooks import render_to_file
 from paddleviz_hooks.pipeline import CapturePipeline
 from _fitkit import (
+    children,
     Recorder,
     assert_same_run,
     files_under,
@@ -83,6 +84,8 @@ def _clean_state():
     assert not dispatcher_installed()
     assert paddle.is_grad_enabled()
     assert not any(t.name == "paddleviz-hooks-worker" for t in threading.enumerate())
+    if sys.platform.startswith("linux"):
+        assert children(os.getpid()) == {}  # no drawing process, no layout engine
 
 
 # --------------------------------------------------------------------------

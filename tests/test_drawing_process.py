@@ -1,0 +1,123 @@
+"""Drawing happens in a process of its own; whatever happens to it, training does not notice.
+
+The real worker (``python -m paddleviz_hooks.render.worker``) with the real ``dot`` is killed
+(SIGKILL) and hung (SIGSTOP) by this test while a hand-written training loop runs with the real
+recorder: the loop's gradients stay bit-identical to a run without the recorder, every capture's
+JSON is on disk, the step the worker hung on twice is named undrawn with the command that draws
+it, and no process is left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+
+import numpy as np
+import paddle
+import paddle.nn as nn
+import pytest
+
+from paddleviz_hooks import BackwardGraphRecorder
+
+from _fitkit import children, ours, recorded_warnings, step_files
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+
+STEPS = 7
+KILLED, HUNG = 3, 5  # the worker is killed while drawing step 3, hung (twice) while drawing step 5
+
+
+def train(make_recorder=None, between=None) -> list[list[np.ndarray]]:
+    """A seeded loop, recorded by ``make_recorder(net)``; every step's parameter gradients (float64)."""
+    paddle.seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+    rec = make_recorder(net) if make_recorder is not None else None
+    opt = paddle.optimizer.SGD(learning_rate=0.1, parameters=net.parameters())
+    rng = np.random.RandomState(0)
+    grads = []
+    for step in range(1, STEPS + 1):
+        x = paddle.to_tensor(rng.randn(4, 8).astype("float32"))
+        y = paddle.to_tensor(rng.randint(0, 3, (4, 1)).astype("int64"))
+        if rec is not None:
+            with rec.step(step):
+                nn.functional.cross_entropy(net(x), y).backward()
+        else:
+            nn.functional.cross_entropy(net(x), y).backward()
+        grads.append([p.grad.numpy().astype("float64") for p in net.parameters()])
+        opt.step()
+        opt.clear_grad()
+        if between is not None:
+            between(step)
+    return grads
+
+
+def test_a_killed_and_a_hung_drawing_process_cost_training_nothing(tmp_path):
+    plain = train()
+    rec = None
+
+    def recorder(net):
+        nonlocal rec
+        rec = BackwardGraphRecorder(str(tmp_path / "log"), net, every=1, verbose=0, visualdl=False,
+                                    formats=("json", "png"), render_timeout=3)
+        return rec
+
+    pipe = None
+    stopped: list[int] = []
+    done = threading.Event()
+
+    def saboteur():
+        """Kills the worker drawing step 3; stops (hangs) each of the first two drawing step 5."""
+        killed = False
+        while not done.is_set():
+            proc = pipe.drawing if pipe is not None else None
+            pid = proc.pid if proc is not None else None
+            if pid is not None and proc.in_flight == KILLED and not killed:
+                os.kill(pid, signal.SIGKILL)
+                killed = True
+            elif pid is not None and proc.in_flight == HUNG and pid not in stopped and len(stopped) < 2:
+                os.kill(pid, signal.SIGSTOP)
+                stopped.append(pid)
+            time.sleep(0.002)
+
+    def between(step):
+        nonlocal pipe
+        pipe = rec.pipeline
+        pipe.drawing.margin = 2.0  # a hang is given up on after render_timeout + 2 s
+        deadline = time.monotonic() + 60
+        while step not in pipe.drawn and step not in pipe.not_drawn and time.monotonic() < deadline:
+            time.sleep(0.01)  # mid-run: each step's drawing is over before the next step
+
+    watcher = threading.Thread(target=saboteur, daemon=True)
+    watcher.start()
+    try:
+        with recorded_warnings() as got:
+            grads = train(recorder, between)
+            rec.close()
+    finally:
+        done.set()
+        watcher.join(5)
+        for pid in stopped:  # (already killed by the recorder; never left stopped whatever failed)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    for a, b in zip(grads, plain):
+        for ga, gb in zip(a, b):
+            assert np.array_equal(ga, gb)
+    run_dir = tmp_path / "log" / "backward_graph"
+    assert step_files(run_dir, "json") == list(range(1, STEPS + 1))
+    assert step_files(run_dir, "png") == [s for s in range(1, STEPS + 1) if s != HUNG]
+    assert len(stopped) == 2 and rec.undrawn_steps == [HUNG]
+    msgs = ours(got)
+    died = [m for m in msgs if "drawing process was killed by signal SIGKILL" in m]
+    hung = [m for m in msgs if "did not answer within 5 s while drawing step 5" in m]
+    undrawn = [m for m in msgs if "not drawn (" in m]
+    assert len(died) == 1 and len(hung) == 1 and len(undrawn) == 1 and len(msgs) == 3, msgs
+    assert "started again" in died[0] and "started again" in hung[0]
+    assert "step 5: the drawing process did not answer within 5 s twice on it" in undrawn[0], undrawn
+    assert f"paddleviz-hooks render {run_dir / 'step_000005.json'}" in undrawn[0], undrawn
+    assert children(os.getpid()) == {}  # no worker, no engine left
+
