@@ -1,4 +1,4 @@
-"""The training process's side of the drawing process (``render/worker.py``).
+"""The training process's side of the drawing process (``drawworker.py``).
 
 :class:`DrawingProcess` starts the worker at the first drawing, sends it one
 job at a time and waits for its answer, at most the job's ``render_timeout``
@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 __all__ = ["ANSWER_MARGIN", "DrawingProcess", "WORKER_MODULE"]
 
-WORKER_MODULE = "paddleviz_hooks.render.worker"
+WORKER_MODULE = "paddleviz_hooks.drawworker"
 
 #: Seconds a job's answer may take past its render_timeout (which bounds only the layout engine's
 #: runs): the worker's start (its imports) and its Python work of planning a large graph.
@@ -84,7 +84,7 @@ class DrawingProcess:
         return proc.pid if proc is not None and proc.poll() is None else None
 
     def draw(self, job: dict[str, Any]) -> dict[str, Any]:
-        """Send ``job`` (see ``render/worker.py``) and return the answer. Never raises: a job
+        """Send ``job`` (see ``drawworker.py``) and return the answer. Never raises: a job
         not drawn comes back with ``why`` said, and ``"error"`` None."""
         timeout = float(job["options"]["render_timeout"]) + self.margin
         failures: list[_Failed] = []

@@ -3,7 +3,7 @@
 The training thread only hands a captured graph over (:meth:`CapturePipeline.submit`).
 A data thread writes every capture's JSON, diff JSON, summary text and scalars
 at once (handing them to the sinks), never waiting behind drawing, and queues
-the drawing. Drawing happens in a process of its own (``render/worker.py``,
+the drawing. Drawing happens in a process of its own (``drawworker.py``,
 driven by :class:`~paddleviz_hooks.drawproc.DrawingProcess`), so no drawing
 code shares this process's interpreter lock with training: a thread here sends
 it the backlog, triggered captures first, one capture's JSON path at a time,
@@ -34,7 +34,7 @@ from .drawproc import DrawingProcess
 from .graph import BackwardGraph
 from .options import RecorderOptions
 from .render.engine import engine_choice
-from .render.worker import DRAWING_NICE
+from .drawworker import DRAWING_NICE
 from .sinks.base import CaptureData, CapturePictures, SinkContext, capture_scalars, suffixed
 from .sinks.files import StepFiles
 from .sinks.hub import SinkSet
@@ -417,7 +417,7 @@ class CapturePipeline:
         return f"{type(exc).__name__}: {exc}"
 
     def _job(self, d: _Drawing) -> dict[str, Any]:
-        """What the drawing process draws of ``d``, and where it writes it (``render/worker.py``)."""
+        """What the drawing process draws of ``d``, and where it writes it (``drawworker.py``)."""
         opts, files = self.options, self.files
         spool = os.path.join(self._spool_dir(), f"{os.path.basename(files.path(d.step, '', d.suffix))}draw")
         out = {f: files.path(d.step, f, d.suffix) for f in ("dot", "svg") if f in opts.formats}
@@ -427,8 +427,10 @@ class CapturePipeline:
                 out["diff_png"] = spool + ".diff.png"
         if self.sinks and opts.viewer_px is not None:
             out["viewer"] = spool + ".viewer.png"
+        with self._sink_lock:
+            encoding = self.sinks.png_encoding() if self.sinks else None
         return {"step": d.step, "trigger": d.trigger, "suffix": d.suffix, "json": d.path, "prev_json": d.prev_path,
-                "diff": d.diff, "engine": engine_choice(), "out": out,
+                "diff": d.diff, "engine": engine_choice(), "out": out, "encoding": encoding,
                 "options": {"viewer_px": opts.viewer_px, "view_max_px": opts.view_max_px,
                             "view_max_nodes": opts.view_max_nodes, "color_by": opts.color_by,
                             "render_timeout": opts.render_timeout}}
@@ -449,27 +451,30 @@ class CapturePipeline:
             self._warn(f"draw-{error['type']}", f"step {d.step} could not be drawn: {error['message']}")
         pictures = {k: _take(written.get(k)) for k in ("png", "viewer", "diff_png")}
         svg = written.get("svg") if self.sinks else None
-        self._log_pictures(d, pictures, svg, written,
-                           answer.get("title") or capture_title(d.step, d.trigger))
+        self._log_pictures(d, pictures, svg, written, answer.get("title") or capture_title(d.step, d.trigger),
+                           job["encoding"])
         if why is None and pictures["png"] is None:
             why = "the layout engine drew nothing"
         return why
 
     def _log_pictures(self, d: _Drawing, pictures: dict[str, bytes | None], svg_path: str | None,
-                      written: dict[str, str], title: str) -> None:
+                      written: dict[str, str], title: str, encoding: str | None) -> None:
         with self._sink_lock:
-            self._log_pictures_locked(d, pictures, svg_path, written, title)
+            self._log_pictures_locked(d, pictures, svg_path, written, title, encoding)
 
     def _log_pictures_locked(self, d: _Drawing, pictures: dict[str, bytes | None], svg_path: str | None,
-                             written: dict[str, str], title: str) -> None:
+                             written: dict[str, str], title: str, encoding: str | None) -> None:
+        """The PNG files, as their dashboard serves them (encoded by the drawing process when it
+        knows how), and the pictures handed to the sinks."""
         step, suffix = d.step, d.suffix
         files, formats = self.files, self.options.formats
         png, diff_png = pictures["png"], pictures["diff_png"]
+        as_served = (lambda b: b) if encoding is not None else self.sinks.file_png
         paths = {k: written[k] for k in ("dot", "svg") if k in written}
         if "png" in formats and png is not None:
-            paths["png"] = files.write(step, "png", self.sinks.file_png(png), suffix=suffix)
+            paths["png"] = files.write(step, "png", as_served(png), suffix=suffix)
         if "png" in formats and diff_png is not None:
-            paths["diff.png"] = files.write(step, "png", self.sinks.file_png(diff_png), suffix=suffixed(suffix, "diff"))
+            paths["diff.png"] = files.write(step, "png", as_served(diff_png), suffix=suffixed(suffix, "diff"))
         if not self.sinks:
             return  # (a capture not drawn still reaches the sinks: what they keep for it is let go)
         svg = None
@@ -478,7 +483,7 @@ class CapturePipeline:
                 svg = f.read()
         viewer = pictures["viewer"]
         self.sinks.pictures(CapturePictures(step, d.trigger, suffix, title, viewer if viewer is not None else png,
-                                            diff_png, svg, paths))
+                                            diff_png, svg, paths, encoding))
 
     def _log_data(self, graph: BackwardGraph, diff: GraphDiff | None, step: int, trigger: str,
                   suffix: str, paths: dict[str, str]) -> None:

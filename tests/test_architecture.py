@@ -29,7 +29,7 @@ LAYERS = [
     ("sinks", {"sinks"}),
     ("serving", {"explore"}),
     ("options", {"options"}),
-    ("drawing process", {"drawproc"}),  # the training side of render/worker.py
+    ("drawing process", {"drawproc", "drawworker"}),  # the drawing process and its client
     ("pipeline", {"pipeline", "triggers"}),
     ("recorder", {"recorder"}),
     ("adapters", {"callbacks", "compat", "cli", "notebook", "attaching"}),

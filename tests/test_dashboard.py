@@ -34,7 +34,7 @@ import pytest
 
 from paddleviz_hooks import BackwardGraph, BackwardGraphCallback
 from paddleviz_hooks.options import RecorderOptions
-from paddleviz_hooks.render.worker import VIEWER_LABEL_PX, viewer_png
+from paddleviz_hooks.drawworker import VIEWER_LABEL_PX, viewer_png
 from paddleviz_hooks.sinks.visualdl import encode_like_visualdl, png_to_array
 from _browser import CHROMIUM, launch_chromium
 

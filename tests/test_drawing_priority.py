@@ -16,7 +16,7 @@ import paddle.nn as nn
 from paddleviz_hooks import BackwardGraphRecorder
 from paddleviz_hooks.drawproc import WORKER_MODULE
 from paddleviz_hooks.pipeline import lower_thread_priority
-from paddleviz_hooks.render.worker import DRAWING_NICE
+from paddleviz_hooks.drawworker import DRAWING_NICE
 
 from _fitkit import children
 

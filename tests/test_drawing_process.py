@@ -1,6 +1,6 @@
 """Drawing happens in a process of its own; whatever happens to it, training does not notice.
 
-The real worker (``python -m paddleviz_hooks.render.worker``) with the real ``dot`` is killed
+The real worker (``python -m paddleviz_hooks.drawworker``) with the real ``dot`` is killed
 (SIGKILL) and hung (SIGSTOP) by this test while a hand-written training loop runs with the real
 recorder: the loop's gradients stay bit-identical to a run without the recorder, every capture's
 JSON is on disk, the step the worker hung on twice is named undrawn with the command that draws

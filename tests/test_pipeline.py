@@ -189,7 +189,7 @@ def test_visualdl_never_gets_a_one_box_picture_of_a_real_model(tmp_path):
     file's picture would be logged instead."""
     from _fitkit import vdl_records
     from paddleviz_hooks.options import RecorderOptions
-    from paddleviz_hooks.render.worker import viewer_png
+    from paddleviz_hooks.drawworker import viewer_png
     from paddleviz_hooks.render import png_size
     from paddleviz_hooks.sinks.visualdl import encode_like_visualdl, png_to_array
 
@@ -220,7 +220,7 @@ def test_viewer_shows_each_encoder_block_when_legible(blocks):
     from paddleviz_hooks import capture_backward
     from paddleviz_hooks.collapse import collapse_graph
     from paddleviz_hooks.options import RecorderOptions
-    from paddleviz_hooks.render.worker import viewer_png
+    from paddleviz_hooks.drawworker import viewer_png
     from paddleviz_hooks.render import png_size
 
     paddle.seed(0)

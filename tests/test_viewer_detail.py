@@ -26,7 +26,7 @@ from paddle import nn
 
 from paddleviz_hooks import BackwardGraph, BackwardGraphRecorder
 from paddleviz_hooks.options import RecorderOptions
-from paddleviz_hooks.render.worker import VIEWER_LABEL_PX, viewer_png
+from paddleviz_hooks.drawworker import VIEWER_LABEL_PX, viewer_png
 from paddleviz_hooks.sinks.visualdl import encode_like_visualdl, png_to_array
 
 from _browser import CHROMIUM, launch_chromium

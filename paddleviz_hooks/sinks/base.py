@@ -79,7 +79,7 @@ class CaptureData:
         text: the summary, plain text, one fact per line.
         scalars: name -> value, names as :func:`capture_scalars` gives them
             (a value may be None or NaN: a sink skips what its charts cannot draw).
-        paths: ext -> file written so far (``"json"``, ``"dot"``, ``"diff.json"``).
+        paths: ext -> file written so far (``"json"``, ``"diff.json"``).
     """
 
     step: int
@@ -105,7 +105,9 @@ class CapturePictures:
             (the record still comes, so a sink can let go of what it kept for the capture).
         diff_picture: the structure-change picture (PNG bytes) or None.
         svg: the full-detail SVG text (every op), or None when ``svg`` is not among the formats.
-        paths: ext -> picture file written (``"png"``, ``"svg"``, ``"diff.png"``).
+        paths: ext -> picture file written (``"png"``, ``"svg"``, ``"diff.png"``, ``"dot"``).
+        encoding: the :attr:`Sink.png_encoding` the picture bytes are already in (the
+            drawing process encoded them), else None.
     """
 
     step: int
@@ -116,6 +118,7 @@ class CapturePictures:
     diff_picture: bytes | None = None
     svg: str | None = None
     paths: dict[str, str] = field(default_factory=dict)
+    encoding: str | None = None
 
 
 class Sink:
@@ -131,6 +134,9 @@ class Sink:
 
     #: the sink's name in warnings
     name = "sink"
+    #: what :meth:`file_png` does, by name, so that the drawing process can do it instead
+    #: (:func:`paddleviz_hooks.sinks.hub.encode_png`); None: nothing, or only this sink knows
+    png_encoding: str | None = None
 
     def open(self, context: SinkContext) -> None:
         """Start writing for ``context`` (create writers, find the user's run)."""

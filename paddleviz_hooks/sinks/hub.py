@@ -21,9 +21,9 @@ import importlib
 import importlib.util
 from typing import Any, Callable, Iterable
 
-from .base import CaptureData, CapturePictures, SinkContext
+from .base import CaptureData, CapturePictures, Sink, SinkContext
 
-__all__ = ["BUILTIN", "DEFAULT_SINKS", "SinkSet", "check_sinks", "sink_name"]
+__all__ = ["BUILTIN", "DEFAULT_SINKS", "SinkSet", "check_sinks", "encode_png", "sink_name"]
 
 #: name -> (module of paddleviz_hooks.sinks, class, package it imports, how to install it)
 BUILTIN: dict[str, tuple[str, str, str, str]] = {
@@ -166,6 +166,14 @@ class SinkSet:
                 return out
         return png
 
+    def png_encoding(self) -> str | None:
+        """The :attr:`~paddleviz_hooks.sinks.base.Sink.png_encoding` of the sink whose
+        :meth:`file_png` gives the file's bytes (the first that re-encodes), when it has one."""
+        for _, sink in self._sinks():
+            if type(sink).file_png is not Sink.file_png:
+                return getattr(sink, "png_encoding", None)
+        return None
+
     def data(self, record: CaptureData) -> None:
         for name, sink in self._sinks():
             self._call(name, sink, "data", record, step=record.step)
@@ -182,3 +190,19 @@ class SinkSet:
         self._dead.clear()
         for i, sink in sorted(live.items()):
             self._call(sink_name(self._specs[i]), sink, "close")
+
+
+def encode_png(png: bytes, encoding: str | None) -> bytes:
+    """``png`` as the sinks of that ``png_encoding`` store it (what their ``file_png`` gives).
+
+    Examples:
+        >>> encode_png(b"\\x89PNG...", None)
+        b'\\x89PNG...'
+    """
+    if encoding is None:
+        return png
+    if encoding == "visualdl":
+        from .visualdl import encode_like_visualdl, png_to_array
+
+        return encode_like_visualdl(png_to_array(png))
+    raise ValueError(f"unknown picture encoding {encoding!r}")

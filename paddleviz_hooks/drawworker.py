@@ -2,7 +2,7 @@
 
 The training process never runs drawing code (planning, collapse, DOT, layout,
 rasterising): its pipeline writes each capture's JSON and sends this process
-one job per line on stdin (``python -m paddleviz_hooks.render.worker``); this
+one job per line on stdin (``python -m paddleviz_hooks.drawworker``); this
 process draws and answers one JSON line per job on stdout. It is long-lived, so
 the drawing plans it caches (``render/plan.py``) keep steady state at one
 engine run per distinct drawing. It never imports paddle.
@@ -13,7 +13,9 @@ or None), ``diff`` (draw the structure change against it), ``options``
 (``formats``: the picture files to draw, of png/svg/dot; ``viewer_px``,
 ``view_max_px``, ``view_max_nodes``, ``color_by``, ``render_timeout``),
 ``engine`` (:func:`~paddleviz_hooks.render.engine.engine_choice` of the
-sender) and ``out`` (where each output goes: ``dot`` and ``svg`` are the step
+sender), ``encoding`` (the PNG pictures written as the sender's dashboards store
+them: :func:`~paddleviz_hooks.sinks.hub.encode_png`, so the training process
+neither decodes nor encodes a picture) and ``out`` (where each output goes: ``dot`` and ``svg`` are the step
 files, ``png``, ``viewer`` and ``diff_png`` spool files the sender hands to its
 dashboards).
 
@@ -37,15 +39,16 @@ import time
 from types import SimpleNamespace
 from typing import Any, TextIO
 
-from .._fileio import atomic_write
-from ..diff import diff_graphs
-from ..findings import record_of
-from ..graph import BackwardGraph
-from ..text import backward_role, capture_title
-from .diff import render_diff_views
-from .dot import to_dot
-from .draw import render_png, render_svg, render_views
-from .engine import EngineNotFound, RenderTimeout, pinned_engine
+from ._fileio import atomic_write
+from .diff import diff_graphs
+from .findings import record_of
+from .graph import BackwardGraph
+from .text import backward_role, capture_title
+from .render.diff import render_diff_views
+from .render.dot import to_dot
+from .render.draw import render_png, render_svg, render_views
+from .render.engine import EngineNotFound, RenderTimeout, pinned_engine
+from .sinks.hub import encode_png
 
 __all__ = ["DRAWING_NICE", "VIEWER_LABEL_PX", "capture_picture_title", "draw_job", "main", "viewer_png"]
 
@@ -139,6 +142,7 @@ def _draw(job: dict[str, Any], graphs: _Graphs, answer: dict[str, Any]) -> None:
     """What the training process's drawing thread drew, from the capture's JSON."""
     opts = SimpleNamespace(**job["options"])
     out, written, warn = job["out"], answer["written"], answer["warnings"]
+    encoding = job.get("encoding")
     step, trigger, suffix = job["step"], job["trigger"], job["suffix"]
     prev = graphs.previous(job.get("prev_json"), suffix) if job.get("diff") else None
     graph = graphs.read(job["json"], suffix)
@@ -161,7 +165,7 @@ def _draw(job: dict[str, Any], graphs: _Graphs, answer: dict[str, Any]) -> None:
                              timeout=left(), title=title, **_shading(opts, graph))
         png = views["png"]
         if "png" in out:
-            written["png"] = atomic_write(out["png"], png)
+            written["png"] = atomic_write(out["png"], encode_png(png, encoding))
         if "svg" in out:
             svg = views["svg"] if info["full_detail"] else render_svg(
                 graph, timeout=left(), title=title, **_shading(opts, graph))
@@ -172,7 +176,7 @@ def _draw(job: dict[str, Any], graphs: _Graphs, answer: dict[str, Any]) -> None:
             # a viewer picture that had to shrink the whole model into one box shows less
             # than the PNG file: the dashboards get the file's picture then (their viewers can zoom)
             if not (seen.get("collapsed_depth") == 0 and info.get("collapsed_depth") != 0):
-                written["viewer"] = atomic_write(out["viewer"], viewer)
+                written["viewer"] = atomic_write(out["viewer"], encode_png(viewer, encoding))
     except (EngineNotFound, RenderTimeout) as exc:
         # JSON, DOT, text and scalars are already written
         answer["why"] = ("no layout engine is installed" if isinstance(exc, EngineNotFound)
@@ -182,7 +186,7 @@ def _draw(job: dict[str, Any], graphs: _Graphs, answer: dict[str, Any]) -> None:
         try:
             diff_png = render_diff_views(diff_graphs(prev, graph), graph, prev, ("png",), max_px=opts.view_max_px,
                                          max_nodes=opts.view_max_nodes, timeout=left())["png"]
-            written["diff_png"] = atomic_write(out["diff_png"], diff_png)
+            written["diff_png"] = atomic_write(out["diff_png"], encode_png(diff_png, encoding))
         except Exception as exc:
             warn.append(["diff-render", f"drawing the graph diff failed: {exc!r}"])
     if answer["why"] is None and png is None:
@@ -235,7 +239,7 @@ def serve(lines: TextIO, answers: TextIO) -> None:
 
 
 def main() -> None:
-    """Entry point of ``python -m paddleviz_hooks.render.worker``."""
+    """Entry point of ``python -m paddleviz_hooks.drawworker``."""
     _lower_priority()
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the training process's to handle
