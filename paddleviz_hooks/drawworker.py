@@ -17,7 +17,7 @@ sender), ``encoding`` (the PNG pictures written as the sender's dashboards store
 them: :func:`~paddleviz_hooks.sinks.hub.encode_png`, so the training process
 neither decodes nor encodes a picture) and ``out`` (where each output goes: ``dot`` and ``svg`` are the step
 files, ``png``, ``viewer`` and ``diff_png`` spool files the sender hands to its
-dashboards).
+dashboards, ``vdl_graph`` the folder of a VisualDL Graphs-tab file).
 
 The answer: ``id``, ``title``, ``written`` (output -> path), ``why`` (None
 when drawn, else why not), ``warnings`` (``[key, message]`` pairs for the
@@ -49,6 +49,7 @@ from .render.dot import to_dot
 from .render.draw import render_png, render_svg, render_views
 from .render.engine import EngineNotFound, RenderTimeout, pinned_engine
 from .sinks.hub import encode_png
+from .sinks.vdl_graph import write_vdl_graph
 
 __all__ = ["DRAWING_NICE", "VIEWER_LABEL_PX", "capture_picture_title", "draw_job", "main", "viewer_png"]
 
@@ -149,6 +150,11 @@ def _draw(job: dict[str, Any], graphs: _Graphs, answer: dict[str, Any]) -> None:
     title = answer["title"] = capture_picture_title(step, trigger, graph)
     if "dot" in out:
         written["dot"] = atomic_write(out["dot"], to_dot(graph, title=title, **_shading(opts, graph)))
+    if "vdl_graph" in out:  # the VisualDL sink's Graphs-tab file
+        try:
+            written["vdl_graph"] = write_vdl_graph(out["vdl_graph"], graph)
+        except Exception as exc:
+            warn.append(["vdl-graph", f"step {step} was not written for VisualDL's Graphs tab: {exc!r}"])
     if not {"png", "svg", "viewer"} & set(out):
         return
     deadline = time.monotonic() + opts.render_timeout  # bounds all drawing of this capture

@@ -215,6 +215,7 @@ class _Drawing:
     prev_path: str | None = field(compare=False)  # the previous capture of the same backward
     diff: bool = field(compare=False)  # the structure changed since it: draw the change
     suffix: str = field(default="", compare=False)
+    sink_files: dict[str, str] = field(default_factory=dict, compare=False)  # written for the sinks
 
 
 class CapturePipeline:
@@ -358,12 +359,12 @@ class CapturePipeline:
                 paths["diff.json"] = files.write(step, "json", diff.to_json(), suffix=suffixed(suffix, "diff"))
         except OSError as exc:
             self._warn("lost", f"step {step}'s data is saved but not all its records ({self._why(exc)})")
-        self._log_data(graph, diff, step, trigger, suffix, paths)
+        sink_files = self._log_data(graph, diff, step, trigger, suffix, paths)
         if not {"png", "svg", "dot"} & set(opts.formats) and not self.sinks:
             return
         drawing = _Drawing(0 if trigger != "scheduled" else 1, step, trigger, path,
                            prev[1] if prev is not None else None,
-                           diff is not None and diff.structure_changed, suffix)
+                           diff is not None and diff.structure_changed, suffix, sink_files)
         with self._lock:
             heapq.heappush(self._backlog, drawing)
             self._wake.notify()
@@ -427,6 +428,7 @@ class CapturePipeline:
                 out["diff_png"] = spool + ".diff.png"
         if self.sinks and opts.viewer_px is not None:
             out["viewer"] = spool + ".viewer.png"
+        out.update(d.sink_files)
         with self._sink_lock:
             encoding = self.sinks.png_encoding() if self.sinks else None
         return {"step": d.step, "trigger": d.trigger, "suffix": d.suffix, "json": d.path, "prev_json": d.prev_path,
@@ -486,14 +488,15 @@ class CapturePipeline:
                                             diff_png, svg, paths, encoding))
 
     def _log_data(self, graph: BackwardGraph, diff: GraphDiff | None, step: int, trigger: str,
-                  suffix: str, paths: dict[str, str]) -> None:
+                  suffix: str, paths: dict[str, str]) -> dict[str, str]:
+        """The capture's data to the sinks; the files the drawing process is to write for them."""
         with self._sink_lock:
-            self._log_data_locked(graph, diff, step, trigger, suffix, paths)
+            return self._log_data_locked(graph, diff, step, trigger, suffix, paths)
 
     def _log_data_locked(self, graph: BackwardGraph, diff: GraphDiff | None, step: int, trigger: str,
-                         suffix: str, paths: dict[str, str]) -> None:
+                         suffix: str, paths: dict[str, str]) -> dict[str, str]:
         if not self.sinks:
-            return
+            return {}
         text = graph_summary(graph, previous=self._prev_logged.get(suffix))
         self._prev_logged[suffix] = graph
         if trigger != "scheduled":
@@ -504,7 +507,9 @@ class CapturePipeline:
         scalars = capture_scalars(graph, suffix, diagnostics=self.options.visualdl_diagnostics,
                                   depth=self.options.scalar_depth)
         changed = diff if (diff is not None and diff.structure_changed) else None
-        self.sinks.data(CaptureData(step, trigger, suffix, graph, changed, text, scalars, paths))
+        record = CaptureData(step, trigger, suffix, graph, changed, text, scalars, paths)
+        self.sinks.data(record)
+        return self.sinks.drawn_files(record)
 
 
 def _take(path: str | None) -> bytes | None:

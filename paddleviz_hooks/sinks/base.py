@@ -149,6 +149,12 @@ class Sink:
     def data(self, record: CaptureData) -> None:
         """One capture's summary text and scalars."""
 
+    def drawn_files(self, record: CaptureData) -> dict[str, str]:
+        """Files of this capture the drawing process writes for this sink, from the capture's
+        JSON (called after :meth:`data`): kind -> where. The kind: ``"vdl_graph"`` (a
+        folder: :func:`paddleviz_hooks.sinks.vdl_graph.write_vdl_graph`)."""
+        return {}
+
     def pictures(self, record: CapturePictures) -> None:
         """One capture's pictures."""
 

@@ -179,6 +179,14 @@ class SinkSet:
             self._call(name, sink, "data", record, step=record.step)
             self._call(name, sink, "flush", step=record.step)
 
+    def drawn_files(self, record: CaptureData) -> dict[str, str]:
+        """What the drawing process writes for the sinks (see :meth:`Sink.drawn_files`)."""
+        out: dict[str, str] = {}
+        for name, sink in self._sinks():
+            if hasattr(sink, "drawn_files"):
+                out.update(self._call(name, sink, "drawn_files", record, step=record.step) or {})
+        return out
+
     def pictures(self, record: CapturePictures) -> None:
         for name, sink in self._sinks():
             self._call(name, sink, "pictures", record, step=record.step)

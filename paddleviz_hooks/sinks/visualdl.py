@@ -22,7 +22,6 @@ from typing import Any
 from ..escape import vdl_graph_name, vdl_tag, visible
 from .base import (LAYER_NORM_GROUP, SAVED_MEMORY_GROUP, SCALAR_GROUP, CaptureData, CapturePictures, Sink, SinkContext,
                    finite_scalars, png_to_array, suffixed)
-from .vdl_graph import write_vdl_graph
 
 __all__ = ["VisualDLSink", "TagPages", "png_to_array", "encode_like_visualdl", "graph_dir", "PAGE", "SCALAR_GROUP",
            "LAYER_NORM_GROUP", "SAVED_MEMORY_GROUP"]
@@ -124,8 +123,6 @@ class VisualDLSink(Sink):
             tags.append(self._pages.tag(f"{base}/trigger_{record.trigger}", step))
         diff_tag = self._pages.tag(f"{base}/structure_change", step) if record.diff is not None else ""
         self._image_tags[(step, suffix)] = (tags, diff_tag)
-        if self.context.graphs:
-            self._write_graph(record)
 
     def pictures(self, record: CapturePictures) -> None:
         tags, diff_tag = self._image_tags.pop((record.step, record.suffix), ([], ""))
@@ -153,19 +150,18 @@ class VisualDLSink(Sink):
         file_writer().add_record(Record(values=[Record.Value(id=step, tag=tag, timestamp=walltime,
                                                              image=Record.Image(encoded_image_string=png))]))
 
-    def _write_graph(self, record: CaptureData) -> None:
+    def drawn_files(self, record: CaptureData) -> dict[str, str]:
+        """The capture's Graphs-tab folder: the drawing process writes its file (:func:`~paddleviz_hooks.sinks.vdl_graph.write_vdl_graph`)."""
+        if not self.context.graphs:
+            return {}
         directory = self.context.directory
-        path = graph_dir(directory, self.context.display_name, record.step, record.trigger, record.suffix)
-        try:
-            write_vdl_graph(path, record.graph)
-        except Exception as exc:
-            self.context.warn("vdl-graph", f"step {record.step} was not written for VisualDL's Graphs tab: {exc!r}")
-            return
         if not _URL_SAFE_PATH.match(directory):
             self.context.warn("vdl-graph-path", (
                 f"VisualDL's Graphs tab cannot open graphs under {directory!r}: its page puts "
                 "the folder path into web addresses unencoded, so a path with spaces or & # + % "
                 "breaks it. Use a log_dir whose full path has only letters, digits and / . _ -"))
+        return {"vdl_graph": graph_dir(directory, self.context.display_name, record.step, record.trigger,
+                                       record.suffix)}
 
     # --------------------------------------------------------- the records
     def image(self, tag: str, array: Any, step: int) -> None:
