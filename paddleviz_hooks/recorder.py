@@ -135,8 +135,9 @@ class BackwardGraphRecorder:
         on_structure_change: capture a step whose graph structure differs
             from the last capture. Default False.
         cooldown: minimum steps between two captures of one trigger. Default 100.
-        queue_size: drawings that wait in memory for the background renderer;
-            more wait on disk as their JSON (nothing is dropped). Default 4.
+        queue_size: kept for compatibility (an int >= 1, default 4): every drawing
+            waits on disk as its JSON, which the drawing process reads, so none waits
+            in memory and nothing is dropped.
         render_timeout: seconds all drawing of one capture may take before the
             Graphviz run is killed (its data is kept). Default 60.
         close_timeout: seconds :meth:`close` spends drawing captures still
