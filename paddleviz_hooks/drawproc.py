@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import os
-import select
+import queue
 import signal
 import subprocess
 import sys
@@ -68,7 +68,7 @@ class DrawingProcess:
         self._log_path = log_path
         self.margin = margin
         self._proc: subprocess.Popen | None = None
-        self._buffer = b""
+        self._answers: queue.Queue = queue.Queue()  # the running worker's answer lines (None: its end)
         self._lock = threading.Lock()  # guards _proc between draw() and close()
         self._closed = False
         self._next_id = 0
@@ -153,7 +153,9 @@ class DrawingProcess:
         finally:
             if log is not subprocess.DEVNULL:
                 log.close()
-        self._buffer = b""
+        self._answers = queue.Queue()
+        threading.Thread(target=_read_lines, args=(proc.stdout, self._answers), daemon=True,
+                         name="paddleviz-hooks-drawing-answers").start()
         self.starts += 1
         weakref.finalize(self, _reap, proc, 1.0)  # interpreter exit, or this object let go without close()
         return proc
@@ -168,34 +170,19 @@ class DrawingProcess:
         except (BrokenPipeError, OSError, ValueError):
             raise _Failed("died", self._ended(proc)) from None
         deadline = time.monotonic() + timeout
-        fd = proc.stdout.fileno()
         while True:
-            line, sep, rest = self._buffer.partition(b"\n")
-            if sep:
-                self._buffer = rest
-                try:
-                    answer = json.loads(line)
-                except ValueError:
-                    raise _Failed("died", "answered garbage") from None
-                if answer.get("id") != job["id"]:
-                    continue  # the answer to a job given up on
-                return answer
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise _Failed("hung", f"did not answer within {timeout:g} s")
             try:
-                ready, _, _ = select.select([fd], [], [], min(left, 1.0))
-            except (OSError, ValueError):  # closed under us by close()
-                raise _Failed("died", "was stopped") from None
-            if not ready:
-                continue
-            try:
-                chunk = os.read(fd, 1 << 16)
-            except OSError:
-                chunk = b""
-            if not chunk:
+                line = self._answers.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise _Failed("hung", f"did not answer within {timeout:g} s") from None
+            if line is None:
                 raise _Failed("died", self._ended(proc))
-            self._buffer += chunk
+            try:
+                answer = json.loads(line)
+            except ValueError:
+                raise _Failed("died", "answered garbage") from None
+            if answer.get("id") == job["id"]:
+                return answer  # (else the answer to a job given up on)
 
     def _ended(self, proc: subprocess.Popen) -> str:
         """How the worker ended, in a few words (with the last line it wrote to its log)."""
@@ -213,6 +200,16 @@ class DrawingProcess:
             if self._proc is proc:
                 self._proc = None
         _reap(proc, 0.0)
+
+
+def _read_lines(stream: Any, answers: queue.Queue) -> None:
+    """Each line the worker answers, then None when its output ends (it exited, or was stopped)."""
+    try:
+        for line in iter(stream.readline, b""):
+            answers.put(line)
+    except (OSError, ValueError):  # closed by close()
+        pass
+    answers.put(None)
 
 
 def _not_drawn(job: dict[str, Any], why: str) -> dict[str, Any]:
