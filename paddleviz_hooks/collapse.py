@@ -253,8 +253,10 @@ class _Calls:
 # --------------------------------------------------------------------------
 # repeated blocks
 # --------------------------------------------------------------------------
-def _signature(graph: BackwardGraph, path: str, members: list[int], paths: list[str | None]) -> tuple:
-    """Structure of the subtree ``path``, with ``path`` itself taken out."""
+def _signature(graph: BackwardGraph, path: str, members: list[int], paths: list[str | None],
+               out: dict[int, list[Edge]]) -> tuple:
+    """Structure of the subtree ``path``, with ``path`` itself taken out (``out``: the edges
+    leaving each node)."""
     cut = len(path)
 
     def rel(p: str | None) -> str:
@@ -274,10 +276,8 @@ def _signature(graph: BackwardGraph, path: str, members: list[int], paths: list[
         return graph.nodes[i].key.replace(path, "~", 1)
 
     keyed = all(graph.nodes[i].key for i in members)
-    edges = sorted(
-        (rkey(e.src), rkey(e.dst))
-        for e in graph.edges if e.src in member_set and e.dst in member_set
-    ) if keyed else len([e for e in graph.edges if e.src in member_set and e.dst in member_set])
+    inner = [e for i in members for e in out.get(i, ()) if e.dst in member_set]
+    edges = sorted((rkey(e.src), rkey(e.dst)) for e in inner) if keyed else len(inner)
     return (tuple(ops), tuple(prm), tuple(edges) if isinstance(edges, list) else edges)
 
 
@@ -308,6 +308,9 @@ def _find_folds(
         if any(boxes[i] is not None and not _inside(boxes[i][0], path) for i in members):
             continue
         siblings[m.group(1) or ""].append((int(m.group(2)), path))
+    out: dict[int, list[Edge]] = defaultdict(list)
+    for e in graph.edges:
+        out[e.src].append(e)
     folds: dict[str, tuple[str, list[str]]] = {}
     shown: dict[str, tuple[str, int]] = {}
     folded: list[str] = []
@@ -316,7 +319,7 @@ def _find_folds(
             continue
         items = sorted(siblings[parent])
         sigs = {
-            path: (lay.types.get(path), _signature(graph, path, subtree[path], paths))
+            path: (lay.types.get(path), _signature(graph, path, subtree[path], paths, out))
             for _, path in items
         }
         run: list[tuple[int, str]] = []
@@ -360,6 +363,7 @@ class _Assign:
                  folds: dict[str, tuple[str, list[str]]]) -> None:
         self.graph, self.lay, self.paths, self.calls = graph, lay, paths, calls
         self.fold_of = {label: members for label, members in folds.values()}
+        self._fold_sets = {label: frozenset(members) for label, members in self.fold_of.items()}
         self.preds: list[list[int]] = [[] for _ in graph.nodes]
         self.succs: list[list[int]] = [[] for _ in graph.nodes]
         for e in graph.edges:
@@ -371,9 +375,9 @@ class _Assign:
 
     def holds(self, box: _Box, path: str) -> bool:
         """Whether layer ``path`` lies inside ``box``."""
-        members = self.fold_of.get(box[0]) if box[1] < 0 else None
+        members = self._fold_sets.get(box[0]) if box[1] < 0 else None
         if members is not None:
-            return any(_inside(path, m) for m in members)
+            return any(p in members for p in _prefixes(path)[1:])
         return _inside(path, box[0])
 
     def param_box(self, i: int, boxes: list[_Box | None]) -> _Box | None:

@@ -736,14 +736,15 @@ def fold_alike_line(shown: str, count: int) -> str:
     return f"{'each like' if count > 1 else 'like'} {layer_name(shown)} (drawn)"
 
 
-def shown_block_line(run: int, others: str) -> str:
-    """What the layer drawn open for a folded run says about it: which run it belongs to.
+def shown_block_line(run: int, others: str | None = None) -> str:
+    """What the layer drawn beside the box of its folded run says about it (``others``: that
+    box, named in a frame's label; a box's own label leaves it out, it is drawn next to it).
 
     Examples:
-        >>> shown_block_line(224, "layers.0-222")
-        '1 of 224 alike (the others: layers.0-222)'
+        >>> shown_block_line(224, "layers.0-222"), shown_block_line(224)
+        ('1 of 224 alike (the others: layers.0-222)', '1 of 224 alike')
     """
-    return f"1 of {run} alike (the others: {layer_name(others)})"
+    return f"1 of {run} alike" + (f" (the others: {layer_name(others)})" if others is not None else "")
 
 
 #: Why an op has no forward source line (``Node.source_note``), as people read it.

@@ -150,9 +150,9 @@ def dot_parts(
     mark = marks(graph)
     # folded runs with one layer drawn open (collapse_graph's show_one): fold label -> that layer,
     # and that layer -> what it says (which run it is one of)
-    shown = {label: v[0] for label, v in graph.meta.get("collapse", {}).get("shown", {}).items()}
-    shown_says = {v[0]: shown_block_line(v[1], label)
-                  for label, v in graph.meta.get("collapse", {}).get("shown", {}).items()}
+    folds = graph.meta.get("collapse", {}).get("shown", {})
+    shown = {label: v[0] for label, v in folds.items()}
+    shown_says = {v[0]: shown_block_line(v[1], label) for label, v in folds.items()}  # in its frame's label
 
     def node_stmt(n: Node) -> str:
         attrs = dict(STYLE.get(n.kind, STYLE["op"]))
@@ -170,8 +170,8 @@ def dot_parts(
             attrs.update(STYLE["nonfinite"])
         if n.kind == "layer" and n.layer in shown:
             lines = lines + [fold_alike_line(shown[n.layer], n.count)]
-        elif n.kind == "layer" and n.layer in shown_says:  # the layer drawn open is one box at this depth
-            lines = lines + [shown_says[n.layer]]
+        elif n.kind == "layer" and n.layer in shown_says:  # the layer drawn is one box at this depth
+            lines = lines + [shown_block_line(next(v[1] for v in folds.values() if v[0] == n.layer))]
         if n.id == mark.first_gradient and n.id != mark.origin:
             lines = lines + [FIRST_GRADIENT]
         if n.id == mark.origin:
