@@ -66,7 +66,7 @@ __all__ = ["collapse_graph", "collapse_with_map", "collapse_alike", "layer_depth
 #: do not count as a depth level.
 CONTAINER_TYPES = frozenset({"LayerList", "LayerDict", "ParameterList"})
 
-_INDEX = re.compile(r"^(.*)\.(\d+)$")
+_INDEX = re.compile(r"^(?:(.*)\.)?(\d+)$")  # the children of a top-level Sequential are "0", "1" ...
 
 
 # --------------------------------------------------------------------------
@@ -253,8 +253,10 @@ class _Calls:
 # --------------------------------------------------------------------------
 # repeated blocks
 # --------------------------------------------------------------------------
-def _signature(graph: BackwardGraph, path: str, members: list[int], paths: list[str | None]) -> tuple:
-    """Structure of the subtree ``path``, with ``path`` itself taken out."""
+def _signature(graph: BackwardGraph, path: str, members: list[int], paths: list[str | None],
+               out: dict[int, list[Edge]]) -> tuple:
+    """Structure of the subtree ``path``, with ``path`` itself taken out (``out``: the edges
+    leaving each node)."""
     cut = len(path)
 
     def rel(p: str | None) -> str:
@@ -274,19 +276,22 @@ def _signature(graph: BackwardGraph, path: str, members: list[int], paths: list[
         return graph.nodes[i].key.replace(path, "~", 1)
 
     keyed = all(graph.nodes[i].key for i in members)
-    edges = sorted(
-        (rkey(e.src), rkey(e.dst))
-        for e in graph.edges if e.src in member_set and e.dst in member_set
-    ) if keyed else len([e for e in graph.edges if e.src in member_set and e.dst in member_set])
+    inner = [e for i in members for e in out.get(i, ()) if e.dst in member_set]
+    edges = sorted((rkey(e.src), rkey(e.dst)) for e in inner) if keyed else len(inner)
     return (tuple(ops), tuple(prm), tuple(edges) if isinstance(edges, list) else edges)
 
 
 def _find_folds(
-    graph: BackwardGraph, lay: _Layers, paths: list[str | None], boxes: list["_Box | None"], calls: _Calls
-) -> dict[str, tuple[str, list[str]]]:
-    """Runs of identical consecutive siblings: member path -> (fold label, members).
+    graph: BackwardGraph, lay: _Layers, paths: list[str | None], boxes: list["_Box | None"], calls: _Calls,
+    show_one: bool = False,
+) -> tuple[dict[str, tuple[str, list[str]]], dict[str, tuple[str, int]]]:
+    """Runs of identical consecutive siblings: member path -> (fold label, members), and
+    with ``show_one`` the block of each run left out of its fold: fold label -> (that
+    block's path, blocks in the whole run).
 
-    Only layers called once are folded: the calls of one layer stay apart.
+    Only layers called once are folded: the calls of one layer stay apart. With
+    ``show_one`` the last block of a run (the first one its gradient reaches in a
+    stack) is not folded, so runs inside it are found too (nested repeats).
     """
     subtree: dict[str, list[int]] = defaultdict(list)
     for i, p in enumerate(paths):
@@ -302,15 +307,19 @@ def _find_folds(
             continue
         if any(boxes[i] is not None and not _inside(boxes[i][0], path) for i in members):
             continue
-        siblings[m.group(1)].append((int(m.group(2)), path))
+        siblings[m.group(1) or ""].append((int(m.group(2)), path))
+    out: dict[int, list[Edge]] = defaultdict(list)
+    for e in graph.edges:
+        out[e.src].append(e)
     folds: dict[str, tuple[str, list[str]]] = {}
+    shown: dict[str, tuple[str, int]] = {}
     folded: list[str] = []
     for parent in sorted(siblings, key=lambda p: (lay.depth(p), p)):  # outermost first
         if any(_inside(parent, f) for f in folded):
             continue
         items = sorted(siblings[parent])
         sigs = {
-            path: (lay.types.get(path), _signature(graph, path, subtree[path], paths))
+            path: (lay.types.get(path), _signature(graph, path, subtree[path], paths, out))
             for _, path in items
         }
         run: list[tuple[int, str]] = []
@@ -319,7 +328,13 @@ def _find_folds(
             if len(run) < 2:
                 return
             members = [p for _, p in run]
-            label = f"{parent}.{run[0][0]}-{run[-1][0]}"
+            if show_one:  # the last block is drawn as it is, the others are the fold
+                *run, (_, one) = run
+                members = members[:-1]
+            span = f"{run[0][0]}-{run[-1][0]}"
+            label = (f"{parent}.{span}" if parent else span) if len(run) > 1 else members[0]
+            if show_one:
+                shown[label] = (one, len(members) + 1)
             for p in members:
                 folds[p] = (label, members)
             folded.extend(members)
@@ -331,7 +346,7 @@ def _find_folds(
                 close(run)
                 run = [(idx, path)]
         close(run)
-    return folds
+    return folds, shown
 
 
 # --------------------------------------------------------------------------
@@ -348,6 +363,7 @@ class _Assign:
                  folds: dict[str, tuple[str, list[str]]]) -> None:
         self.graph, self.lay, self.paths, self.calls = graph, lay, paths, calls
         self.fold_of = {label: members for label, members in folds.values()}
+        self._fold_sets = {label: frozenset(members) for label, members in self.fold_of.items()}
         self.preds: list[list[int]] = [[] for _ in graph.nodes]
         self.succs: list[list[int]] = [[] for _ in graph.nodes]
         for e in graph.edges:
@@ -359,9 +375,9 @@ class _Assign:
 
     def holds(self, box: _Box, path: str) -> bool:
         """Whether layer ``path`` lies inside ``box``."""
-        members = self.fold_of.get(box[0]) if box[1] < 0 else None
+        members = self._fold_sets.get(box[0]) if box[1] < 0 else None
         if members is not None:
-            return any(_inside(path, m) for m in members)
+            return any(p in members for p in _prefixes(path)[1:])
         return _inside(path, box[0])
 
     def param_box(self, i: int, boxes: list[_Box | None]) -> _Box | None:
@@ -475,10 +491,12 @@ def _open_boxes(assign: _Assign, boxes: list[_Box | None], wanted: frozenset[_Bo
 
 def _collapse_once(
     graph: BackwardGraph, lay: _Layers, depth: int | None, by_type: frozenset[str], fold_repeats: bool,
-    open_first: frozenset[_Box] = frozenset(),
+    open_first: frozenset[_Box] = frozenset(), show_one: bool = False,
 ) -> tuple[BackwardGraph, list[int], list[_Box]]:
     """The collapsed graph, the new id of every node, and the boxes opened to keep it honest
-    (``open_first``: boxes opened before that check)."""
+    (``open_first``: boxes opened before that check). With ``show_one``, the collapsed
+    graph's ``meta["collapse_shown"]`` maps each fold box's label to the block drawn
+    for it and the blocks of the whole run (only folds that stayed closed)."""
     paths = [_node_path(n, graph) for n in graph.nodes]
     calls = _Calls(graph, paths)
     boxes: list[_Box | None] = [None] * len(graph.nodes)
@@ -486,7 +504,7 @@ def _collapse_once(
         if n.kind != "param":
             b = lay.box(p, depth, by_type)
             boxes[i] = None if b is None else (b, calls.of(i, b))
-    folds = _find_folds(graph, lay, paths, boxes, calls) if fold_repeats else {}
+    folds, shown = _find_folds(graph, lay, paths, boxes, calls, show_one) if fold_repeats else ({}, {})
     for i, p in enumerate(paths):
         if p is None or not folds or graph.nodes[i].kind == "param":
             continue
@@ -564,11 +582,15 @@ def _collapse_once(
         box.unhooked = sum(1 for n in ops if not n.hooked)
         box.saved_bytes = sum(n.saved_bytes for n in ops)
 
+    # the block drawn for each fold still closed, and how many blocks its whole run has
+    closed = {b[0] for b in box_id if b[1] < 0}
+    meta = dict(graph.meta)
+    meta["collapse"] = {"shown": {label: list(v) for label, v in shown.items() if label in closed}}
     return BackwardGraph(
         nodes=new_nodes,
         edges=new_edges,
         layers=dict(graph.layers),
-        meta=dict(graph.meta),
+        meta=meta,
         calls=dict(graph.calls),
         nonfinite=record_of(graph),  # the full graph's facts; views find their boxes (findings.marks)
     ), new_id, opened
@@ -660,6 +682,7 @@ def collapse_graph(
     fold_repeats: bool = False,
     max_nodes: int | None = None,
     by: str = "layer",
+    show_one: bool = False,
 ) -> BackwardGraph:
     """A new, smaller graph in which layers are single boxes.
 
@@ -673,6 +696,13 @@ def collapse_graph(
             become boxes at any depth.
         fold_repeats: fold consecutive sibling layers of one class with
             identical internal structure into one box marked ``x N``.
+        show_one: with ``fold_repeats``, the last block of each run (the
+            first one the gradient reaches in a stack) is not folded but
+            drawn at ``depth`` like any layer (its own repeats folded in
+            turn), and the box stands for the other blocks of the run:
+            ``layers.0-222  TransformerEncoderLayer x223`` next to
+            ``layers.223`` drawn op by op. ``meta["collapse"]["shown"]``
+            maps each such box to ``[the block drawn, blocks in the run]``.
         max_nodes: node budget: starting at ``depth`` (full detail when
             None) and going shallower, the first depth whose result has at
             most ``max_nodes`` nodes is used; when none fits, the shallowest
@@ -708,9 +738,12 @@ def collapse_graph(
         >>> small = collapse_graph(cap.graph, depth=1, fold_repeats=True)
         >>> [n.layer for n in small.nodes if n.kind == "layer"]
         ['layers.0-2']
+        >>> small = collapse_graph(cap.graph, depth=1, fold_repeats=True, show_one=True)
+        >>> [n.layer for n in small.nodes if n.kind == "layer"], small.meta["collapse"]["shown"]
+        (['layers.2', 'layers.0-1'], {'layers.0-1': ['layers.2', 3]})
     """
     return collapse_with_map(graph, depth=depth, by_type=by_type, fold_repeats=fold_repeats,
-                             max_nodes=max_nodes, by=by)[0]
+                             max_nodes=max_nodes, by=by, show_one=show_one)[0]
 
 
 def collapse_with_map(
@@ -721,11 +754,12 @@ def collapse_with_map(
     fold_repeats: bool = False,
     max_nodes: int | None = None,
     by: str = "layer",
+    show_one: bool = False,
 ) -> tuple[BackwardGraph, list[int]]:
     """:func:`collapse_graph`, and where each node of ``graph`` went.
 
     Args:
-        graph, depth, by_type, fold_repeats, max_nodes, by: as for
+        graph, depth, by_type, fold_repeats, max_nodes, by, show_one: as for
             :func:`collapse_graph`.
 
     Returns:
@@ -742,6 +776,8 @@ def collapse_with_map(
         ([0, 1, 1], ['root', 'layer'])
     """
     types = _check(depth, by_type, fold_repeats, max_nodes)
+    if not isinstance(show_one, bool):
+        raise TypeError(f"show_one must be True or False, got {show_one!r}")
     if by == "source":
         return _collapse_by_source(graph)
     if by != "layer":
@@ -755,12 +791,12 @@ def collapse_with_map(
         candidates = ([None] if depth is None else []) + list(range(start, -1, -1))
     result = None
     for d in candidates:
-        result, node_of, opened = _collapse_once(graph, lay, d, types, fold_repeats)
+        result, node_of, opened = _collapse_once(graph, lay, d, types, fold_repeats, show_one=show_one)
         chosen = d
         if max_nodes is None or len(result.nodes) <= max_nodes:
             break
     assert result is not None
-    _note(result, graph, chosen, types, fold_repeats, max_nodes, len(opened))
+    _note(result, graph, chosen, types, fold_repeats, max_nodes, len(opened), show_one and fold_repeats)
     return result, node_of
 
 
@@ -780,7 +816,8 @@ def _collapse_by_source(graph: BackwardGraph) -> tuple[BackwardGraph, list[int]]
 
 
 def _note(result: BackwardGraph, graph: BackwardGraph, depth: int | None, types: frozenset[str],
-          fold_repeats: bool, max_nodes: int | None, opened: int) -> None:
+          fold_repeats: bool, max_nodes: int | None, opened: int, show_one: bool = False) -> None:
+    shown = result.meta.get("collapse", {}).get("shown", {})
     result.meta["collapse"] = {
         "depth": depth,
         "by_type": sorted(types),
@@ -790,6 +827,8 @@ def _note(result: BackwardGraph, graph: BackwardGraph, depth: int | None, types:
         "nodes_before": len(graph.nodes),
         "nodes_after": len(result.nodes),
         "opened": opened,  # boxes opened so that no false path is drawn
+        "show_one": show_one,  # one block of each folded run drawn, the box stands for the others
+        "shown": shown,  # fold label -> [the block drawn, blocks in the whole run]
     }
 
 

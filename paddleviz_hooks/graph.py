@@ -831,14 +831,18 @@ class BackwardGraph:
                     own.append((e.slot, "b", _relative(c.layer, layer)))
             fixed[n.id], local[n.id] = own, loc
         sig = {n.id: n.op for n in ops}
+        known: dict[tuple, str] = {}  # sibling blocks repeat the same inputs: hashed once
         for _ in range(depth):
-            sig = {
-                n.id: hashlib.blake2b(
-                    repr((n.op, fixed[n.id], [(slot, sig[c]) for slot, c in local[n.id]])).encode("utf-8"),
-                    digest_size=8,
-                ).hexdigest()
-                for n in ops
-            }
+            nxt = {}
+            for n in ops:
+                inputs = fixed[n.id], [(slot, sig[c]) for slot, c in local[n.id]]
+                key = (n.op, tuple(inputs[0]), tuple(inputs[1]))
+                h = known.get(key)
+                if h is None:
+                    h = known[key] = hashlib.blake2b(repr((n.op, *inputs)).encode("utf-8"),
+                                                     digest_size=8).hexdigest()
+                nxt[n.id] = h
+            sig = nxt
         return {i: h[:6] for i, h in sig.items()}
 
     def _dfs_order(self, children: dict[int, list[Edge]] | None = None) -> list[Node]:

@@ -719,6 +719,34 @@ def box_lines(node: Node) -> list[str]:
     return lines
 
 
+#: The legend row of a drawing with folded repeats: what "x N" on a box means.
+FOLD_LEGEND = "x N on a box: N consecutive layers alike (same ops, edges, parameter shapes), folded"
+#: ... and when one layer of each folded run is drawn open beside its box.
+FOLD_SHOWN_LEGEND = FOLD_LEGEND + '; "1 of N alike": one more of them, drawn beside the box'
+
+
+def fold_alike_line(shown: str, count: int) -> str:
+    """The line a box of ``count`` folded layers adds when one more layer of their run is
+    drawn beside it.
+
+    Examples:
+        >>> fold_alike_line("layers.223", 223), fold_alike_line("layer1.2", 1)
+        ('each like layers.223 (drawn)', 'like layer1.2 (drawn)')
+    """
+    return f"{'each like' if count > 1 else 'like'} {layer_name(shown)} (drawn)"
+
+
+def shown_block_line(run: int, others: str | None = None) -> str:
+    """What the layer drawn beside the box of its folded run says about it (``others``: that
+    box, named in a frame's label; a box's own label leaves it out, it is drawn next to it).
+
+    Examples:
+        >>> shown_block_line(224, "layers.0-222"), shown_block_line(224)
+        ('1 of 224 alike (the others: layers.0-222)', '1 of 224 alike')
+    """
+    return f"1 of {run} alike" + (f" (the others: {layer_name(others)})" if others is not None else "")
+
+
 #: Why an op has no forward source line (``Node.source_note``), as people read it.
 SOURCE_NOTES_TEXT = {
     "static": "no Python line: a to_static program (its ops run compiled)",
@@ -944,8 +972,11 @@ def collapse_note(collapsed: BackwardGraph, full: BackwardGraph, full_detail: st
     """
     info = collapsed.meta.get("collapse", {})
     folded = ", repeated layers folded" if info.get("fold_repeats") else ""
-    return (f"collapsed to layer depth {info.get('depth')}{folded}: {len(collapsed.nodes)} of "
-            f"{len(full.nodes)} nodes ({full_detail})")
+    if info.get("show_one") and info.get("shown"):
+        folded = ", repeated layers folded (one of each run drawn beside them)"
+    what = (f"collapsed to layer depth {info.get('depth')}{folded}" if info.get("depth") is not None
+            else folded[2:] or "not collapsed")
+    return f"{what}: {len(collapsed.nodes)} of {len(full.nodes)} nodes ({full_detail})"
 
 
 def notebook_full_detail(what: str) -> str:

@@ -718,3 +718,28 @@ def test_summary_says_how_to_name_unnamed_leaves():
     with capture_backward(net) as cap:
         net(paddle.randn([3, 4])).mean().backward()
     assert "unnamed leaf" not in summarize(cap.graph)
+
+
+def test_collections_wait_during_a_captured_backward_and_resume_as_they_were():
+    """Cyclic collection is held off while a backward is captured (it walked the whole heap
+    for every few hundred objects the capture made) and is back as it was afterwards."""
+    import gc
+
+    net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    seen = []
+    x = paddle.randn([3, 4])
+    for user_gc in (True, False):
+        (gc.enable if user_gc else gc.disable)()
+        try:
+            with capture_backward(net) as cap:
+                h = net(x)
+                h.register_hook(lambda g: seen.append(gc.isenabled()))
+                h.sum().backward()
+            assert gc.isenabled() is user_gc  # as the user had it
+            h = net(x)
+            h.register_hook(lambda g: seen.append(gc.isenabled()))
+            h.sum().backward()  # not captured: collections as usual
+        finally:
+            gc.enable()
+        assert cap.graph.count_ops()["Matmul"] == 2
+    assert seen == [False, True, False, False]

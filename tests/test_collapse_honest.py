@@ -4,7 +4,7 @@ For real models in which one layer object is called several times (a shared
 ReLU in a residual block, a DropPath called twice per block, an unrolled
 LSTMCell, resnet18, googlenet (its auxiliary heads need a
 192x192 input), a small ViT) and for every op-zoo case, at
-every collapse depth, with and without ``fold_repeats``: the collapsed graph
+every collapse depth, with and without ``fold_repeats`` (and ``show_one``): the collapsed graph
 is acyclic and keeps reachability (box A reaches box B only if some node of A
 reaches some node of B in the captured graph). Each call of a layer is its
 own box, labelled as the same layer called again.
@@ -65,12 +65,13 @@ def assert_honest(full: BackwardGraph, small: BackwardGraph, node_of: list[int])
 
 
 def assert_honest_everywhere(graph: BackwardGraph) -> int:
-    """The property at every depth, with and without folding; returns how many collapses were checked."""
+    """The property at every depth, with and without folding (and folding with one block of
+    each run drawn beside its box); returns how many collapses were checked."""
     deepest = max(layer_depths(graph).values(), default=0)
     checked = 0
     for depth in [None, *range(deepest + 1)]:
-        for fold in (False, True):
-            small, node_of = collapse_with_map(graph, depth=depth, fold_repeats=fold)
+        for fold, one in ((False, False), (True, False), (True, True)):
+            small, node_of = collapse_with_map(graph, depth=depth, fold_repeats=fold, show_one=one)
             assert_honest(graph, small, node_of)
             checked += 1
     return checked

@@ -12,6 +12,8 @@ Graphviz or VisualDL) and checks:
 
 from __future__ import annotations
 
+import gc
+
 import errno
 import json
 import os
@@ -436,6 +438,7 @@ def _assert_clean(net):
     assert not dispatcher_installed()
     assert no_leftover_hooks(net)
     assert paddle.is_grad_enabled()
+    assert gc.isenabled()  # collections held off during the captured backward are back
 
 
 @pytest.mark.parametrize("where", ["loss", "forward_hook", "gradient_hook"])

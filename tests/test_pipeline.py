@@ -156,7 +156,8 @@ def test_engine_runs_once_per_capture_in_steady_state(tmp_path, engine_run_count
 
 def test_a_10000_node_graph_is_captured_and_drawn_legibly(tmp_path):
     """224 encoder layers: about 10,000 nodes. The full graph is never laid out (minutes);
-    the viewing PNG folds the identical blocks into one 'x224' box and stays legible."""
+    the viewing PNG folds the identical blocks into one 'x223' box beside the one block it draws
+    (tests/test_fold_view.py looks at that picture) and stays legible."""
     import time
 
     from paddleviz_hooks.render import LEGIBLE_DPI, render_png
@@ -179,7 +180,7 @@ def test_a_10000_node_graph_is_captured_and_drawn_legibly(tmp_path):
     t0 = time.perf_counter()
     render_png(graph, info=info)
     assert time.perf_counter() - t0 < 30
-    assert info["dpi"] >= LEGIBLE_DPI and info["nodes"] < 20
+    assert info["dpi"] >= LEGIBLE_DPI and info["nodes"] < 100 and info["shown"], info
     print(f"\n10k-node graph: captured step {step_seconds:.1f} s, viewing PNG {info}")
 
 

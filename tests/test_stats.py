@@ -210,3 +210,31 @@ def test_statistics_exact_under_another_blas_kernel():
     assert out.returncode == 0, out.stderr[-2000:]
     worst = float(out.stdout.strip().splitlines()[-1])
     assert worst <= 1.0, f"relative error {worst:.3g} x the float64 bound under OPENBLAS_CORETYPE=Haswell"
+
+
+def test_small_gradients_reduced_together_keep_their_own_numbers():
+    """Small host gradients are reduced in one batch: each keeps exactly its own statistics,
+    whatever its neighbours hold (NaN, Inf, float64 squares that overflow, one element)."""
+    rng = np.random.default_rng(1)
+    arrays = [rng.standard_normal(n).astype(np.float32) for n in (1, 7, 4000, 2, 8191)]
+    arrays[1][3] = np.nan
+    arrays[3][0] = -np.inf
+    arrays.insert(2, rng.standard_normal(5) * 1e200)  # float64, squares overflow
+    arrays.append(np.full(3, -2.5, np.float32))
+    q = stats.StatsQueue(on_device=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        metas = [stats.grad_meta(paddle.to_tensor(a), True, q) for a in arrays]
+        assert all(m.norm is None for m in metas)  # read together when the backward is over
+        q.resolve()
+    for a, m in zip(arrays, metas):
+        norm, lo, hi, nan, inf = _ref(a)
+        assert (m.nan, m.inf) == (nan, inf)
+        if nan:
+            assert math.isnan(m.norm)
+            continue
+        assert (m.min, m.max) == (lo, hi)
+        if inf:
+            assert m.norm == math.inf
+        else:
+            assert abs(m.norm - norm) <= 1e-12 * norm, (m.norm, norm)

@@ -27,6 +27,7 @@ import paddle
 from paddle.base import core
 
 from .._interrupts import as_interrupt, held_interrupts, is_wrapped_interrupt, run_all
+from . import gcpause
 from .source import StackDump
 
 __all__ = ["DISPATCHER", "dispatcher_installed"]
@@ -116,8 +117,10 @@ class Dispatcher:
         grad_was = paddle.is_grad_enabled()
         sessions: list = []
         dump: StackDump | None = None
-        pushed = ok = False
+        pushed = ok = paused = False
         try:
+            if caps and outer is None:  # collections wait until the graphs are built (gcpause.py)
+                paused = gcpause.pause()
             # inside the try: an interrupt while walking still unhooks what was hooked
             for cap in caps:
                 if outer is None:
@@ -126,6 +129,9 @@ class Dispatcher:
                     s = cap._begin(list(roots), entry, nested=True, parent=outer.sessions.get(cap))
                 sessions.append((cap, s))
                 frame.sessions[cap] = s
+            if paused and all(s is None for _, s in sessions):
+                gcpause.resume(paused)  # nothing is captured: collections as usual
+                paused = False
             if any(s is not None and s.wants_stacks for _, s in sessions):
                 dump = StackDump()
                 args = dump.inject(entry, args)
@@ -158,6 +164,7 @@ class Dispatcher:
             if dump is not None:
                 ends.append(lambda: _hand_stacks(dump, sessions))
             ends += [functools.partial(cap._end, s, ok=ok, retain_graph=bool(retain_graph)) for cap, s in sessions]
+            ends.append(lambda: gcpause.resume(paused))  # last: the graphs are built
             run_all(*ends)  # every capture unhooks, whatever another raises
 
 

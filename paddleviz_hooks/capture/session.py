@@ -54,7 +54,7 @@ from .nested import place, pylayer_context, stitch
 from .saved import SavedMemory
 from . import source as sources_
 from .sync import AppliedGrads, data_parallel_world, local_scalar
-from . import stats
+from . import gcpause, stats
 
 __all__ = ["BackwardCapture", "capture_backward"]
 
@@ -235,7 +235,7 @@ class BackwardCapture:
         if self._active:
             raise RuntimeError("this capture is already active; create a new capture_backward() per block")
         try:  # whatever raises where (a Ctrl-C is held until set-up is over), nothing stays half-installed
-            with held_interrupts():
+            with held_interrupts(), gcpause.paused():
                 source = self.params if self.params is not None else self.layer
                 self._param_names = parameter_names(source) if source is not None else {}
                 if self.layer is not None:
@@ -265,7 +265,7 @@ class BackwardCapture:
     def _teardown(self) -> None:
         """Remove everything ``__enter__`` installed; every part is removed whatever
         another part raises (the first exception is raised after)."""
-        with held_interrupts():
+        with held_interrupts(), gcpause.paused():
             self._active = False
             run_all(lambda: self.observe_saved(False), lambda: self.observe_sources(False), self._drop_saved,
                     lambda: DISPATCHER.deactivate(self),

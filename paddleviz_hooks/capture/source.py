@@ -292,8 +292,9 @@ def parse_call_stacks(text: str) -> dict[int, list[SourceFrame]]:
     """Paddle's ``*_call_stack.log``: node address -> frames (outermost first), each with its code line.
 
     Each node is ``GradNodeBase <Name> ptr : 0x<address> call stack:`` then
-    ``traceback.format_stack`` text; a frame's text, repeated by every node
-    made under it, is parsed once.
+    ``traceback.format_stack`` text; a stack's text, repeated by every node
+    made by the same line (a layer's ops in every block of a stack of blocks),
+    and a frame's, repeated by every node made under it, are parsed once.
 
     Examples:
         >>> log = "\\n".join(["GradNodeBase TanhGradNode ptr : 0x1f call stack: ",
@@ -304,18 +305,22 @@ def parse_call_stacks(text: str) -> dict[int, list[SourceFrame]]:
     """
     stacks: dict[int, list[SourceFrame]] = {}
     parsed: dict[str, SourceFrame | None] = {}
+    bodies: dict[str, list[SourceFrame]] = {}
     for block in text.split("GradNodeBase ")[1:]:
         head, _, body = block.partition("\n")
         m = _HEADER.match(head)
         if m is None:
             continue
-        frames = stacks.setdefault(int(m.group(1), 16), [])
-        for chunk in body.split('  File "')[1:]:
-            f = parsed.get(chunk, False)
-            if f is False:
-                f = parsed[chunk] = _frame(chunk)
-            if f is not None:
-                frames.append(f)
+        known = bodies.get(body)
+        if known is None:
+            known = bodies[body] = []
+            for chunk in body.split('  File "')[1:]:
+                f = parsed.get(chunk, False)
+                if f is False:
+                    f = parsed[chunk] = _frame(chunk)
+                if f is not None:
+                    known.append(f)
+        stacks.setdefault(int(m.group(1), 16), []).extend(known)
     return stacks
 
 

@@ -12,9 +12,10 @@ from ..escape import dot_attrs, dot_html_table, dot_label, dot_quote
 from ..findings import marks, record_of
 from ..graph import BackwardGraph, Edge, Node, is_communication
 from ..hazards import PROGRAM_OP_NOTE
-from ..text import (COMMUNICATION_LEGEND, DASHED_LEGEND, FIRST_GRADIENT, NONFINITE_LEGEND, NOT_OBSERVED, ORIGIN_LEGEND,
-                    SAVED_SHADE_NONE, SAVED_SHADE_TITLE, box_name, call_of, edge_lines, node_lines, node_tooltip, origin_mark,
-                    origin_node_lines, saved_shade_line)
+from ..text import (COMMUNICATION_LEGEND, DASHED_LEGEND, FIRST_GRADIENT, FOLD_LEGEND, FOLD_SHOWN_LEGEND, NONFINITE_LEGEND,
+                    NOT_OBSERVED, ORIGIN_LEGEND, SAVED_SHADE_NONE, SAVED_SHADE_TITLE, box_name, call_of, edge_lines,
+                    fold_alike_line, node_lines, node_tooltip, origin_mark, origin_node_lines, saved_shade_line,
+                    shown_block_line)
 
 __all__ = ["to_dot", "dot_parts", "STYLE", "COLOR_BY", "SAVED_SHADES", "ORIGIN_NODE_ID", "check_color_by", "saved_shades",
            "title_lines"]
@@ -147,6 +148,11 @@ def dot_parts(
     bad = graph.nonfinite_nodes()
     found = record_of(graph).origin
     mark = marks(graph)
+    # folded runs with one layer drawn open (collapse_graph's show_one): fold label -> that layer,
+    # and that layer -> what it says (which run it is one of)
+    folds = graph.meta.get("collapse", {}).get("shown", {})
+    shown = {label: v[0] for label, v in folds.items()}
+    shown_says = {v[0]: shown_block_line(v[1], label) for label, v in folds.items()}  # in its frame's label
 
     def node_stmt(n: Node) -> str:
         attrs = dict(STYLE.get(n.kind, STYLE["op"]))
@@ -162,6 +168,10 @@ def dot_parts(
         if n.id in bad:
             attrs.pop("fontcolor", None)
             attrs.update(STYLE["nonfinite"])
+        if n.kind == "layer" and n.layer in shown:
+            lines = lines + [fold_alike_line(shown[n.layer], n.count)]
+        elif n.kind == "layer" and n.layer in shown_says:  # the layer drawn is one box at this depth
+            lines = lines + [shown_block_line(next(v[1] for v in folds.values() if v[0] == n.layer))]
         if n.id == mark.first_gradient and n.id != mark.origin:
             lines = lines + [FIRST_GRADIENT]
         if n.id == mark.origin:
@@ -189,7 +199,7 @@ def dot_parts(
         by_layer[(path, chain.get(path, 0))].append(n)
     body.extend(node_stmt(n) for n in by_layer.pop(None, []))
     if by_layer:
-        body.extend(_cluster_lines(graph, by_layer, chains, node_stmt))
+        body.extend(_cluster_lines(graph, by_layer, chains, node_stmt, shown_says))
 
     keys = {n.id: n.key for n in graph.nodes}
     for e in graph.edges:
@@ -217,7 +227,9 @@ def dot_parts(
     if legend:
         body.append(_legend(stats, any(n.note == PROGRAM_OP_NOTE for n in graph.nodes), drawn_origin,
                             any(n.kind == "op" and is_communication(n.op) for n in graph.nodes),
-                            None if shades is None else _shade_rows(graph, shades)))
+                            None if shades is None else _shade_rows(graph, shades),
+                            FOLD_SHOWN_LEGEND if shown else FOLD_LEGEND if any(
+                                n.kind == "layer" and n.count > 1 for n in graph.nodes) else None))
     return graph_attr, body
 
 
@@ -237,7 +249,8 @@ def _observed(graph: BackwardGraph, e: Edge) -> bool:
 
 
 def _cluster_lines(graph: BackwardGraph, by_layer: dict[tuple[str, int], list[Node]],
-                   chains: dict[tuple[str, int], dict[str, int]], node_stmt) -> list[str]:
+                   chains: dict[tuple[str, int], dict[str, int]], node_stmt,
+                   says: Mapping[str, str] | None = None) -> list[str]:
     """Nested clusters following the dotted layer paths, one per call of a layer."""
     children: dict[tuple[str, int], set[tuple[str, int]]] = defaultdict(set)
     calls: dict[str, int] = defaultdict(int)  # layer path -> calls drawn
@@ -264,6 +277,8 @@ def _cluster_lines(graph: BackwardGraph, by_layer: dict[tuple[str, int], list[No
         # `or path`: a layer named "..", "a." has an empty last part
         name = (path.rsplit(".", 1)[-1] or path) if path else (kind or "model")
         label = (f"{name} ({kind})" if kind and path else name) + call_of(call, calls[path])
+        if says and path in says:  # one layer of a folded run, drawn open
+            label += " - " + says[path]
         lines.append(f"{indent}subgraph cluster_{counter[0]} {{")
         lines.append(f"{indent}  label={dot_quote(label)}; tooltip={dot_quote(box_name(path))};")
         lines.append(f"{indent}  style=\"rounded\"; color=\"#9aa7b8\"; fontsize=\"10\"; fontcolor=\"#44546a\";")
@@ -329,7 +344,7 @@ def _shade_rows(graph: BackwardGraph, shades: dict[int, int]) -> list[tuple[dict
 
 
 def _legend(stats: bool, compiled: bool = False, origin: bool = False, communication: bool = False,
-            shade_rows: list[tuple[dict[str, str], str]] | None = None) -> str:
+            shade_rows: list[tuple[dict[str, str], str]] | None = None, fold: str | None = None) -> str:
     rows = [({"BGCOLOR": c}, t) for c, t in (
         ("#ffd966", "loss / root"),
         ("#dae8fc", "op (grad node)"),
@@ -345,6 +360,8 @@ def _legend(stats: bool, compiled: bool = False, origin: bool = False, communica
     if compiled:
         rows.append(({}, f"dashed *_grad op: {PROGRAM_OP_NOTE} (to_static)"))
     rows.append(({}, "edge: grad shape dtype" + (", |g| = L2 norm" if stats else "")))
+    if fold:
+        rows.append(({}, fold))
     rows.extend(shade_rows or ())
     return f'legend [shape=box, style="rounded", color="#bbbbbb", fontsize="9", label={dot_html_table("legend", rows)}]'
 

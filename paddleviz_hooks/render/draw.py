@@ -251,8 +251,8 @@ def render_views(
         if spec is None:
             drawn, opts = g, options
         else:
-            depth, fold = spec
-            drawn = collapse_graph(graph, depth=depth, **{**keep, "fold_repeats": fold})
+            depth, fold, *one = spec
+            drawn = collapse_graph(graph, depth=depth, **{**keep, "fold_repeats": fold}, show_one=bool(one))
             opts = _with_note(options, drawn, graph, full_detail)
         return Candidate(spec, len(drawn.nodes), lambda rd: to_dot(drawn, rankdir=rd, **opts), drawn)
 
@@ -261,7 +261,7 @@ def render_views(
         if not can_collapse:
             return
         seen = set()
-        for spec in collapse_specs(graph, keep):
+        for spec in collapse_specs(graph, keep, show_one=True):
             c = build(spec)
             shape = tuple((n.key, n.layer, n.count) for n in c.data.nodes)
             if len(c.data.nodes) >= len(g.nodes) or shape in seen:  # no fewer boxes than one tried
@@ -282,7 +282,7 @@ def render_views(
             nodes=len(drawn.nodes), collapsed_depth=used.get("depth") if drawn is not graph else None,
             folded=bool(used.get("fold_repeats")), dpi=round(d.dpi, 3), rankdir=d.rankdir, bands=d.bands,
             padded=planned.padded, full_detail=drawn is graph, fold_repeats=bool(used.get("fold_repeats")),
-            engine_runs=planned.attempts,
+            engine_runs=planned.attempts, show_one=bool(used.get("show_one")), shown=dict(used.get("shown") or {}),
         )
     out = planned.outputs
     if "svg" in out:
@@ -290,7 +290,7 @@ def render_views(
     return out
 
 
-def collapse_specs(graph: BackwardGraph, keep: dict[str, Any]) -> list[tuple[int, bool]]:
+def collapse_specs(graph: BackwardGraph, keep: dict[str, Any], show_one: bool = False) -> list[tuple]:
     """The collapse levels a viewing picture may take, most detailed first.
 
     Every layer stays its own box as long as some depth is legible that way:
@@ -298,11 +298,25 @@ def collapse_specs(graph: BackwardGraph, keep: dict[str, Any]) -> list[tuple[int
     "x N" boxes (deepest to 1), then the whole model as one box (depth 0). So
     six encoder blocks are six boxes whenever six boxes are legible, and
     folded only when they are not.
+
+    With ``show_one`` (and ``fold_repeats`` not given), the levels ``(depth,
+    True, True)`` come in after the unfolded depths: repeated blocks folded
+    but one block of each run drawn beside its box at that depth
+    (``collapse_graph``'s ``show_one``), every op of it first (depth None),
+    then deeper to shallower. A fold that still shows a block's inside is
+    more detail than every block folded into one box and far more than the
+    whole model as one box, so it comes before those; it comes after every
+    unfolded depth, because a fold hides each block's own numbers. So the 224
+    blocks of a deep encoder are one "x223" box beside one block drawn op by
+    op (224 boxes are not legible), not 3 boxes, while six blocks stay six
+    boxes whenever that is legible.
     """
     deepest = max(layer_depths(graph).values(), default=0)
     fold = bool(keep.get("fold_repeats", False))
-    specs = [(d, fold) for d in range(deepest, 0, -1)]
+    specs: list[tuple] = [(d, fold) for d in range(deepest, 0, -1)]
     if "fold_repeats" not in keep:
+        if show_one:
+            specs += [(None, True, True)] + [(d, True, True) for d in range(deepest, 0, -1)]
         specs += [(d, True) for d in range(deepest, 0, -1)]
     return specs + [(0, fold)]
 

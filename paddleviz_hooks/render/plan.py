@@ -31,6 +31,7 @@ edge between rows leaves the end of one row and enters the start of the next.
 
 from __future__ import annotations
 
+import bisect
 import math
 import re
 import threading
@@ -52,6 +53,10 @@ MAX_ATTEMPTS = 3
 #: A node takes at least this area (square inches; a 0.75 x 0.3 in box): a candidate
 #: with more nodes than the frame holds at ``min_dpi`` is not even written as DOT.
 _MIN_NODE_AREA = 0.225
+#: A candidate whose nodes alone (``DotSizes.min_area``, times this) exceed the frame at
+#: ``min_dpi`` is not laid out: encoders of 2-48 layers at every collapse level, both
+#: directions, measured 1.9x (3 boxes and a legend) to 6x that bound with ``dot -Tplain``.
+_AREA_SLACK = 1.0
 #: Wrapped rows measured against the model (LeNet, a 2-layer encoder, resnet18 in 2-5 rows):
 #: a row is about 1.2x as long as its predicted length, the rows together 0.7x as high.
 _ROW_ALONG, _ROW_ACROSS = 1.2, 0.7
@@ -229,8 +234,12 @@ def _search(key, candidates: Iterator[Candidate], formats, frame: Frame, rankdir
             if c is None:
                 exhausted = True
                 break
-            hopeless = c.nodes * _MIN_NODE_AREA > (frame.width / min_dpi) * (frame.height / min_dpi) * 4
-            seen.append((c, None if hopeless else _Reader(c)))
+            room = (frame.width / min_dpi) * (frame.height / min_dpi)  # square inches legible in the frame
+            hopeless = c.nodes * _MIN_NODE_AREA > room
+            reader = None if hopeless else _Reader(c)
+            if reader is not None and reader.sizes(rankdirs[0]).min_area() * _AREA_SLACK > room:
+                reader = None  # its nodes alone (as the size model sizes them) do not fit legibly
+            seen.append((c, reader))
         return seen[i] if i < len(seen) else None
 
     def arrangements(i: int) -> list[_Arrangement]:
@@ -247,7 +256,7 @@ def _search(key, candidates: Iterator[Candidate], formats, frame: Frame, rankdir
             if rd != "LR" or w / max(h, 1e-3) <= VIEW_ASPECT:
                 continue  # only left-to-right strips are wrapped (into rows read like text)
             for k in _band_counts(w, h, frame):
-                banded = _bands(sizes, k)
+                banded = _bands(sizes, k, reader.extents(rd))
                 if banded is None:
                     continue
                 band, crossed = banded
@@ -346,6 +355,7 @@ class _Reader:
         self.cand = cand
         self._src: dict[str, str] = {}
         self._sizes: dict[str, DotSizes] = {}
+        self._extents: dict[str, _Extents] = {}
 
     def source(self, rankdir: str) -> str:
         if rankdir not in self._src:
@@ -356,6 +366,11 @@ class _Reader:
         if rankdir not in self._sizes:
             self._sizes[rankdir] = read_dot(self.source(rankdir))
         return self._sizes[rankdir]
+
+    def extents(self, rankdir: str) -> "_Extents":
+        if rankdir not in self._extents:
+            self._extents[rankdir] = _Extents(self.sizes(rankdir))
+        return self._extents[rankdir]
 
 
 def _along_across(rankdir: str, w: float, h: float) -> tuple[float, float]:
@@ -378,7 +393,49 @@ def _band_counts(w: float, h: float, frame: Frame) -> list[int]:
     return list(range(2, max(3, min(12, math.ceil(ideal * 2))) + 1))
 
 
-def _bands(sizes: DotSizes, k: int) -> tuple[dict[str, int], int] | None:
+class _Extents:
+    """What wrapping a left-to-right strip into rows needs of one drawing, worked out once for
+    every row count: each node's place along the ranks, the gaps between ranks, and the
+    place each cluster short of the whole drawing spans (and whether it is one layer's own ops)."""
+
+    def __init__(self, sizes: DotSizes) -> None:
+        self.sizes = sizes
+        self.pos = pos = sizes.positions("LR")
+        self.lo, self.hi = (min(pos.values()), max(pos.values())) if pos else (0.0, 0.0)
+        inner = _innermost(sizes)
+        self.spans: list[tuple[float, float, bool]] = []  # (start, end, innermost)
+        for members in sizes.clusters:
+            ps = [pos[n] for n in members if n in pos]
+            if ps and max(ps) - min(ps) < 0.9 * (self.hi - self.lo):
+                self.spans.append((min(ps), max(ps), id(members) in inner))
+        ranks = sorted(set(round(p, 3) for p in pos.values()))
+        self.gaps = [(a + b) / 2 for a, b in zip(ranks, ranks[1:])]  # where a row may break
+
+    def allowed(self, k: int) -> list[tuple[float, int]]:
+        """The gaps a break into ``k`` rows may use, each with how many layers it cuts
+        through: never one layer's own ops, nor a layer that fits in one row (a block)."""
+        gaps, n = self.gaps, len(self.gaps)
+        crossed, forbidden = [0] * (n + 1), [0] * (n + 1)  # difference arrays over the gaps
+        row = (self.hi - self.lo) / k
+        for x0, x1, inn in self.spans:
+            a, b = bisect.bisect_right(gaps, x0), bisect.bisect_left(gaps, x1)  # gaps strictly inside
+            if a >= b:
+                continue
+            crossed[a] += 1
+            crossed[b] -= 1
+            if inn or x1 - x0 < row:
+                forbidden[a] += 1
+                forbidden[b] -= 1
+        out, c, f = [], 0, 0
+        for i, g in enumerate(gaps):
+            c += crossed[i]
+            f += forbidden[i]
+            if not f:
+                out.append((g, c))
+        return out
+
+
+def _bands(sizes: DotSizes, k: int, ext: _Extents | None = None) -> tuple[dict[str, int], int] | None:
     """Each node's row when the rank axis is cut into ``k`` rows, and how many layers the
     most crossing cut goes through; None when no cut is allowed.
 
@@ -387,26 +444,13 @@ def _bands(sizes: DotSizes, k: int) -> tuple[dict[str, int], int] | None:
     block), and through as few other layers as they can
     (between blocks where there is such a place nearby); containers may be
     split (a chain of containers, such as LeNet's, could never wrap otherwise).
+    ``ext``: ``sizes``'s extents, when already worked out for another ``k``.
     """
-    pos = sizes.positions("LR")
+    ext = ext if ext is not None else _Extents(sizes)
+    pos, lo, hi = ext.pos, ext.lo, ext.hi
     if len(pos) < 2:
         return None
-    lo, hi = min(pos.values()), max(pos.values())
-    inner = _innermost(sizes)
-    spans = []  # (start, end, innermost) of every cluster short of the whole drawing
-    for members in sizes.clusters:
-        ps = [pos[n] for n in members if n in pos]
-        if ps and max(ps) - min(ps) < 0.9 * (hi - lo):
-            # one layer's own ops, or a layer (a block) that fits in one row: never cut
-            whole = id(members) in inner or max(ps) - min(ps) < (hi - lo) / k
-            spans.append((min(ps), max(ps), whole))
-    ranks = sorted(set(round(p, 3) for p in pos.values()))
-    allowed = []
-    for a, b in zip(ranks, ranks[1:]):
-        c = (a + b) / 2
-        crossed = [inn for x0, x1, inn in spans if x0 < c < x1]
-        if not any(crossed):
-            allowed.append((c, len(crossed)))
+    allowed = ext.allowed(k)
     # the cuts through the fewest layers that still give rows of about even length
     # (at most 1.5x the even length): between blocks where the blocks allow it
     cuts: list[float] | None = None
@@ -417,7 +461,7 @@ def _bands(sizes: DotSizes, k: int) -> tuple[dict[str, int], int] | None:
             break
     if not cuts:
         return None
-    band = {n: sum(1 for c in cuts if p > c) for n, p in pos.items()}
+    band = {n: bisect.bisect_left(cuts, p) for n, p in pos.items()}  # cuts ascend: how many lie below p
     # a leaf (a parameter, an input) stays in the row of the op that feeds it
     has_succ = {t for t, h, *_ in sizes.edges if h in band}
     for t, h, *_ in sizes.edges:
@@ -454,12 +498,21 @@ def _partition(places: list[float], lo: float, hi: float, k: int) -> list[float]
 
 
 def _innermost(sizes: DotSizes) -> set[int]:
-    """Clusters holding no other cluster and no collapsed layer box (one layer's own ops)."""
+    """Clusters holding no other cluster and no collapsed layer box (one layer's own ops).
+
+    Clusters nest (DOT subgraphs), so a cluster holds another one exactly when one of
+    its nodes lies in a smaller cluster too.
+    """
+    smallest: dict[str, int] = {}  # node -> size of the smallest cluster it lies in
+    for c in sizes.clusters:
+        for n in c:
+            if len(c) < smallest.get(n, len(c) + 1):
+                smallest[n] = len(c)
     out = set()
     for c in sizes.clusters:
         if c & sizes.boxes:
             continue
-        if not any(o is not c and o < c for o in sizes.clusters):
+        if all(smallest[n] >= len(c) for n in c):
             out.add(id(c))
     return out
 

@@ -91,6 +91,13 @@ class DotSizes:
             at += ext[r] + self.ranksep + (gap[r] + self.ranksep if gap[r] else 0.0)
         return {n: start[rank[n]] for n in self.nodes}
 
+    def min_area(self) -> float:
+        """Square inches no layout of this drawing can be smaller than, in any direction or
+        rows: every node with the least separation ``dot`` keeps from its neighbours
+        (``nodesep`` within a rank, ``ranksep`` between ranks)."""
+        sep = min(self.nodesep, self.ranksep)
+        return sum((w + sep) * (h + sep) for w, h in self.nodes.values())
+
     def estimate(self, rankdir: str | None = None, bands: dict[str, int] | None = None) -> tuple[float, float]:
         """Predicted (width, height) in inches, laid out in ``rankdir`` (default the source's),
         optionally wrapped into ``bands`` (node -> band; bands stacked across the ranks)."""
