@@ -70,6 +70,7 @@ class DrawingProcess:
         self._proc: subprocess.Popen | None = None
         self._answers: queue.Queue = queue.Queue()  # the running worker's answer lines (None: its end)
         self._lock = threading.Lock()  # guards _proc between draw() and close()
+        self._finalizers: dict[int, weakref.finalize] = {}  # pid -> what ends it if close() is never called
         self._closed = False
         self._next_id = 0
         #: workers started so far
@@ -118,7 +119,7 @@ class DrawingProcess:
             self._closed = True
             proc, self._proc = self._proc, None
         if proc is not None:
-            _reap(proc, timeout)
+            self._end(proc, timeout)
 
     # --------------------------------------------------------------- inside
     def _ensure(self) -> subprocess.Popen | None:
@@ -132,7 +133,7 @@ class DrawingProcess:
         if old is not None:  # it died between two drawings
             self._warn("drawing-died", f"the drawing process {self._ended(old)} between two drawings; "
                                        "it was started again")
-            _reap(old, 0.0)
+            self._end(old, 0.0)
         with self._lock:
             if self._closed:
                 return None
@@ -157,7 +158,8 @@ class DrawingProcess:
         threading.Thread(target=_read_lines, args=(proc.stdout, self._answers), daemon=True,
                          name="paddleviz-hooks-drawing-answers").start()
         self.starts += 1
-        weakref.finalize(self, _reap, proc, 1.0)  # interpreter exit, or this object let go without close()
+        # interpreter exit, or this object let go without close(); detached once the worker is ended
+        self._finalizers[proc.pid] = weakref.finalize(self, _reap, proc, 1.0)
         return proc
 
     def _ask(self, proc: subprocess.Popen, job: dict[str, Any], timeout: float) -> dict[str, Any]:
@@ -195,11 +197,17 @@ class DrawingProcess:
         last = _last_line(self._log_path)
         return f"{how} ({last})" if last else how
 
+    def _end(self, proc: subprocess.Popen, timeout: float) -> None:
+        _reap(proc, timeout)
+        finalizer = self._finalizers.pop(proc.pid, None)
+        if finalizer is not None:
+            finalizer.detach()
+
     def _stop(self, proc: subprocess.Popen) -> None:
         with self._lock:
             if self._proc is proc:
                 self._proc = None
-        _reap(proc, 0.0)
+        self._end(proc, 0.0)
 
 
 def _read_lines(stream: Any, answers: queue.Queue) -> None:
@@ -247,6 +255,12 @@ def _reap(proc: subprocess.Popen, timeout: float) -> None:
                     pass
     except Exception:  # noqa: BLE001 - stopping must never fail training's exit
         pass
+    except BaseException:  # Ctrl-C while stopping it: it is killed all the same
+        try:
+            proc.kill()
+        except OSError:
+            pass
+        raise
 
 
 def _children(pid: int) -> list[int]:

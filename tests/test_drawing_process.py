@@ -121,3 +121,45 @@ def test_a_killed_and_a_hung_drawing_process_cost_training_nothing(tmp_path):
     assert f"paddleviz-hooks render {run_dir / 'step_000005.json'}" in undrawn[0], undrawn
     assert children(os.getpid()) == {}  # no worker, no engine left
 
+
+
+def _state(pid: int) -> str | None:
+    """The process's state letter (None: gone); a zombie has ended."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0].decode()
+    except OSError:
+        return None
+
+
+@pytest.mark.parametrize("how", ["exits without close", "is killed"])
+def test_no_drawing_process_outlives_the_training_process(tmp_path, how):
+    """The training process ends without closing the recorder (interpreter exit), or is killed
+    (SIGKILL: no Python code runs): its drawing process ends too."""
+    import subprocess
+
+    end = "os.kill(os.getpid(), signal.SIGKILL)" if how == "is killed" else "sys.exit(0)"
+    script = f"""
+import os, signal, sys, time, paddle
+from paddleviz_hooks import BackwardGraphRecorder
+net = paddle.nn.Linear(3, 2)
+rec = BackwardGraphRecorder({str(tmp_path)!r}, net, every=1, formats=("png",), visualdl=False, verbose=0)
+for step in (1, 2, 3):
+    with rec.step(step):
+        net(paddle.randn([2, 3])).sum().backward()
+deadline = time.monotonic() + 60
+while rec.pipeline.drawing.pid is None and time.monotonic() < deadline:
+    time.sleep(0.01)
+print(rec.pipeline.drawing.pid, flush=True)
+{end}
+"""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [os.path.dirname(os.path.dirname(os.path.abspath(__import__("paddleviz_hooks").__file__))),
+         os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == (-9 if how == "is killed" else 0), r.stderr[-2000:]
+    pid = int(r.stdout.split()[-1])
+    deadline = time.monotonic() + 10
+    while _state(pid) not in (None, "Z") and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert _state(pid) in (None, "Z")

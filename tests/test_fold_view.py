@@ -23,7 +23,7 @@ from paddle import nn
 from paddleviz_hooks import BackwardGraph, capture_backward
 from paddleviz_hooks.collapse import collapse_graph, collapse_with_map
 from paddleviz_hooks.options import RecorderOptions
-from paddleviz_hooks.pipeline import viewer_png
+from paddleviz_hooks.drawworker import viewer_png
 from paddleviz_hooks.render import render_views
 from paddleviz_hooks.render.draw import clear_plan_cache
 from test_collapse_honest import assert_honest
