@@ -16,7 +16,7 @@ import json
 import math
 import re
 from collections import defaultdict
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Iterable, NamedTuple
 
 __all__ = [
@@ -121,6 +121,19 @@ class SourceFrame(NamedTuple):
 SOURCE_NOTES = ("static", "internal", "unrecorded")
 
 
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+def _field_values(obj: Any) -> dict[str, Any]:
+    """A dataclass's fields by name, in order: ``dataclasses.asdict`` without its deep copy, for
+    the classes whose fields are scalars or converted by their ``to_dict`` (a capture's JSON is
+    written on the training process, where ``asdict`` took most of the time)."""
+    names = _FIELD_NAMES.get(type(obj))
+    if names is None:
+        names = _FIELD_NAMES[type(obj)] = tuple(f.name for f in fields(obj))
+    return {name: getattr(obj, name) for name in names}
+
+
 @dataclass
 class GradMeta:
     """What is known of one gradient tensor flowing along an edge.
@@ -168,7 +181,7 @@ class GradMeta:
         return max(abs(self.min), abs(self.max))
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
+        d = _field_values(self)  # its tuples are made lists below
         d["shape"] = list(self.shape) if self.shape is not None else None
         for k in ("norm", "min", "max"):
             d[k] = float_to_json(d[k])
@@ -290,7 +303,7 @@ class Node:
     source_note: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
+        d = _field_values(self)  # its tuples and GradMetas are converted below
         d["source"] = [list(f) for f in self.source] if self.source is not None else None
         d["shape"] = list(self.shape) if self.shape is not None else None
         d["grad"] = self.grad.to_dict() if self.grad is not None else None
