@@ -225,7 +225,8 @@ def _not_drawn(job: dict[str, Any], why: str) -> dict[str, Any]:
 
 
 def _reap(proc: subprocess.Popen, timeout: float) -> None:
-    """End the worker: its input closed, then SIGTERM, then SIGKILL; never raises."""
+    """End the worker: its input closed, then (after ``timeout``) SIGTERM, then SIGKILL; with
+    ``timeout`` 0 (a worker given up on) SIGKILL at once. Never raises."""
     try:
         if proc.poll() is None:
             try:
@@ -236,10 +237,13 @@ def _reap(proc: subprocess.Popen, timeout: float) -> None:
                 proc.wait(timeout)
             except subprocess.TimeoutExpired:
                 engines = _children(proc.pid)  # a killed worker cannot stop its engine run
-                proc.terminate()  # (a stopped worker gets the signal when continued; SIGKILL needs no wait)
-                try:
-                    proc.wait(1.0)
-                except subprocess.TimeoutExpired:
+                if timeout > 0:  # asked to end: a moment to end its engine run itself
+                    proc.terminate()
+                    try:
+                        proc.wait(1.0)
+                    except subprocess.TimeoutExpired:
+                        pass
+                if proc.poll() is None:  # (given up on, or a stopped worker: SIGKILL needs no waiting)
                     proc.kill()
                     proc.wait(5.0)
                 for pid in engines:  # each engine runs in a process group of its own

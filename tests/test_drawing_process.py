@@ -61,7 +61,7 @@ def test_a_killed_and_a_hung_drawing_process_cost_training_nothing(tmp_path):
     def recorder(net):
         nonlocal rec
         rec = BackwardGraphRecorder(str(tmp_path / "log"), net, every=1, verbose=0, visualdl=False,
-                                    formats=("json", "png"), render_timeout=3)
+                                    formats=("json", "png"), render_timeout=1)
         return rec
 
     pipe = None
@@ -85,7 +85,7 @@ def test_a_killed_and_a_hung_drawing_process_cost_training_nothing(tmp_path):
     def between(step):
         nonlocal pipe
         pipe = rec.pipeline
-        pipe.drawing.margin = 2.0  # a hang is given up on after render_timeout + 2 s
+        pipe.drawing.margin = 2.0  # a hang is given up on after render_timeout + 2 s: 3 s
         deadline = time.monotonic() + 60
         while step not in pipe.drawn and step not in pipe.not_drawn and time.monotonic() < deadline:
             time.sleep(0.01)  # mid-run: each step's drawing is over before the next step
@@ -113,11 +113,11 @@ def test_a_killed_and_a_hung_drawing_process_cost_training_nothing(tmp_path):
     assert len(stopped) == 2 and rec.undrawn_steps == [HUNG]
     msgs = ours(got)
     died = [m for m in msgs if "drawing process was killed by signal SIGKILL" in m]
-    hung = [m for m in msgs if "did not answer within 5 s while drawing step 5" in m]
+    hung = [m for m in msgs if "did not answer within 3 s while drawing step 5" in m]
     undrawn = [m for m in msgs if "not drawn (" in m]
     assert len(died) == 1 and len(hung) == 1 and len(undrawn) == 1 and len(msgs) == 3, msgs
     assert "started again" in died[0] and "started again" in hung[0]
-    assert "step 5: the drawing process did not answer within 5 s twice on it" in undrawn[0], undrawn
+    assert "step 5: the drawing process did not answer within 3 s twice on it" in undrawn[0], undrawn
     assert f"paddleviz-hooks render {run_dir / 'step_000005.json'}" in undrawn[0], undrawn
     assert children(os.getpid()) == {}  # no worker, no engine left
 
