@@ -11,12 +11,23 @@ Examples:
     ['paddleviz_hooks: cannot write step 1']
     >>> warn.messages
     ['cannot write step 1', 'cannot write step 2']
+
+A message names what the model named (layers, parameters, files); what could
+hide or reorder it on a terminal is shown escaped (``escape.visible``):
+
+    >>> with warnings.catch_warnings(record=True) as got:
+    ...     warnings.simplefilter("always")
+    ...     warn("layer", "layer fc\u202e2 failed")
+    >>> print(got[0].message)
+    paddleviz_hooks: layer fc\u202e2 failed
 """
 
 from __future__ import annotations
 
 import threading
 import warnings
+
+from .escape import visible
 
 __all__ = ["WarnOnce"]
 
@@ -39,7 +50,7 @@ class WarnOnce:
             if cause in self._seen:
                 return
             self._seen.add(cause)
-        warnings.warn(f"paddleviz_hooks: {message}", RuntimeWarning, stacklevel=3)
+        warnings.warn(f"paddleviz_hooks: {visible(message, lines=True)}", RuntimeWarning, stacklevel=3)
 
     def seen(self, cause: str) -> bool:
         """Whether ``cause`` has warned already."""

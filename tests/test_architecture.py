@@ -19,7 +19,8 @@ PKG_DIR = os.path.dirname(paddleviz_hooks.__file__)
 #: Layers, lowest first. A module may import modules of lower layers, and
 #: modules of its own layer only inside its own subpackage (never in a cycle).
 LAYERS = [
-    ("foundations", {"_version", "_fileio", "_interrupts", "argcheck", "escape", "warn", "hazards", "graph"}),
+    ("escaping", {"escape"}),  # the one place text from models and users is made safe (warnings too)
+    ("foundations", {"_version", "_fileio", "_interrupts", "argcheck", "warn", "hazards", "graph"}),
     ("capture", {"capture"}),
     ("findings", {"findings"}),  # the NaN/Inf record of a capture, read by every view
     ("transforms", {"collapse", "diff"}),

@@ -65,7 +65,9 @@ def test_site_builds_strict(tmp_path):
                         "-d", str(tmp_path / "site")], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert (tmp_path / "site" / "index.html").exists()
-    assert (tmp_path / "site" / "reference" / "api" / "index.html").exists()
+    api = (tmp_path / "site" / "reference" / "api" / "index.html").read_text(encoding="utf-8")
+    assert "BackwardGraphRecorder" in api
+    assert not re.findall(r":(?:class|meth|func|attr):<", api)  # docstrings' Sphinx roles shown as code
 
 
 def test_pictures_shown_are_made_by_the_script():
