@@ -446,10 +446,9 @@ class CapturePipeline:
         for key, message in answer.get("warnings") or ():
             self._warn(key, message)
         why, error, written = answer.get("why"), answer.get("error"), answer.get("written") or {}
-        if error:
-            exc: Exception = (OSError(error["errno"], error.get("strerror") or error["message"])
-                              if error.get("errno") is not None else RuntimeError(error["message"]))
-            why = self._why(exc) if isinstance(exc, OSError) else f"{error['type']}: {error['message']}"
+        if error:  # not a layout failure: an unreadable JSON, a full disk...
+            why = (self._why(OSError(error["errno"], error.get("strerror") or error["message"]))
+                   if error.get("errno") is not None else f"{error['type']}: {error['message']}")
             self._warn(f"draw-{error['type']}", f"step {d.step} could not be drawn: {error['message']}")
         pictures = {k: _take(written.get(k)) for k in ("png", "viewer", "diff_png")}
         svg = written.get("svg") if self.sinks else None
