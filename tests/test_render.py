@@ -306,3 +306,10 @@ def test_edges_around_an_op_without_a_hook_carry_what_flowed():
     assert "|g| 1" in line and "dashed" not in line, line
     outs = [e for e in g.edges if e.src == addn.id]
     assert len(outs) == 2 and all(e.grad is not None and e.grad.norm == 1.0 for e in outs)
+
+def test_a_missing_preferred_engine_is_named_as_missing(monkeypatch):
+    from paddleviz_hooks.render.engine import EngineNotFound, require_engine
+
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.raises(EngineNotFound, match="the layout engine 'dot' is not installed"):
+        require_engine("dot")

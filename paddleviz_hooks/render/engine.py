@@ -126,7 +126,7 @@ def require_engine(prefer: str | None = None) -> Engine:
         return Engine(choice["name"], choice["path"])
     engine = find_engine(prefer)
     if engine is None:
-        which = f"the layout engine {prefer!r} is" if prefer else "no Graphviz layout engine is"
+        which = f"the layout engine {prefer!r} is not" if prefer else "no Graphviz layout engine is"
         raise EngineNotFound(f"{which} installed, so PNG/SVG cannot be drawn: {INSTALL_HINT}. "
                              "DOT and JSON output work without an engine.")
     return engine
