@@ -16,17 +16,21 @@ from __future__ import annotations
 import json
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import weakref
 from typing import Any, Callable
 
-__all__ = ["ANSWER_MARGIN", "DrawingProcess", "WORKER_MODULE"]
+__all__ = ["ANSWER_MARGIN", "DrawingProcess", "TEMP_PREFIX", "WORKER_MODULE"]
 
 WORKER_MODULE = "paddleviz_hooks.drawworker"
+#: How the worker's own temporary folder (its TMPDIR, removed when it ends) is named
+TEMP_PREFIX = "paddleviz-draw-"
 
 #: Seconds a job's answer may take past its render_timeout (which bounds only the layout engine's
 #: runs): the worker's start (its imports) and its Python work of planning a large graph.
@@ -145,15 +149,21 @@ class DrawingProcess:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
         if not _PYTHON:
             raise OSError("no Python interpreter is known (sys.executable is empty)")
+        # the worker's (and its engines') temporary files, removed when it ends however it ends
+        temp_dir = env["TMPDIR"] = tempfile.mkdtemp(prefix=TEMP_PREFIX)
         log: Any = subprocess.DEVNULL
-        if self._log_path and os.path.isdir(os.path.dirname(self._log_path)):
-            log = open(self._log_path, "ab")
         try:
+            if self._log_path and os.path.isdir(os.path.dirname(self._log_path)):
+                log = open(self._log_path, "ab")
             proc = subprocess.Popen([_PYTHON, "-m", WORKER_MODULE], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                     stderr=log, env=env, close_fds=True)
+        except BaseException:
+            shutil.rmtree(temp_dir, ignore_errors=True)
+            raise
         finally:
             if log is not subprocess.DEVNULL:
                 log.close()
+        proc.temp_dir = temp_dir  # type: ignore[attr-defined]
         self._answers = queue.Queue()
         threading.Thread(target=_read_lines, args=(proc.stdout, self._answers), daemon=True,
                          name="paddleviz-hooks-drawing-answers").start()
@@ -257,6 +267,8 @@ def _reap(proc: subprocess.Popen, timeout: float) -> None:
                     f.close()
                 except (OSError, ValueError):
                     pass
+        if proc.poll() is not None:  # its temporary files go with it, whatever ended it
+            shutil.rmtree(getattr(proc, "temp_dir", None) or "", ignore_errors=True)
     except Exception:  # noqa: BLE001 - stopping must never fail training's exit
         pass
     except BaseException:  # Ctrl-C while stopping it: it is killed all the same

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import sys
 import time
@@ -43,15 +44,15 @@ from ._fileio import atomic_write
 from .diff import diff_graphs
 from .findings import record_of
 from .graph import BackwardGraph
-from .text import backward_role, capture_title
+from .text import backward_role, capture_title, every_op_elsewhere
 from .render.diff import render_diff_views
 from .render.dot import to_dot
 from .render.draw import render_png, render_svg, render_views
-from .render.engine import EngineNotFound, RenderTimeout, pinned_engine
+from .render.engine import EngineNotFound, RenderTimeout, die_with_parent, engines_die_with_this_process, pinned_engine
 from .sinks.hub import encode_png
 from .sinks.vdl_graph import write_vdl_graph
 
-__all__ = ["DRAWING_NICE", "VIEWER_LABEL_PX", "capture_picture_title", "draw_job", "main", "viewer_png"]
+__all__ = ["DRAWING_NICE", "FULL_SVG_MAX_NODES", "VIEWER_LABEL_PX", "capture_picture_title", "draw_job", "main", "viewer_png"]
 
 #: Node labels (11 pt) of the VisualDL picture are at least this many pixels high
 VIEWER_LABEL_PX = 8.0
@@ -62,8 +63,14 @@ VIEWER_LABEL_PX = 8.0
 DRAWING_NICE = 10
 
 
+#: Graphs with more nodes get no op-by-op SVG: the engine took 0.4 s for 1,082 nodes, 3.4 s
+#: for 2,162, 23 s for 4,322 and over 60 s for 10,083 (encoders of 24 to 224 layers). Their SVG
+#: is the viewing drawing (its title says so); the JSON keeps every op (``explore``).
+FULL_SVG_MAX_NODES = 2500
+
+
 def viewer_png(graph: BackwardGraph, options: Any, title: str, *, timeout: float | None = 60.0,
-               info: dict[str, Any] | None = None) -> bytes:
+               info: dict[str, Any] | None = None, full_detail: str | None = None) -> bytes:
     """The picture logged to the dashboards, sized for VisualDL's image viewer.
 
     ``options``: the recorder's options, or anything with their ``viewer_px``,
@@ -76,13 +83,14 @@ def viewer_png(graph: BackwardGraph, options: Any, title: str, *, timeout: float
     high, collapsing layers into boxes as far as that needs. The same
     structure gets the same layout at every step (the drawing plan is
     cached), so flipping steps compares like with like. ``render/plan.py``
-    plans it with the other pictures.
+    plans it with the other pictures. ``full_detail``: where every op can be
+    seen, said in the title when the picture is collapsed (default: the SVG).
     """
     assert options.viewer_px is not None
     width = options.viewer_px
     return render_png(graph, max_px=width, max_height_px=max(64, width * 9 // 16), max_nodes=options.view_max_nodes,
                       rankdir="LR", min_dpi=VIEWER_LABEL_PX * 72 / 11, timeout=timeout, title=title, info=info,
-                      **_shading(options, graph))
+                      full_detail=full_detail, **_shading(options, graph))
 
 
 def capture_picture_title(step: int, trigger: str, graph: BackwardGraph) -> str:
@@ -163,22 +171,25 @@ def _draw(job: dict[str, Any], graphs: _Graphs, answer: dict[str, Any]) -> None:
         return round(max(0.001, deadline - time.monotonic()), 3)
 
     png = None
+    # every op in the SVG only where the engine can lay it out in time (see FULL_SVG_MAX_NODES)
+    full_svg = "svg" in out and len(graph.nodes) <= FULL_SVG_MAX_NODES
+    elsewhere = None if full_svg else every_op_elsewhere()  # what a collapsed picture's title points to
+    views: dict = {}
+    info: dict = {}
     try:
-        # one engine run draws the viewing PNG and, when it has every node, the full-detail SVG
-        info: dict = {}
+        # one engine run draws the viewing PNG and its SVG (the full-detail one when nothing is collapsed)
         formats = ("png", "svg") if "svg" in out else ("png",)
         views = render_views(graph, formats, info=info, max_px=opts.view_max_px, max_nodes=opts.view_max_nodes,
-                             timeout=left(), title=title, **_shading(opts, graph))
+                             timeout=left(), title=title, full_detail=elsewhere,
+                             **_shading(opts, graph))
         png = views["png"]
         if "png" in out:
             written["png"] = atomic_write(out["png"], encode_png(png, encoding))
-        if "svg" in out:
-            svg = views["svg"] if info["full_detail"] else render_svg(
-                graph, timeout=left(), title=title, **_shading(opts, graph))
-            written["svg"] = atomic_write(out["svg"], svg)
+        if "svg" in out and (info["full_detail"] or not full_svg):  # no other SVG will be drawn
+            written["svg"] = atomic_write(out["svg"], views["svg"])
         if "viewer" in out:
             seen: dict = {}
-            viewer = viewer_png(graph, opts, title, timeout=left(), info=seen)
+            viewer = viewer_png(graph, opts, title, timeout=left(), info=seen, full_detail=elsewhere)
             # a viewer picture that had to shrink the whole model into one box shows less
             # than the PNG file: the dashboards get the file's picture then (their viewers can zoom)
             if not (seen.get("collapsed_depth") == 0 and info.get("collapsed_depth") != 0):
@@ -195,6 +206,13 @@ def _draw(job: dict[str, Any], graphs: _Graphs, answer: dict[str, Any]) -> None:
             written["diff_png"] = atomic_write(out["diff_png"], encode_png(diff_png, encoding))
         except Exception as exc:
             warn.append(["diff-render", f"drawing the graph diff failed: {exc!r}"])
+    if png is not None and "svg" in out and "svg" not in written:  # last: the largest drawing
+        try:
+            written["svg"] = atomic_write(out["svg"], render_svg(graph, timeout=left(), title=title,
+                                                                 **_shading(opts, graph)))
+        except RenderTimeout as exc:  # the pictures drawn so far stay; the viewing SVG stands in
+            written["svg"] = atomic_write(out["svg"], views["svg"])
+            warn.append(["svg-timeout", f"step {step}'s SVG shows the viewing drawing, not every op: {exc}"])
     if answer["why"] is None and png is None:
         answer["why"] = "the layout engine drew nothing"
 
@@ -209,19 +227,10 @@ def _lower_priority() -> None:
 
 def _die_with_parent() -> None:
     """Linux: SIGTERM when the thread that started this process ends (its process killed
-    included); stdin's end covers the rest. Never raises."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        PR_SET_PDEATHSIG = 1
-        libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
-        if os.getppid() == 1:  # the parent was gone before the call took effect
-            raise SystemExit(0)
-    except (OSError, AttributeError):
-        pass
+    included), and every engine it starts killed when it ends; stdin's end covers the rest."""
+    if die_with_parent(signal.SIGTERM) and os.getppid() == 1:  # the parent was gone before the call
+        raise SystemExit(0)
+    engines_die_with_this_process()
 
 
 def _stop(signum: int, frame: Any) -> None:
@@ -257,6 +266,10 @@ def main() -> None:
         serve(sys.stdin, answers)
     except (BrokenPipeError, KeyboardInterrupt):  # the training process is gone
         pass
+    finally:  # the TMPDIR made for this worker (drawproc.TEMP_PREFIX): a killed training process cannot remove it
+        temp = os.environ.get("TMPDIR", "")
+        if os.path.basename(temp.rstrip(os.sep)).startswith("paddleviz-draw-"):
+            shutil.rmtree(temp, ignore_errors=True)
 
 
 if __name__ == "__main__":

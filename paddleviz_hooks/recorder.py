@@ -44,11 +44,13 @@ class BackwardGraphRecorder:
     """Capture the backward graph on selected steps of any training loop.
 
     For each captured step it keeps ``step_000100.png`` (sized for viewing),
-    ``.svg`` (full detail), ``.dot`` and ``.json`` under ``log_dir/run_name/``,
+    ``.svg`` (every op, up to 2,500 nodes; above, the viewing drawing), ``.dot``
+    and ``.json`` under ``log_dir/run_name/``,
     and logs image, text and scalar records to VisualDL in that same folder,
     its own run, so it never hides (or is hidden by) another writer of
-    ``log_dir`` (or to SwanLab, TensorBoard or W&B: see ``sinks``). Drawing
-    and writing happen in a background thread.
+    ``log_dir`` (or to SwanLab, TensorBoard or W&B: see ``sinks``). The data
+    is written by a background thread; pictures are drawn by a low-priority
+    process of their own (``drawworker.py``).
 
     Args:
         log_dir: VisualDL log directory (the one ``visualdl --logdir`` shows).

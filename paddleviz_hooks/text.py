@@ -87,6 +87,7 @@ __all__ = [
     "node_lines",
     "node_tooltip",
     "node_where",
+    "every_op_elsewhere",
     "notebook_full_detail",
     "origin_mark",
     "plural",
@@ -700,14 +701,23 @@ def ghost_lines(node: Node) -> list[str]:
 
 def box_lines(node: Node) -> list[str]:
     """Label of a collapsed layer box: path (call k of n), class (x N), op and
-    parameter count, norm."""
+    parameter count (of one block, for a run of N alike), norm.
+
+    Examples:
+        >>> box_lines(Node(0, "box", "Block", layer="layers.0-2", count=3, ops=87, params=48))[:3]
+        ['layers.0-2', 'Block x3', '29 ops each, 16 params']
+    """
     path = box_name(node.layer) + call_of(node.call, node.calls) if node.layer is not None else ""
     kind = node.name + (f" x{node.count}" if node.count > 1 else "")
     lines = [path, kind] if path else [kind]
-    per = node.ops // node.count if node.count > 1 and node.ops % node.count == 0 else None
+    def each(n: int) -> int | None:  # a run of alike blocks: the count of one block
+        return n // node.count if node.count > 1 and n % node.count == 0 else None
+
+    per, per_params = each(node.ops), each(node.params)
     size = (plural(per, "op") + " each") if per is not None else (plural(node.ops, "op") if node.ops else "")
     if node.params:
-        size += (", " if size else "") + plural(node.params, "param")
+        size += (", " if size else "") + (plural(per_params, "param") + (" each" if per is None else "")
+                                          if per_params is not None else plural(node.params, "param"))
     if size:
         lines.append(size)
     if node.norm is not None:
@@ -977,6 +987,16 @@ def collapse_note(collapsed: BackwardGraph, full: BackwardGraph, full_detail: st
     what = (f"collapsed to layer depth {info.get('depth')}{folded}" if info.get("depth") is not None
             else folded[2:] or "not collapsed")
     return f"{what}: {len(collapsed.nodes)} of {len(full.nodes)} nodes ({full_detail})"
+
+
+def every_op_elsewhere() -> str:
+    """Where every op of a capture too large for an op-by-op SVG can be seen.
+
+    Examples:
+        >>> every_op_elsewhere()
+        'every op: paddleviz-hooks explore LOG_DIR'
+    """
+    return "every op: paddleviz-hooks explore LOG_DIR"
 
 
 def notebook_full_detail(what: str) -> str:

@@ -171,7 +171,7 @@ def test_fold_repeats_gives_one_x3_box(tr_graph):
     per = sum(1 for n in tr_graph.nodes if n.kind == "op" and (n.layer or "").startswith("layers.0"))
     assert b.ops == 3 * per
     lines = node_lines(b)
-    assert f"{per} ops each, 48 params" in lines
+    assert f"{per} ops each, 16 params" in lines  # one block's counts: 48 params are 16 in each of 3
     assert lines[:2] == ["layers.0-2", "TransformerEncoderLayer x3"]
     assert any(line.startswith("|g| params ") for line in lines)
     assert len(c.nodes) == 1 + _outside(tr_graph)

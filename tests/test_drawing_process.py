@@ -163,3 +163,39 @@ print(rec.pipeline.drawing.pid, flush=True)
     while _state(pid) not in (None, "Z") and time.monotonic() < deadline:
         time.sleep(0.02)
     assert _state(pid) in (None, "Z")
+
+
+def test_an_engine_run_ends_with_its_killed_drawing_process(tmp_path, monkeypatch):
+    """SIGKILL of the drawing process mid-layout: its engine run ends too (it would be orphaned
+    and run on for minutes on a large graph), and its temporary files are removed."""
+    shim = tmp_path / "bin"
+    shim.mkdir()
+    (shim / "dot").write_text("#!/bin/sh\nexec sleep 30\n")  # an engine run that takes long
+    (shim / "dot").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{shim}{os.pathsep}{os.environ['PATH']}")
+    net = nn.Linear(3, 2)
+    rec = BackwardGraphRecorder(str(tmp_path / "log"), net, every=1, formats=("json", "png"), visualdl=False,
+                                verbose=0, render_timeout=4, close_timeout=0)
+    try:
+        with rec.step(1):
+            net(paddle.randn([2, 3])).sum().backward()
+        deadline, engine = time.monotonic() + 60, None
+        while engine is None and time.monotonic() < deadline:
+            engine = next((p for p, cmd in children(os.getpid()).items() if cmd.startswith("sleep 30")), None)
+            time.sleep(0.02)
+        worker = rec.pipeline.drawing.pid
+        assert engine is not None and worker is not None
+        with open(f"/proc/{worker}/environ", "rb") as f:
+            env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+        temp = env.get(b"TMPDIR", b"").decode()
+        os.kill(worker, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while _state(engine) not in (None, "Z") and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert _state(engine) in (None, "Z")  # not left running on its own
+        with recorded_warnings():
+            rec.close()
+        assert temp and not os.path.exists(temp)
+        assert children(os.getpid()) == {}
+    finally:
+        rec.close()

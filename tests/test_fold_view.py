@@ -268,3 +268,39 @@ def test_deep_sequential_mlp_viewing_png_is_the_fold_beside_one_block(engine_sou
     _, runs, _ = _draw_counted(engine_sources, lambda: render_views(_mlp(300), ("png",), info=again))
     assert runs == 1 and again["shown"] == info["shown"]
 
+
+
+def test_a_capture_too_large_for_an_op_by_op_svg_is_drawn_in_time_and_says_where_every_op_is(huge, tmp_path):
+    """The drawing process's job for the 10k graph with the recorder's default options: the
+    engine cannot lay out 10,082 nodes op by op within render_timeout (over 60 s), so the SVG is
+    the viewing drawing and every picture's title points to the explorer, not to the SVG; the
+    landscape picture for VisualDL's viewer is drawn too."""
+    import time
+
+    from paddleviz_hooks.drawworker import FULL_SVG_MAX_NODES, draw_job
+    from paddleviz_hooks.render.engine import engine_choice
+    from paddleviz_hooks.text import every_op_elsewhere
+
+    assert len(huge.nodes) > FULL_SVG_MAX_NODES
+    path = tmp_path / "step_000001.json"
+    path.write_text(huge.to_json(), encoding="utf-8")
+    opts = RecorderOptions()
+    out = {f: str(tmp_path / f"out.{f}") for f in ("png", "svg")}
+    out["viewer"] = str(tmp_path / "viewer.png")
+    job = {"step": 1, "trigger": "scheduled", "suffix": "", "json": str(path), "prev_json": None, "diff": False,
+           "engine": engine_choice(), "out": out, "encoding": None,
+           "options": {"viewer_px": opts.viewer_px, "view_max_px": opts.view_max_px,
+                       "view_max_nodes": opts.view_max_nodes, "color_by": opts.color_by,
+                       "render_timeout": opts.render_timeout}}
+    t0 = time.monotonic()
+    answer = draw_job(job)
+    assert time.monotonic() - t0 < 30
+    assert answer["error"] is None and answer["why"] is None and answer["warnings"] == [], answer
+    assert sorted(answer["written"]) == ["png", "svg", "viewer"]
+    svg = (tmp_path / "out.svg").read_text(encoding="utf-8")
+    assert "the SVG has every op" not in svg and every_op_elsewhere().replace("-", "&#45;") in svg
+    assert "layers.0&#45;222" in svg  # the fold, as in the PNG
+    from PIL import Image
+
+    with Image.open(out["viewer"]) as im:
+        assert im.width > im.height  # the viewer's landscape picture, not the tall PNG

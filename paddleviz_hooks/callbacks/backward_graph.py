@@ -75,6 +75,12 @@ class BackwardGraphCallback(paddle.callbacks.Callback):
         return self.recorder.dropped_steps
 
     @property
+    def undrawn_steps(self) -> list[int]:
+        """Steps whose data is saved but whose pictures were not drawn by ``close()`` (named in a
+        warning with the command that draws them)."""
+        return self.recorder.undrawn_steps
+
+    @property
     def triggers(self) -> dict[int, str]:
         """Step -> what captured it (``"scheduled"`` or a trigger name)."""
         return self.recorder.triggers

@@ -213,6 +213,31 @@ def _check_timeout(timeout: float | None) -> None:
         raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
 
 
+def die_with_parent(sig: int = signal.SIGKILL) -> bool:
+    """Linux: this process gets ``sig`` when the thread that started it ends (its process
+    killed included), through ``prctl(PR_SET_PDEATHSIG)``. False where that is not available;
+    never raises."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None, use_errno=True).prctl(1, int(sig), 0, 0, 0) == 0  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return False
+
+
+_ENGINE_SETUP: list[Callable[[], Any]] = []  # run in each engine's process before it starts (see below)
+
+
+def engines_die_with_this_process() -> None:
+    """Linux: every engine started from now on is killed when this process dies, whatever
+    kills it (SIGKILL included). The set-up runs between fork and exec, which is safe only
+    in a process without other threads: the drawing process calls it, nothing else."""
+    if sys.platform.startswith("linux") and not _ENGINE_SETUP:
+        _ENGINE_SETUP.append(die_with_parent)
+
+
 def _execute(cmd: list[str], source: str, what: str, timeout: float | None, engine: Engine,
              stdout_expected: bool = True) -> bytes:
     """Run the engine command, killing it after ``timeout``; its stdout.
@@ -224,7 +249,7 @@ def _execute(cmd: list[str], source: str, what: str, timeout: float | None, engi
     group = os.name == "posix"
     try:
         proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                start_new_session=group)
+                                start_new_session=group, preexec_fn=_ENGINE_SETUP[0] if _ENGINE_SETUP else None)
     except OSError as exc:
         raise RuntimeError(f"could not run {engine.path}: {exc}") from None
     with proc:
