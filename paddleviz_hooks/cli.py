@@ -244,6 +244,8 @@ def _cmd_render(args: argparse.Namespace) -> int:
         opts["depth"] = args.depth
     if args.max_nodes is not None:
         opts["max_nodes"] = args.max_nodes
+    elif args.depth is None and fmt == "png":
+        pass  # the recorder's viewing PNG: collapsed and folded as far as legibility needs
     elif args.depth is None and fmt != "json" and len(graph.nodes) > DRAW_MAX_NODES:
         opts["max_nodes"] = DRAW_MAX_NODES
         print(f"{args.graph} has {len(graph.nodes):,} nodes: drawn collapsed to at most {DRAW_MAX_NODES} "

@@ -304,3 +304,19 @@ def test_a_capture_too_large_for_an_op_by_op_svg_is_drawn_in_time_and_says_where
 
     with Image.open(out["viewer"]) as im:
         assert im.width > im.height  # the viewer's landscape picture, not the tall PNG
+
+
+def test_the_redraw_command_draws_a_huge_capture_as_the_recorder_does(huge, tmp_path, capsys):
+    """``paddleviz-hooks render step.json -o step.png`` (the command an undrawn capture's warning
+    names) draws the recorder's viewing PNG: the fold beside one block, not 2,000 nodes shrunk
+    into a blank bitmap."""
+    from paddleviz_hooks import cli
+    from paddleviz_hooks.render import render_png
+
+    path = tmp_path / "step_000001.json"
+    path.write_text(huge.to_json(), encoding="utf-8")
+    assert cli.main(["render", str(path), "-o", str(tmp_path / "step_000001.png")]) == 0
+    info: dict = {}
+    recorders = render_png(huge, info=info)  # what the recorder draws for it
+    assert info["nodes"] < 100 and info["shown"] == {"layers.0-222": ["layers.223", 224]}
+    assert (tmp_path / "step_000001.png").read_bytes() == recorders  # the same drawing, byte for byte
