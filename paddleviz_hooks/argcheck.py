@@ -36,6 +36,10 @@ def check_path(name: str, value: Any, allow_none: bool = False) -> str | None:
     return path
 
 
+#: Options of the drawing functions that a recorder or callback does not take
+DRAWING_OPTIONS = frozenset({"fold_repeats", "depth", "max_nodes", "by_type", "auto_collapse", "rankdir"})
+
+
 def reject_unknown(called: str, given: Iterable[str], known: Iterable[str]) -> None:
     """``TypeError`` naming ``called`` (the class or function the user called) and the closest valid name.
 
@@ -44,11 +48,20 @@ def reject_unknown(called: str, given: Iterable[str], known: Iterable[str]) -> N
         Traceback (most recent call last):
         ...
         TypeError: BackwardGraphCallback() got an unexpected keyword argument 'evry'; did you mean 'every'?
+        >>> reject_unknown("BackwardGraphRecorder", ["fold_repeats"], ["formats", "every"])
+        Traceback (most recent call last):
+        ...
+        TypeError: BackwardGraphRecorder() got an unexpected keyword argument 'fold_repeats'; 'fold_repeats' is an option of the drawing functions (render_png, render_svg, paddleviz-hooks render); pictures taken while training are collapsed and folded as far as legibility needs
     """
     known = sorted(known)
     for name in sorted(given):
         if name in known:
             continue
         close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
-        hint = f"did you mean {close[0]!r}?" if close else f"the options are: {', '.join(known)}"
+        if name in DRAWING_OPTIONS:  # a drawing function's option: no near name is what was meant
+            hint = (f"{name!r} is an option of the drawing functions (render_png, render_svg, "
+                    "paddleviz-hooks render); pictures taken while training are collapsed and folded "
+                    "as far as legibility needs")
+        else:
+            hint = f"did you mean {close[0]!r}?" if close else f"the options are: {', '.join(known)}"
         raise TypeError(f"{called}() got an unexpected keyword argument {name!r}; {hint}")
