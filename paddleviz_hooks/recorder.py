@@ -29,7 +29,7 @@ from .pipeline import CaptureJob, CapturePipeline
 from ._interrupts import as_interrupt, held_interrupts, is_wrapped_interrupt, run_all
 from .sinks.files import StepFiles, claim_run_dir
 from .sinks.hub import DEFAULT_SINKS
-from .text import MODEL_OUTPUT, end_line, run_folder_note, backward_role, nonfinite_lines
+from .text import MODEL_OUTPUT, closing_line, end_line, run_folder_note, backward_role, nonfinite_lines
 from .capture.stats import local_value, sum_of_squares
 from .triggers import Triggers, global_grad_norm, weights_nonfinite
 from .warn import WarnOnce
@@ -403,6 +403,8 @@ class BackwardGraphRecorder:
         pipeline = self._pipeline
         if pipeline is None:
             return
+        if self.options.verbose and not pipeline.idle:  # the wait may be long: say what it is for
+            print("[paddleviz-hooks] " + closing_line(self.options.close_timeout), flush=True)
         pipeline.close()
         self._pipeline = None
         self.undrawn_steps = pipeline.undrawn_at_close

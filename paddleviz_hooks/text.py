@@ -55,6 +55,7 @@ __all__ = [
     "SOURCE_NOTES_TEXT",
     "call_name",
     "capture_title",
+    "closing_line",
     "graph_title",
     "origin_title",
     "collapse_note",
@@ -908,6 +909,17 @@ def undrawn_line(steps: dict[int, str], first: str) -> str:
         by_reason.setdefault(why, []).append(step)
     parts = [f"{'steps' if len(s) > 1 else 'step'} {step_list(s)}: {why}" for why, s in by_reason.items()]
     return f"{plural(len(steps), 'captured step')} not drawn ({'; '.join(parts)}); their data is saved: {first}"
+
+
+def closing_line(timeout: float) -> str:
+    """What the recorder says when ``close()`` starts waiting on pictures still being drawn.
+
+    Examples:
+        >>> closing_line(120)
+        'drawing the captures still waiting (at most close_timeout=120 s; Ctrl-C leaves them undrawn, with the command that draws them)'
+    """
+    return (f"drawing the captures still waiting (at most close_timeout={timeout:g} s; "
+            "Ctrl-C leaves them undrawn, with the command that draws them)")
 
 
 def end_line(captured: int, graphs: int, written: int, lost: dict[int, str], drawn: int, undrawn: int,
