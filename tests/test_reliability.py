@@ -695,3 +695,28 @@ def test_use_after_close_warns_once_and_writes_beside(tmp_path):
     msgs = [m for m in ours(got) if "after close()" in m]
     assert len(msgs) == 1 and "rec.open()" in msgs[0]
     assert rec.run_dir != first and step_files(first, "json") == [1, 2] and step_files(rec.run_dir, "json") == [3, 4]
+
+
+def test_a_killed_writers_drawing_leftovers_go_when_its_folder_is_next_looked_at(tmp_path):
+    """A training process killed while its drawing process was at work leaves the drawing's log
+    and half-made pictures in ``.pending``; the next recorder that looks at the folder (and
+    writes elsewhere: the folder keeps a recorded step) removes them, keeping the folder's data."""
+    log = tmp_path / "vdl"
+    script = textwrap.dedent(f"""
+        import os, signal
+        from paddleviz_hooks import BackwardGraphRecorder
+        rec = BackwardGraphRecorder({str(log)!r}, every=1, verbose=0, visualdl=False, formats=("json",)).open()
+        open(os.path.join(rec.run_dir, "step_000001.json"), "w").close()  # a recorded step
+        os.makedirs(os.path.join(rec.run_dir, ".pending"))
+        for name in ("drawing.log", "step_000002draw.png", "step_000002.viewer.png"):
+            open(os.path.join(rec.run_dir, ".pending", name), "w").close()
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(PKG), os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run([sys.executable, "-c", script], env=env, timeout=120)
+    assert r.returncode == -9
+    net = Net()
+    with BackwardGraphRecorder(str(log), net, every=1, verbose=0, visualdl=False, formats=("json",)) as rec:
+        _steps(rec, net, (1,), paddle.randn([2, 6]))
+    assert rec.run_dir == str(log / "backward_graph_2")
+    assert sorted(os.listdir(log / "backward_graph")) == ["step_000001.json"]

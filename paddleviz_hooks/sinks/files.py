@@ -7,7 +7,8 @@ that another live writer holds, or that already keeps recorded files (an
 earlier run, an earlier ``Model.fit``, a recorder opened again), is left as
 it is: the next free ``<folder>_2``, ``<folder>_3``... is used instead
 (:func:`claim_run_dir`). Temporary files a killed writer left behind
-(``.tmp-*``, ``.probe-*``) are removed when a folder nobody holds is looked at.
+(``.tmp-*``, ``.probe-*``, the drawing process's log and half-made pictures
+in ``.pending``) are removed when a folder nobody holds is looked at.
 """
 
 from __future__ import annotations
@@ -63,7 +64,9 @@ def _release(directory: str, lock) -> None:
 
 def _clean_temporaries(directory: str) -> list[str]:
     """Remove what a killed writer left half-written in ``directory`` and its ``graphs/``
-    and ``.pending`` folders (never in the ``rank_K`` folders of other processes)."""
+    and ``.pending`` folders (never in the ``rank_K`` folders of other processes): in
+    ``.pending``, everything but the captures' JSON waiting to be drawn (its pictures half
+    made, the drawing process's log), and the folder itself once empty."""
     removed = []
     for sub in ("", "graphs", ".pending"):
         top = os.path.join(directory, sub)
@@ -71,12 +74,16 @@ def _clean_temporaries(directory: str) -> list[str]:
             if sub == "":
                 dirs[:] = []  # only the folder itself
             for name in names:
-                if name.startswith(_TEMP_PREFIXES):
+                if name.startswith(_TEMP_PREFIXES) or (sub == ".pending" and not name.endswith(".json")):
                     try:
                         os.unlink(os.path.join(root, name))
                         removed.append(os.path.join(root, name))
                     except OSError:
                         pass
+    try:
+        os.rmdir(os.path.join(directory, ".pending"))  # only when empty
+    except OSError:
+        pass
     return removed
 
 
