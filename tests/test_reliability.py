@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import _thread
 import contextlib
+import gc
 import io
 import linecache
 import os
@@ -152,6 +153,9 @@ class Leftovers:
         if not paddle.is_grad_enabled():
             left.append("grad mode off")
             paddle.set_grad_enabled(True)
+        if not gc.isenabled():
+            left.append("garbage collection left off")
+            gc.enable()
         self.calls = 0
         self.net.clear_gradients()
         self.net(paddle.randn([2, 6])).sum().backward()  # nothing of ours may still record

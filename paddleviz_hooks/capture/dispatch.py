@@ -117,10 +117,11 @@ class Dispatcher:
         grad_was = paddle.is_grad_enabled()
         sessions: list = []
         dump: StackDump | None = None
-        pushed = ok = paused = False
+        pushed = ok = False
+        collections = gcpause.Pause()
         try:
             if caps and outer is None:  # collections wait until the graphs are built (gcpause.py)
-                paused = gcpause.pause()
+                collections.start()
             # inside the try: an interrupt while walking still unhooks what was hooked
             for cap in caps:
                 if outer is None:
@@ -129,9 +130,8 @@ class Dispatcher:
                     s = cap._begin(list(roots), entry, nested=True, parent=outer.sessions.get(cap))
                 sessions.append((cap, s))
                 frame.sessions[cap] = s
-            if paused and all(s is None for _, s in sessions):
-                gcpause.resume(paused)  # nothing is captured: collections as usual
-                paused = False
+            if all(s is None for _, s in sessions):
+                collections.end()  # nothing is captured: collections as usual
             if any(s is not None and s.wants_stacks for _, s in sessions):
                 dump = StackDump()
                 args = dump.inject(entry, args)
@@ -164,7 +164,7 @@ class Dispatcher:
             if dump is not None:
                 ends.append(lambda: _hand_stacks(dump, sessions))
             ends += [functools.partial(cap._end, s, ok=ok, retain_graph=bool(retain_graph)) for cap, s in sessions]
-            ends.append(lambda: gcpause.resume(paused))  # last: the graphs are built
+            ends.append(collections.end)  # last: the graphs are built
             run_all(*ends)  # every capture unhooks, whatever another raises
 
 

@@ -11,40 +11,36 @@ forward) runs with collection as it was.
 
 from __future__ import annotations
 
-import contextlib
 import gc
-from typing import Iterator
 
-__all__ = ["pause", "resume", "paused"]
+__all__ = ["Pause"]
 
 
-def pause() -> bool:
-    """Hold off collections; True when this call did (then :func:`resume` must follow).
+class Pause:
+    """Collections held off from :meth:`start` to :meth:`end`, then as they were.
+
+    Both are idempotent, so an undo list (``_interrupts.run_all``) that runs
+    :meth:`end` again after an interrupt finishes it; a user who had turned
+    collection off keeps it off.
 
     Examples:
         >>> was = gc.isenabled()
-        >>> p = pause(); gc.isenabled()
+        >>> p = Pause()
+        >>> p.start(); gc.isenabled()
         False
-        >>> resume(p); gc.isenabled() == was
+        >>> p.end(); p.end(); gc.isenabled() == was
         True
     """
-    if gc.isenabled():
-        gc.disable()
-        return True
-    return False
 
+    def __init__(self) -> None:
+        self.held = False
 
-def resume(paused_here: bool) -> None:
-    """End a :func:`pause` that held collections off (one that found them off changes nothing)."""
-    if paused_here:
-        gc.enable()
+    def start(self) -> None:
+        if gc.isenabled():
+            self.held = True  # first: whatever stops this call now, end() puts collection back
+            gc.disable()
 
-
-@contextlib.contextmanager
-def paused() -> Iterator[None]:
-    """Collections held off inside the block, as they were after it."""
-    p = pause()
-    try:
-        yield
-    finally:
-        resume(p)
+    def end(self) -> None:
+        if self.held:
+            gc.enable()
+            self.held = False

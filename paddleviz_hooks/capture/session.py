@@ -215,6 +215,7 @@ class BackwardCapture:
         self._param_names: dict[int, tuple[str, Any]] = {}
         self._warn = warn or WarnOnce()
         self._programs = ProgramRuns(self._warn)  # to_static programs run in the block
+        self._collections = gcpause.Pause()  # held off while hooks go in and out (gcpause.py)
         self.saved_memory = saved_memory
         self._saved: SavedMemory | None = None
         self._saved_on = False  # observe saved tensors in the forwards of this block
@@ -235,7 +236,8 @@ class BackwardCapture:
         if self._active:
             raise RuntimeError("this capture is already active; create a new capture_backward() per block")
         try:  # whatever raises where (a Ctrl-C is held until set-up is over), nothing stays half-installed
-            with held_interrupts(), gcpause.paused():
+            with held_interrupts():
+                self._collections.start()  # thousands of hook handles on a deep model (gcpause.py)
                 source = self.params if self.params is not None else self.layer
                 self._param_names = parameter_names(source) if source is not None else {}
                 if self.layer is not None:
@@ -248,6 +250,7 @@ class BackwardCapture:
                     self.observe_saved(True)
                 if self.sources and self.sources_from_enter:
                     self.observe_sources(True)
+                self._collections.end()
             return self
         except BaseException:
             self._teardown()
@@ -265,11 +268,11 @@ class BackwardCapture:
     def _teardown(self) -> None:
         """Remove everything ``__enter__`` installed; every part is removed whatever
         another part raises (the first exception is raised after)."""
-        with held_interrupts(), gcpause.paused():
+        with held_interrupts():
             self._active = False
-            run_all(lambda: self.observe_saved(False), lambda: self.observe_sources(False), self._drop_saved,
-                    lambda: DISPATCHER.deactivate(self),
-                    self._programs.remove, self._drop_attribution)
+            run_all(self._collections.start, lambda: self.observe_saved(False), lambda: self.observe_sources(False),
+                    self._drop_saved, lambda: DISPATCHER.deactivate(self),
+                    self._programs.remove, self._drop_attribution, self._collections.end)
             self._param_names = {}
 
     def _drop_saved(self) -> None:
