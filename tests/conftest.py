@@ -51,20 +51,34 @@ def _paddle_state_guard():
 
 
 @pytest.fixture()
-def engine_run_count(tmp_path, monkeypatch):
-    """Layout-engine runs so far, counted by a ``dot`` shim first on ``PATH`` (each run
-    appends a line to a file, then hands over to the real ``dot``); skips without ``dot``."""
+def dot_shim(tmp_path, monkeypatch):
+    """``install(body)``: a ``dot`` first on ``PATH`` running the shell ``body`` (``{real}`` in it:
+    the real ``dot``, and the test skips without one); the layout engine every drawing uses then."""
     import os
     import shutil
 
-    real = shutil.which("dot")
-    if real is None:
-        pytest.skip("needs Graphviz dot")
-    shim_dir, counter = tmp_path / "dot-shim", tmp_path / "dot-runs.txt"
-    shim_dir.mkdir()
-    shim = shim_dir / "dot"
-    shim.write_text(f"#!/bin/sh\necho run >> {counter}\nexec {real} \"$@\"\n")
-    shim.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{shim_dir}{os.pathsep}{os.environ['PATH']}")
-    monkeypatch.setenv("PADDLEVIZ_ENGINE", "dot")
+    def install(body: str):
+        if "{real}" in body:
+            real = shutil.which("dot")
+            if real is None:
+                pytest.skip("needs Graphviz dot")
+            body = body.replace("{real}", real)
+        shim_dir = tmp_path / "dot-shim"
+        shim_dir.mkdir(exist_ok=True)
+        shim = shim_dir / "dot"
+        shim.write_text("#!/bin/sh\n" + body)
+        shim.chmod(0o755)
+        monkeypatch.setenv("PATH", f"{shim_dir}{os.pathsep}{os.environ['PATH']}")
+        monkeypatch.setenv("PADDLEVIZ_ENGINE", "dot")
+        return shim
+
+    return install
+
+
+@pytest.fixture()
+def engine_run_count(tmp_path, dot_shim):
+    """Layout-engine runs so far, counted by a ``dot`` shim first on ``PATH`` (each run
+    appends a line to a file, then hands over to the real ``dot``); skips without ``dot``."""
+    counter = tmp_path / "dot-runs.txt"
+    dot_shim(f"echo run >> {counter}\nexec {{real}} \"$@\"\n")
     return lambda: len(counter.read_text().splitlines()) if counter.exists() else 0

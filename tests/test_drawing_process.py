@@ -165,14 +165,10 @@ print(rec.pipeline.drawing.pid, flush=True)
     assert _state(pid) in (None, "Z")
 
 
-def test_an_engine_run_ends_with_its_killed_drawing_process(tmp_path, monkeypatch):
+def test_an_engine_run_ends_with_its_killed_drawing_process(tmp_path, dot_shim):
     """SIGKILL of the drawing process mid-layout: its engine run ends too (it would be orphaned
     and run on for minutes on a large graph), and its temporary files are removed."""
-    shim = tmp_path / "bin"
-    shim.mkdir()
-    (shim / "dot").write_text("#!/bin/sh\nexec sleep 30\n")  # an engine run that takes long
-    (shim / "dot").chmod(0o755)
-    monkeypatch.setenv("PATH", f"{shim}{os.pathsep}{os.environ['PATH']}")
+    dot_shim("exec sleep 30\n")  # an engine run that takes long
     net = nn.Linear(3, 2)
     rec = BackwardGraphRecorder(str(tmp_path / "log"), net, every=1, formats=("json", "png"), visualdl=False,
                                 verbose=0, render_timeout=4, close_timeout=0)

@@ -185,19 +185,10 @@ def test_a_step_begun_and_never_ended_is_ended_by_the_next_begin_step(tmp_path):
         assert json.loads(p.read_text())["meta"]["backward"]["of"] == 1, p.name
 
 
-def test_close_says_what_it_waits_for_when_pictures_are_still_being_drawn(tmp_path, monkeypatch, capsys):
+def test_close_says_what_it_waits_for_when_pictures_are_still_being_drawn(tmp_path, dot_shim, capsys):
     """A slow drawing at close(): the recorder says it is drawing what is left, and for how long
-    at most, before it waits (and says nothing of the kind when nothing is left)."""
-    import shutil
-
-    real = shutil.which("dot")
-    if real is None:
-        pytest.skip("needs Graphviz dot")
-    shim = tmp_path / "bin"
-    shim.mkdir()
-    (shim / "dot").write_text(f'#!/bin/sh\nsleep 1\nexec {real} "$@"\n')  # each layout takes a second more
-    (shim / "dot").chmod(0o755)
-    monkeypatch.setenv("PATH", f"{shim}{os.pathsep}{os.environ['PATH']}")
+    at most, before it waits."""
+    dot_shim('sleep 1\nexec {real} "$@"\n')  # each layout takes a second more
     net = paddle.nn.Linear(3, 2)
     rec = BackwardGraphRecorder(str(tmp_path / "log"), net, every=1, formats=("json", "png"), visualdl=False,
                                 verbose=1, close_timeout=60)
