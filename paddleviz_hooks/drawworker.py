@@ -36,6 +36,7 @@ import os
 import shutil
 import signal
 import sys
+import threading
 import time
 from types import SimpleNamespace
 from typing import Any, TextIO
@@ -52,7 +53,8 @@ from .render.engine import EngineNotFound, RenderTimeout, die_with_parent, engin
 from .sinks.hub import encode_png
 from .sinks.vdl_graph import write_vdl_graph
 
-__all__ = ["DRAWING_NICE", "FULL_SVG_MAX_NODES", "VIEWER_LABEL_PX", "capture_picture_title", "draw_job", "main", "viewer_png"]
+__all__ = ["DRAWING_NICE", "FULL_SVG_MAX_NODES", "VIEWER_LABEL_PX", "capture_picture_title", "draw_job",
+           "lower_priority", "main", "viewer_png"]
 
 #: Node labels (11 pt) of the VisualDL picture are at least this many pixels high
 VIEWER_LABEL_PX = 8.0
@@ -217,11 +219,25 @@ def _draw(job: dict[str, Any], graphs: _Graphs, answer: dict[str, Any]) -> None:
         answer["why"] = "the layout engine drew nothing"
 
 
-def _lower_priority() -> None:
-    """This process (and the engines it starts) at nice DRAWING_NICE; never raises."""
+def lower_priority(thread: bool = False) -> None:
+    """This process, or with ``thread`` only the calling thread, at nice ``DRAWING_NICE`` (or
+    lower priority still), and the processes it starts with it.
+
+    Linux keeps a nice value per thread; elsewhere a thread id is no process
+    id, so ``thread`` changes nothing there. Never raises: drawing at normal
+    priority is still drawing.
+
+    Examples:
+        >>> import threading
+        >>> t = threading.Thread(target=lower_priority, kwargs={"thread": True})
+        >>> t.start(); t.join()  # the thread ended at nice 10 (on Linux); this one is untouched
+    """
+    if thread and not sys.platform.startswith("linux"):
+        return
     try:
-        os.setpriority(os.PRIO_PROCESS, 0, max(os.getpriority(os.PRIO_PROCESS, 0), DRAWING_NICE))
-    except (AttributeError, OSError):  # no such call, no permission: draw at normal priority
+        who = threading.get_native_id() if thread else 0
+        os.setpriority(os.PRIO_PROCESS, who, max(os.getpriority(os.PRIO_PROCESS, who), DRAWING_NICE))
+    except (AttributeError, OSError):  # no such call, no permission: keep the normal priority
         pass
 
 
@@ -255,7 +271,7 @@ def serve(lines: TextIO, answers: TextIO) -> None:
 
 def main() -> None:
     """Entry point of ``python -m paddleviz_hooks.drawworker``."""
-    _lower_priority()
+    lower_priority()
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the training process's to handle
     signal.signal(signal.SIGTERM, _stop)

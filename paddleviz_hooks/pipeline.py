@@ -23,7 +23,6 @@ import heapq
 import os
 import queue
 import shutil
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -34,7 +33,7 @@ from .drawproc import DrawingProcess
 from .graph import BackwardGraph
 from .options import RecorderOptions
 from .render.engine import engine_choice
-from .drawworker import DRAWING_NICE
+from .drawworker import lower_priority
 from .sinks.base import CaptureData, CapturePictures, SinkContext, capture_scalars, suffixed
 from .sinks.files import StepFiles
 from .sinks.hub import SinkSet
@@ -43,27 +42,6 @@ from ._interrupts import run_all
 from .warn import WarnOnce
 
 __all__ = ["BackgroundWorker", "CaptureJob", "CapturePipeline"]
-
-
-def lower_thread_priority(nice: int = DRAWING_NICE) -> None:
-    """Give the calling thread (and the processes it starts) a lower CPU priority.
-
-    Linux keeps a nice value per thread; elsewhere a thread id is no process
-    id, so nothing is changed. Never raises: drawing at normal priority is
-    still drawing.
-
-    Examples:
-        >>> import threading
-        >>> t = threading.Thread(target=lower_thread_priority)
-        >>> t.start(); t.join()  # the thread ended at nice 10 (on Linux); this one is untouched
-    """
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), nice))
-    except (AttributeError, OSError):  # no permission, no such call: keep the normal priority
-        pass
 
 
 _STOP = object()
@@ -376,7 +354,7 @@ class CapturePipeline:
     def _draw_loop(self) -> None:
         """The thread that hands the backlog to the drawing process, triggered captures first, and
         its pictures to the sinks, until close() says stop."""
-        lower_thread_priority()  # pictures may lag; the training steps must not
+        lower_priority(thread=True)  # pictures may lag; the training steps must not
         while True:
             with self._lock:
                 while not self._backlog and self._closing_at is None:

@@ -15,8 +15,7 @@ import paddle.nn as nn
 
 from paddleviz_hooks import BackwardGraphRecorder
 from paddleviz_hooks.drawproc import WORKER_MODULE
-from paddleviz_hooks.pipeline import lower_thread_priority
-from paddleviz_hooks.drawworker import DRAWING_NICE
+from paddleviz_hooks.drawworker import DRAWING_NICE, lower_priority
 
 from _fitkit import children
 
@@ -26,7 +25,7 @@ def test_drawing_thread_and_its_engines_run_niced():
     seen = {}
 
     def draw():
-        lower_thread_priority()
+        lower_priority(thread=True)
         seen["thread"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
         # what a `dot` started from this thread inherits
         seen["child"] = int(subprocess.run(["sh", "-c", "nice"], capture_output=True, text=True).stdout)
