@@ -365,3 +365,166 @@ def test_sources_with_saved_memory_leave_every_op_as_paddle_had_it():
         assert {n: getattr(_C_ops, n) for n in before} == before
     conv = next(n for n in cap.graph.nodes if n.op == "Conv2d")
     assert conv.source and conv.saved_bytes > 0
+
+
+def _logged_stacks(folder) -> list[list[SourceFrame]]:
+    from paddleviz_hooks.capture.source import parse_call_stacks
+
+    logs = glob.glob(os.path.join(str(folder), "*_call_stack.log"))
+    assert logs
+    stacks: list[list[SourceFrame]] = []
+    for log in logs:
+        with open(log, encoding="utf-8") as fh:
+            stacks += [s for s in parse_call_stacks(fh.read()).values() if s]
+    return stacks
+
+
+def test_paddle_keeps_only_the_frames_a_source_can_show(tmp_path):
+    """The stack text Paddle stores on each grad node (and writes in its dump) leaves out
+    Paddle's and the standard library's frames, which no Node.source shows: on a
+    2,900-layer model it was most of the dump. The user's frames, installed packages'
+    (pytest's here: the launcher) and this package's (a recomputed forward) stay."""
+    paddle.seed(0)
+    net = M.Net()
+    x = paddle.randn([3, 6])
+    dump = tmp_path / "own_dump"
+    dump.mkdir()
+    with capture_backward(net):  # the user's own dump path: Paddle writes there what it kept
+        M.loss_of(net, x).backward(dump_backward_graph_path=str(dump))
+    stacks = _logged_stacks(dump)
+    files = {os.path.abspath(f.file) for s in stacks for f in s}
+    paddle_dir = os.path.dirname(os.path.abspath(paddle.__file__)) + os.sep
+    stdlib = os.path.dirname(os.path.abspath(os.__file__)) + os.sep
+    internal = [f for f in files if f.startswith(paddle_dir) or f.startswith("<frozen ")
+                or (f.startswith(stdlib) and not any(d in f for d in ("site-packages", "dist-packages")))]
+    assert not internal, internal
+    assert MODEL_FILE in files and os.path.abspath(__file__) in files
+    assert any(os.sep + "_pytest" + os.sep in f for f in files)  # a launcher's frames are kept
+    # the sources are what they were: every op's own line, outermost first, with the test's frames
+    _, g = _capture()
+    marks = M.marked_lines()
+    for n in (n for n in g.nodes if n.kind == "op"):
+        assert n.source_note is None and n.op in marks[n.source[-1].line], n
+        assert [f.function for f in n.source[:3]] == ["test_paddle_keeps_only_the_frames_a_source_can_show",
+                                                      "_capture", "loss_of"]
+
+
+class _StackReader(paddle.nn.Layer):
+    """Calls traceback.format_stack itself in the middle of a captured forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = paddle.nn.Linear(6, 6)
+        self.seen: list[list[str]] = []
+
+    def forward(self, x):
+        h = self.fc(x)
+        self.seen.append(traceback.format_stack())
+        return paddle.tanh(h)
+
+
+def test_a_python_caller_of_format_stack_still_gets_every_frame():
+    """Only Paddle's calls are given the short stack: the user's own call of
+    traceback.format_stack, while a capture has it patched, gets every frame, one string each."""
+    paddle.seed(0)
+    net = _StackReader()
+    with capture_backward(net) as cap:
+        net(paddle.randn([2, 6])).mean().backward()
+    seen = net.seen[-1]
+    expected = traceback.extract_stack()  # this test's own frames, then the forward's
+    assert len(seen) > len(expected) and all(s.startswith('  File "') for s in seen)
+    assert any("paddle" + os.sep + "nn" + os.sep + "layer" + os.sep + "layers.py" in s for s in seen)
+    assert [s.split("\n")[0] for s in seen[:len(expected) - 1]] == [
+        f'  File "{f.filename}", line {f.lineno}, in {f.name}' for f in expected[:-1]]
+    assert seen[-1].split("\n")[1].strip() == "self.seen.append(traceback.format_stack())"
+    assert next(n for n in cap.graph.nodes if n.op == "Tanh").source[-1].code == "return paddle.tanh(h)"
+
+
+def _steps():
+    """A generator making ops, resumed from two different functions."""
+    h = yield
+    while True:
+        h = yield paddle.tanh(h)
+
+
+def _resume_a(gen, h):
+    return gen.send(h)
+
+
+def _resume_b(gen, h):
+    return gen.send(h)
+
+
+def test_ops_in_a_generator_resumed_from_elsewhere_name_each_caller():
+    """A generator's frame runs under whichever function resumed it: the stack of its
+    ops is never taken from an earlier call's frames."""
+    paddle.seed(0)
+    lin = paddle.nn.Linear(6, 6)
+    gen = _steps()
+    next(gen)
+    with capture_backward(lin) as cap:
+        a = _resume_a(gen, lin(paddle.randn([2, 6])))
+        b = _resume_b(gen, a)  # no op in between: the generator's frame was the last call's
+        b.mean().backward()
+    tanhs = [n for n in cap.graph.nodes if n.op == "Tanh"]
+    assert len(tanhs) == 2
+    assert sorted(tuple(f.function for f in n.source[-2:]) for n in tanhs) == [("_resume_a", "_steps"),
+                                                                               ("_resume_b", "_steps")]
+
+
+def _op_in_a_frame_of_its_own(h, i):
+    return h + float(i)  # ops: Scale
+
+
+def _thread_a(h, out):
+    for _ in range(150):
+        h = paddle.tanh(h)
+    out.append(h)
+
+
+def _thread_b(h, out):
+    for _ in range(150):
+        h = paddle.sin(h)
+    out.append(h)
+
+
+def test_sources_stay_right_over_many_frames_and_two_threads_at_once():
+    """The frames reused from one op call to the next are the same running frames:
+    thousands of short-lived frames, and two threads making ops in turn, each op
+    keeps its own stack."""
+    import sys
+    import threading
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible
+    try:
+        paddle.seed(0)
+        lin = paddle.nn.Linear(4, 4)
+        with capture_backward(lin) as cap:
+            h = lin(paddle.randn([2, 4]))
+            for i in range(5000):
+                h = _op_in_a_frame_of_its_own(h, i)
+            out: list = []
+            threads = [threading.Thread(target=_thread_a, args=(h, out)),
+                       threading.Thread(target=_thread_b, args=(h, out))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            sum(o.mean() for o in out).backward()
+    finally:
+        sys.setswitchinterval(interval)
+    this = os.path.abspath(__file__)
+    ops = [n for n in cap.graph.nodes if n.kind == "op"]
+    by = {}
+    for n in ops:
+        by.setdefault(n.op, []).append(n)
+    assert len(by["Tanh"]) == len(by["Sin"]) == 150
+    for n in by["Tanh"] + by["Sin"]:  # a thread's stack starts at its target
+        want = "_thread_a" if n.op == "Tanh" else "_thread_b"
+        assert [(os.path.abspath(f.file), f.function) for f in n.source] == [(this, want)], n.source
+    scales = [n for n in by["Scale"] if n.source[-1].function == "_op_in_a_frame_of_its_own"]
+    assert len(scales) == 5000
+    for n in scales:
+        assert [f.function for f in n.source] == [test_sources_stay_right_over_many_frames_and_two_threads_at_once.__name__,
+                                                  "_op_in_a_frame_of_its_own"]

@@ -15,7 +15,12 @@ by the node's address (``grad_fn.node_ptr()``), when a backward is given a
   call 30 frames deep. While armed, ``traceback.format_stack`` is a version
   that gives the same frames and code lines without the markers, each frame's
   text formatted once (:func:`_format_stack`); the original is put back with
-  the flag.
+  the flag. Paddle's own calls get only the frames :func:`user_frames` can keep
+  (Paddle's and the standard library's are most of a stack, and of the dump),
+  the outer frames an op shares with the previous one reused, not walked again
+  (:func:`_kept_text`); a Python caller still gets every frame. Paddle only
+  prints the text it stores (in its NaN/Inf and backward error messages) and
+  writes it in the dump: nothing there parses it.
 * A few ops are made by hand-written Paddle code that keeps no stack on
   their grad node (``Conv2dGradNodeFinal``, ``AddNGradNodeFinal``). While
   armed, their ``paddle._C_ops`` entry points are wrapped to note the
@@ -58,8 +63,19 @@ _LOCK = threading.Lock()
 _ARMED = 0  # captures holding the flag on
 _PREVIOUS: int | None = None  # the user's value, put back when the last one disarms
 _ORIGINAL_FORMAT = traceback.format_stack
-# (id of the code object, instruction) -> (the code object, its frame's text); emptied on disarm
-_FRAME_TEXT: dict[tuple[int, int], tuple[Any, str]] = {}
+# (id of the code object, instruction) -> (the code object, its frame's text, whether
+# user_frames can keep the frame); emptied on disarm
+_FRAME_TEXT: dict[tuple[int, int], tuple[Any, str, bool]] = {}
+# id of a code object -> (the code object, whether it names format_stack: a Python caller)
+_CALLERS: dict[int, tuple[Any, bool]] = {}
+# The frames of the last stack handed to Paddle, outermost first, each as (the frame, its
+# instruction, the kept texts from the outermost frame down to it, and down to its caller).
+# Its frames are held, so that a frame found here by identity is that very frame; cut
+# back to where the next call's stack differs, emptied on disarm.
+_LAST: list[tuple[Any, int, tuple[str, ...], tuple[str, ...]]] = []
+_AT: dict[int, int] = {}  # id of a frame -> its place in _LAST (checked by identity)
+# a generator's or coroutine's frame may be resumed from another caller: never found in _LAST
+_RESUMABLE = 0x20 | 0x80 | 0x200  # CO_GENERATOR | CO_COROUTINE | CO_ASYNC_GENERATOR
 
 
 def _format_stack(f: Any = None, limit: int | None = None) -> list[str]:
@@ -70,8 +86,20 @@ def _format_stack(f: Any = None, limit: int | None = None) -> list[str]:
     crashes (SIGSEGV) when it raises: a Ctrl-C landing in it is handed back to
     the main thread a moment later (landing then in the user's code), and any
     other error gives no stack for that op.
+
+    Called by Paddle (no arguments, from no Python code naming ``format_stack``),
+    it gives only the frames :func:`user_frames` can keep (:func:`_kept_text`);
+    called from Python, every frame.
     """
     try:
+        if f is None and limit is None:
+            caller = sys._getframe(1)
+            co = caller.f_code
+            named = _CALLERS.get(id(co))
+            if named is None or named[0] is not co:
+                named = _CALLERS[id(co)] = (co, "format_stack" in co.co_names)
+            if not named[1]:
+                return _kept_text(caller)
         return _frames_text(f if f is not None else sys._getframe(1), limit)
     except KeyboardInterrupt:
         timer = threading.Timer(0.01, _thread.interrupt_main)
@@ -82,23 +110,79 @@ def _format_stack(f: Any = None, limit: int | None = None) -> list[str]:
         return []
 
 
+def _text(f: Any) -> tuple[Any, str, bool]:
+    """(code object, text, kept) of frame ``f``, each code object and instruction worked out once."""
+    co = f.f_code
+    key = (id(co), f.f_lasti)  # f_lineno is worked out from the line table on each read: slower
+    hit = _FRAME_TEXT.get(key)
+    if hit is None or hit[0] is not co:
+        line = linecache.getline(co.co_filename, f.f_lineno).strip()
+        hit = _FRAME_TEXT[key] = (co, f'  File "{co.co_filename}", line {f.f_lineno}, in {co.co_name}\n' + (
+            f"    {line}\n" if line else ""), _kind(co.co_filename) != _NOT_USER)
+    return hit
+
+
 def _frames_text(f: Any, limit: int | None) -> list[str]:
     out = []
-    text = _FRAME_TEXT
     while f is not None:
-        co = f.f_code
-        key = (id(co), f.f_lasti)  # f_lineno is worked out from the line table on each read: slower
-        hit = text.get(key)
-        if hit is None or hit[0] is not co:
-            line = linecache.getline(co.co_filename, f.f_lineno).strip()
-            hit = text[key] = (co, f'  File "{co.co_filename}", line {f.f_lineno}, in {co.co_name}\n' + (
-                f"    {line}\n" if line else ""))
-        out.append(hit[1])
+        out.append(_text(f)[1])
         f = f.f_back
     if limit is not None:
         out = out[:limit] if limit >= 0 else out[limit:]  # as traceback counts: innermost first
     out.reverse()
     return out
+
+
+def _kept_text(f: Any) -> list[str]:
+    """The stack from frame ``f`` outwards as Paddle keeps it, outermost first: the
+    frames :func:`user_frames` can keep (the user's, installed packages', this
+    package's), Paddle's, the standard library's and frozen modules' left out; the
+    innermost frame alone when none is kept (user_frames then finds it internal, as
+    it would the whole stack).
+
+    Consecutive ops of a forward share their outer frames: the walk stops at the
+    first frame that is still one of the previous call's (a running frame's callers
+    cannot have moved) and reuses its texts. Each entry of :data:`_LAST` holds all it
+    needs, so an entry cut short (a Ctrl-C) or another thread's calls in between
+    only make a later walk go further.
+    """
+    last, at, texts = _LAST, _AT, _FRAME_TEXT
+    new = []
+    g = f
+    base: tuple[str, ...] = ()
+    keep = 0
+    while g is not None:
+        i = at.get(id(g))
+        if i is not None and i < len(last):
+            e = last[i]
+            if e[0] is g:
+                if e[1] == g.f_lasti:
+                    base, keep = e[2], i + 1
+                else:  # the frame itself has moved on: its callers have not
+                    new.append(g)
+                    base, keep = e[3], i
+                break
+        new.append(g)
+        g = g.f_back
+    if new:
+        del last[keep:]
+        if len(at) > 4096:
+            at.clear()
+            for i, e in enumerate(last):
+                if not e[0].f_code.co_flags & _RESUMABLE:
+                    at[id(e[0])] = i
+        for g in reversed(new):
+            co, lasti = g.f_code, g.f_lasti
+            hit = texts.get((id(co), lasti))
+            if hit is None or hit[0] is not co:
+                hit = _text(g)
+            outer = base
+            if hit[2]:
+                base = base + (hit[1],)
+            if not co.co_flags & _RESUMABLE:
+                at[id(g)] = len(last)
+            last.append((g, lasti, base, outer))
+    return list(base) if base else [_text(f)[1]]
 
 
 #: ``paddle._C_ops`` functions whose grad node Paddle 3.3 leaves without a call stack
@@ -219,6 +303,9 @@ def _release() -> None:
         traceback.format_stack = _ORIGINAL_FORMAT
     _wrap_untraced(False)
     _FRAME_TEXT.clear()
+    _CALLERS.clear()
+    _LAST.clear()
+    _AT.clear()
     _FRAMES.clear()
     if _PREVIOUS is not None:
         if _PREVIOUS < 3:
