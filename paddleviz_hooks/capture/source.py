@@ -69,10 +69,10 @@ _FRAME_TEXT: dict[tuple[int, int], tuple[Any, str, bool]] = {}
 # id of a code object -> (the code object, whether it names format_stack: a Python caller)
 _CALLERS: dict[int, tuple[Any, bool]] = {}
 # The frames of the last stack handed to Paddle, outermost first, each as (the frame, its
-# instruction, the kept texts from the outermost frame down to it, and down to its caller).
+# instruction, the kept text from the outermost frame down to it, and down to its caller).
 # Its frames are held, so that a frame found here by identity is that very frame; cut
 # back to where the next call's stack differs, emptied on disarm.
-_LAST: list[tuple[Any, int, tuple[str, ...], tuple[str, ...]]] = []
+_LAST: list[tuple[Any, int, str, str]] = []
 _AT: dict[int, int] = {}  # id of a frame -> its place in _LAST (checked by identity)
 # a generator's or coroutine's frame may be resumed from another caller: never found in _LAST
 _RESUMABLE = 0x20 | 0x80 | 0x200  # CO_GENERATOR | CO_COROUTINE | CO_ASYNC_GENERATOR
@@ -138,7 +138,7 @@ def _kept_text(f: Any) -> list[str]:
     frames :func:`user_frames` can keep (the user's, installed packages', this
     package's), Paddle's, the standard library's and frozen modules' left out; the
     innermost frame alone when none is kept (user_frames then finds it internal, as
-    it would the whole stack).
+    it would the whole stack). One string: Paddle joins the list it is given.
 
     Consecutive ops of a forward share their outer frames: the walk stops at the
     first frame that is still one of the previous call's (a running frame's callers
@@ -149,7 +149,7 @@ def _kept_text(f: Any) -> list[str]:
     last, at, texts = _LAST, _AT, _FRAME_TEXT
     new = []
     g = f
-    base: tuple[str, ...] = ()
+    base = ""
     keep = 0
     while g is not None:
         i = at.get(id(g))
@@ -178,11 +178,11 @@ def _kept_text(f: Any) -> list[str]:
                 hit = _text(g)
             outer = base
             if hit[2]:
-                base = base + (hit[1],)
+                base += hit[1]
             if not co.co_flags & _RESUMABLE:
                 at[id(g)] = len(last)
             last.append((g, lasti, base, outer))
-    return list(base) if base else [_text(f)[1]]
+    return [base or _text(f)[1]]
 
 
 #: ``paddle._C_ops`` functions whose grad node Paddle 3.3 leaves without a call stack
