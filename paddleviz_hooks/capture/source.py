@@ -17,10 +17,9 @@ by the node's address (``grad_fn.node_ptr()``), when a backward is given a
   text formatted once (:func:`_format_stack`); the original is put back with
   the flag. Paddle's own calls get only the frames :func:`user_frames` can keep
   (Paddle's and the standard library's are most of a stack, and of the dump),
-  the outer frames an op shares with the previous one reused, not walked again
-  (:func:`_kept_text`); a Python caller still gets every frame. Paddle only
-  prints the text it stores (in its NaN/Inf and backward error messages) and
-  writes it in the dump: nothing there parses it.
+  as one string (:func:`_kept_text`); a Python caller still gets every frame.
+  Paddle only prints the text it stores (in its NaN/Inf and backward error
+  messages) and writes it in the dump: nothing there parses it.
 * A few ops are made by hand-written Paddle code that keeps no stack on
   their grad node (``Conv2dGradNodeFinal``, ``AddNGradNodeFinal``). While
   armed, their ``paddle._C_ops`` entry points are wrapped to note the
@@ -68,14 +67,6 @@ _ORIGINAL_FORMAT = traceback.format_stack
 _FRAME_TEXT: dict[tuple[int, int], tuple[Any, str, bool]] = {}
 # id of a code object -> (the code object, whether it names format_stack: a Python caller)
 _CALLERS: dict[int, tuple[Any, bool]] = {}
-# The frames of the last stack handed to Paddle, outermost first, each as (the frame, its
-# instruction, the kept text from the outermost frame down to it, and down to its caller).
-# Its frames are held, so that a frame found here by identity is that very frame; cut
-# back to where the next call's stack differs, emptied on disarm.
-_LAST: list[tuple[Any, int, str, str]] = []
-_AT: dict[int, int] = {}  # id of a frame -> its place in _LAST (checked by identity)
-# a generator's or coroutine's frame may be resumed from another caller: never found in _LAST
-_RESUMABLE = 0x20 | 0x80 | 0x200  # CO_GENERATOR | CO_COROUTINE | CO_ASYNC_GENERATOR
 
 
 def _format_stack(f: Any = None, limit: int | None = None) -> list[str]:
@@ -134,55 +125,31 @@ def _frames_text(f: Any, limit: int | None) -> list[str]:
 
 
 def _kept_text(f: Any) -> list[str]:
-    """The stack from frame ``f`` outwards as Paddle keeps it, outermost first: the
-    frames :func:`user_frames` can keep (the user's, installed packages', this
-    package's), Paddle's, the standard library's and frozen modules' left out; the
-    innermost frame alone when none is kept (user_frames then finds it internal, as
-    it would the whole stack). One string: Paddle joins the list it is given.
+    """The stack from frame ``f`` outwards as Paddle keeps it, outermost first, as one
+    string (Paddle joins the list it is given): the frames :func:`user_frames` can keep
+    (the user's, installed packages', this package's), Paddle's, the standard library's
+    and frozen modules' left out; the innermost frame alone when none is kept
+    (user_frames then finds it internal, as it would the whole stack).
 
-    Consecutive ops of a forward share their outer frames: the walk stops at the
-    first frame that is still one of the previous call's (a running frame's callers
-    cannot have moved) and reuses its texts. Each entry of :data:`_LAST` holds all it
-    needs, so an entry cut short (a Ctrl-C) or another thread's calls in between
-    only make a later walk go further.
+    Every frame is walked on every call: keeping the previous call's frames to stop
+    the walk where the stacks meet would keep the locals of the frames that have
+    returned since (tensors) alive until the next op, or the backward.
     """
-    last, at, texts = _LAST, _AT, _FRAME_TEXT
-    new = []
+    texts = _FRAME_TEXT
+    out = []
     g = f
-    base = ""
-    keep = 0
     while g is not None:
-        i = at.get(id(g))
-        if i is not None and i < len(last):
-            e = last[i]
-            if e[0] is g:
-                if e[1] == g.f_lasti:
-                    base, keep = e[2], i + 1
-                else:  # the frame itself has moved on: its callers have not
-                    new.append(g)
-                    base, keep = e[3], i
-                break
-        new.append(g)
+        co = g.f_code
+        hit = texts.get((id(co), g.f_lasti))
+        if hit is None or hit[0] is not co:
+            hit = _text(g)
+        if hit[2]:
+            out.append(hit[1])
         g = g.f_back
-    if new:
-        del last[keep:]
-        if len(at) > 4096:
-            at.clear()
-            for i, e in enumerate(last):
-                if not e[0].f_code.co_flags & _RESUMABLE:
-                    at[id(e[0])] = i
-        for g in reversed(new):
-            co, lasti = g.f_code, g.f_lasti
-            hit = texts.get((id(co), lasti))
-            if hit is None or hit[0] is not co:
-                hit = _text(g)
-            outer = base
-            if hit[2]:
-                base += hit[1]
-            if not co.co_flags & _RESUMABLE:
-                at[id(g)] = len(last)
-            last.append((g, lasti, base, outer))
-    return [base or _text(f)[1]]
+    if not out:
+        return [_text(f)[1]]
+    out.reverse()
+    return ["".join(out)]
 
 
 #: ``paddle._C_ops`` functions whose grad node Paddle 3.3 leaves without a call stack
@@ -304,8 +271,6 @@ def _release() -> None:
     _wrap_untraced(False)
     _FRAME_TEXT.clear()
     _CALLERS.clear()
-    _LAST.clear()
-    _AT.clear()
     _FRAMES.clear()
     if _PREVIOUS is not None:
         if _PREVIOUS < 3:
