@@ -107,9 +107,16 @@ def dtype_str(dtype: Any) -> str:
     return s
 
 
+_DTYPE_NAME: dict[tuple[type, Any], str] = {}
+
+
 def dtype_name(dtype: Any) -> str:
-    """``paddle.float32`` -> ``"float32"``."""
-    return dtype_str(dtype).rpartition(".")[2]
+    """``paddle.float32`` -> ``"float32"`` (remembered per dtype, as :func:`dtype_str`)."""
+    key = (type(dtype), dtype)
+    s = _DTYPE_NAME.get(key)
+    if s is None:
+        s = _DTYPE_NAME[key] = dtype_str(dtype).rpartition(".")[2]
+    return s
 
 
 def has_graph(t: Any) -> bool:
@@ -212,7 +219,7 @@ def walk_graph(
                 node.layer, node.call = where
         w.nodes.append(node)
         w.wrappers.append(gn)
-        queue.append(gn)
+        queue.append((gn, nid))
         return nid
 
     for i, t in enumerate(roots):
@@ -232,9 +239,8 @@ def walk_graph(
 
     head = 0
     while head < len(queue):
-        gn = queue[head]
+        gn, src = queue[head]
         head += 1
-        src = ids[gn.node_ptr()]
         outs = []
         for slot, nxt in enumerate(gn.next_functions):
             if nxt is None:
