@@ -185,6 +185,9 @@ class Walk:
         return [(n, gn.node_ptr()) for gn, n in zip(self.wrappers, self.nodes) if n.kind == "param"]
 
 
+_OP_NAMES: dict[str, str] = {}  # grad node class name -> readable op name (a few hundred kinds)
+
+
 def walk_graph(
     roots: Sequence[Any],
     param_names: dict[int, tuple[str, Any]] | None = None,
@@ -213,7 +216,12 @@ def walk_graph(
             else:
                 node = Node(nid, "input", name, "Leaf")
         else:
-            node = Node(nid, "op", name, op_display_name(name))
+            op = _OP_NAMES.get(name)
+            if op is None:
+                if len(_OP_NAMES) > 4096:
+                    _OP_NAMES.clear()
+                op = _OP_NAMES[name] = op_display_name(name)
+            node = Node(nid, "op", name, op)
             where = layer_of(ptr) if layer_of is not None else None
             if where is not None:
                 node.layer, node.call = where
