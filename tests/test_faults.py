@@ -208,8 +208,11 @@ def test_log_dir_unwritable(tmp_path, how):
     assert len(msgs) == 1, msgs
     assert "cannot write to" in msgs[0] and "log_dir" in msgs[0]
     assert repr(os.path.join(log_dir, "backward_graph")) in msgs[0]
-    # the graphs were still captured (cb.captured_steps), only not saved
-    assert cb.captured_steps == CAPTURED
+    # the graphs were still captured, but nothing could be saved: each step is lost, with why
+    # (captured = written + lost), and none is listed as captured
+    assert cb.captured_steps == []
+    assert sorted(cb.recorder.lost_steps) == CAPTURED
+    assert all("could not be written" in why for why in cb.recorder.lost_steps.values())
     if how == "chmod":
         assert os.listdir(log_dir) == []
 

@@ -198,3 +198,45 @@ def test_close_says_what_it_waits_for_when_pictures_are_still_being_drawn(tmp_pa
     out = capsys.readouterr().out
     assert "drawing the captures still waiting (at most close_timeout=60 s;" in out
     assert out.index("drawing the captures still waiting") < out.index("1 drawn")
+
+
+def test_a_reopened_recorder_adds_up_its_own_run(tmp_path, capsys):
+    # the second run (a new run folder) used to report the first run's step 4 as lost
+    model = paddle.nn.Linear(4, 2)
+    rec = BackwardGraphRecorder(str(tmp_path), model, every=2, formats=("json",), visualdl=False)
+    for last in (5, 3):
+        for s in range(1, last + 1):
+            with rec.step(s):
+                model(paddle.randn([2, 4])).mean().backward()
+        rec.close()
+    assert rec.lost_steps == {}
+    lines = [line for line in capsys.readouterr().out.splitlines() if "steps captured" in line]
+    assert lines[0].startswith("[paddleviz-hooks] 3 steps captured: 3 written, 0 lost"), lines
+    assert lines[1].startswith("[paddleviz-hooks] 2 steps captured: 2 written, 0 lost"), lines
+
+
+def test_steps_that_could_not_be_saved_are_lost_not_captured(tmp_path, capsys):
+    # a log_dir that is a file: one warning, training goes on, and the steps are counted as lost
+    # (they used to be listed in captured_steps with nothing on disk, and no summary was printed)
+    blocker = tmp_path / "not_a_dir"
+    blocker.write_text("")
+    model = paddle.nn.Linear(4, 2)
+    with pytest.warns(RuntimeWarning, match="Pass a writable log_dir"):
+        rec = BackwardGraphRecorder(str(blocker), model, every=1, formats=("json",), visualdl=False)
+        for s in (1, 2):
+            with rec.step(s):
+                model(paddle.randn([2, 4])).mean().backward()
+        rec.close()
+    assert rec.captured_steps == [] and sorted(rec.lost_steps) == [1, 2]
+    assert "could not be written" in rec.lost_steps[1]
+    out = capsys.readouterr().out
+    assert "2 steps captured: 0 written, 2 lost" in out, out
+
+
+def test_numpy_step_numbers_are_steps(tmp_path):
+    model = paddle.nn.Linear(4, 2)
+    with BackwardGraphRecorder(str(tmp_path), model, every=2, formats=("json",), visualdl=False, verbose=0) as rec:
+        for s in np.arange(1, 5):  # np.int64, as a loop over np.arange gives
+            with rec.step(s, micro_batches=np.int32(1)):
+                model(paddle.randn([2, 4])).mean().backward()
+    assert rec.captured_steps == [1, 2, 4] and all(type(s) is int for s in rec.captured_steps)
