@@ -491,7 +491,9 @@ class BackwardGraphRecorder:
             raise
 
     def _start_step(self, step: int, micro_batches: int | str | None) -> bool:
-        self.end_step()  # a step that was never ended (begin_step, then `continue`): disarmed and written
+        # a step that was never ended (begin_step, then `continue`): disarmed and written; a forward
+        # under way keeps its inputs (the step was begun from its own pre-hook, as attach() does)
+        self._end_step(keep_call=True)
         self.global_step = self._last_step = step
         self._micro_batches = micro_batches
         if not self._open:
@@ -502,7 +504,7 @@ class BackwardGraphRecorder:
             return False
         self._triggers.new_step()
         if self._kept is not None:
-            self._kept.reset()
+            self._kept.new_step()
         scheduled = self.options.scheduled(step) and self._budget_left()
         if scheduled:
             self._armed = "scheduled"
@@ -531,16 +533,23 @@ class BackwardGraphRecorder:
         Everything is removed whatever raises where (a Ctrl-C is delivered
         after); then the step's graphs go to the writer.
         """
-        run_all(self._disarm_step, self._flush)  # the step's graphs are written whatever the other raises
+        self._end_step()
 
-    def _disarm_step(self) -> None:
+    def _end_step(self, keep_call: bool = False) -> None:
+        # the step's graphs are written whatever the other raises
+        run_all(lambda: self._disarm_step(keep_call), self._flush)
+
+    def _disarm_step(self, keep_call: bool = False) -> None:
         with held_interrupts():
             self._armed = None
-            run_all(self._reset_kept, self._end_step_capture, self._unobserve)
+            run_all(lambda: self._reset_kept(keep_call), self._end_step_capture, self._unobserve)
 
-    def _reset_kept(self) -> None:
-        if self._kept is not None:
-            self._kept.reset()  # no reference to the step's tensors outlives it
+    def _reset_kept(self, keep_call: bool = False) -> None:
+        if self._kept is not None:  # no reference to the step's tensors outlives it
+            if keep_call:
+                self._kept.new_step()
+            else:
+                self._kept.reset()
 
     def _unobserve(self) -> None:
         if self._watch is not None:
