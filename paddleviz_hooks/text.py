@@ -244,6 +244,10 @@ def backward_role(info: dict[str, Any] | None) -> str:
         'backward 2 of 2'
         >>> backward_role({"index": 1, "of": 1, "entry": "backward"})
         ''
+        >>> backward_role({"index": 1, "of": None, "entry": "backward"})  # written before its step ended
+        ''
+        >>> backward_role({"index": 2, "of": None, "entry": "backward"})
+        'backward 2'
     """
     if not isinstance(info, dict):
         return ""
@@ -257,7 +261,7 @@ def backward_role(info: dict[str, Any] | None) -> str:
     order = f"backward {i} of {n}" if n else f"backward {i}"
     if grad:
         return "paddle.grad" + (f" ({order})" if i is not None and n != 1 else "")
-    if i is None or n == 1:
+    if i is None or n == 1 or (n is None and i == 1):  # the first of an unknown number: maybe the only one
         return ""
     return order
 
