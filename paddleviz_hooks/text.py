@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from typing import Any, Iterable
 
 from .diff import GraphDiff
@@ -865,18 +866,30 @@ def node_tooltip(node: Node) -> str:
 
 
 def run_folder_note(asked: str, used: str) -> str:
-    """Said once, when a recorder writes beside the run folder it was given.
+    """Said once, when a recorder writes beside the run folder it was given: which folders it
+    passed over (``asked``, ``asked_2``... up to the one before ``used``: each held records or
+    another live writer's lock when it looked, see ``sinks/files.py``'s ``claim_run_dir``).
 
     Examples:
         >>> run_folder_note("/logs/backward_graph", "/logs/backward_graph_2")
         ' (backward_graph holds an earlier run or another writer: kept as it is, this run writes beside it)'
+        >>> run_folder_note("/logs/backward_graph", "/logs/backward_graph_3")
+        ' (backward_graph and backward_graph_2 hold earlier runs or other writers: kept as they are, this run writes beside them)'
+        >>> run_folder_note("/logs/run", "/logs/run_12")
+        ' (run to run_11, 11 folders, hold earlier runs or other writers: kept as they are, this run writes beside them)'
         >>> run_folder_note("/logs/a", "/logs/a")
         ''
     """
     if asked == used:
         return ""
-    return (f" ({os.path.basename(asked)} holds an earlier run or another writer: kept as it is, "
-            "this run writes beside it)")
+    name = os.path.basename(asked)
+    m = re.fullmatch(re.escape(asked) + r"_(\d+)", used)
+    taken = int(m.group(1)) - 1 if m else 0  # the folders passed over: name, name_2, ... name_<taken>
+    if taken <= 1:
+        return f" ({name} holds an earlier run or another writer: kept as it is, this run writes beside it)"
+    last = f"{name}_{taken}"
+    folders = f"{name} and {last}" if taken == 2 else f"{name} to {last}, {taken} folders,"
+    return f" ({folders} hold earlier runs or other writers: kept as they are, this run writes beside them)"
 
 
 def step_list(steps: Iterable[int], limit: int = 10) -> str:
