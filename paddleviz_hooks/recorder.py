@@ -815,6 +815,10 @@ class BackwardGraphRecorder:
         if trigger != "scheduled":
             story = " ".join(nonfinite_lines(record)).rstrip(";")
             self._notice(f"captured step {step} (trigger: {trigger})" + (f"; {story}" if story else ""))
+        if any(n.layer_note == "unrecorded" for n in graph.nodes):
+            self._warn("forward-outside", f"step {step}'s forward ran before its capture was armed, so the layers "
+                                          "(and source lines) of its ops are not recorded; run the forward inside "
+                                          "`with rec.step(n):` (or between begin_step() and end_step())")
         self._pending.append(graph)
         self._write_if_doomed()
 

@@ -33,6 +33,8 @@ __all__ = [
     "MODEL_OUTPUT",
     "REPLAYED_FROM_OUTPUT",
     "OUTSIDE_MODEL",
+    "LAYER_UNRECORDED",
+    "node_layer",
     "TOP_LAYER",
     "TOP_PARAMS",
     "WHOLE_MODEL",
@@ -109,6 +111,9 @@ TOP_PARAMS = "the model's own parameters"
 WHOLE_MODEL = "the whole model"
 #: How an op that no layer ran is placed (the loss function, a user's own code).
 OUTSIDE_MODEL = "outside the model"
+#: An op whose layer is not known: its forward ran before the capture's layer hooks were in place
+#: (``Node.layer_note == "unrecorded"``).
+LAYER_UNRECORDED = "layer not recorded (its forward ran before the capture was armed)"
 #: The root of a replayed step's graph: the model's output (the loss ops are outside it).
 MODEL_OUTPUT = "model output"
 #: What a replayed capture is, against an ordinary one (its graph starts at the model output).
@@ -306,20 +311,40 @@ def _in_layer(layer: str | None) -> str:
     return f" in layer '{layer}'" if layer else f" in {TOP_LAYER}"
 
 
-def node_where(layer: str | None, call: int = 0) -> str:
+def node_where(layer: str | None, call: int = 0, note: str | None = None) -> str:
     """``in encoder.layers.0 (call 2)``, ``outside the model``.
 
     Args:
-        layer: the layer path (None: outside the model).
+        layer: the layer path (None: outside the model, or not known).
         call: the call index, 0 for the first call (then not mentioned).
+        note: ``Node.layer_note``: why a node has no layer when it is not
+            that it ran outside the model.
 
     Examples:
         >>> node_where("block", 1), node_where(None)
         ('in block (call 2)', 'outside the model')
+        >>> node_where(None, note="unrecorded")
+        'with its layer not recorded (its forward ran before the capture was armed)'
     """
     if layer is None:
-        return OUTSIDE_MODEL
+        return "with its " + LAYER_UNRECORDED if note == "unrecorded" else OUTSIDE_MODEL
     return "in " + layer_name(layer) + _call_suffix(call)
+
+
+def node_layer(node: Any, calls: int = 1) -> str:
+    """An op node's layer, as its tooltips and attributes show it: the layer and call,
+    "outside the model", or why it is not known.
+
+    Examples:
+        >>> node_layer(Node(0, "op", "MatmulGradNode", "Matmul", layer="fc", call=1), calls=2)
+        'fc (call 2 of 2)'
+        >>> node_layer(Node(0, "op", "MatmulGradNode", "Matmul", layer_note="unrecorded"))
+        'layer not recorded (its forward ran before the capture was armed)'
+    """
+    if node.layer is None:
+        return LAYER_UNRECORDED if node.layer_note == "unrecorded" else OUTSIDE_MODEL
+    where = box_name if node.kind == "layer" else layer_name
+    return where(node.layer) + _call_suffix(node.call, calls)
 
 
 def _call_suffix(call: int, calls: int = 1) -> str:
@@ -350,7 +375,7 @@ def describe_node(info: Node | dict[str, Any]) -> str:
     if kind == "layer":  # a collapsed layer box
         return ((f"layer {get('layer')}" if get("layer") else WHOLE_MODEL) + f" ({get('name') or '?'})"
                 + _call_suffix(get("call") or 0, get("calls") or 1))
-    return f"{get('op') or '?'} {node_where(get('layer'), get('call') or 0)}"
+    return f"{get('op') or '?'} {node_where(get('layer'), get('call') or 0, get('layer_note'))}"
 
 
 def _as_origin(origin: NonfiniteOrigin | dict[str, Any]) -> NonfiniteOrigin:
@@ -849,9 +874,7 @@ def source_attrs(node: Node) -> dict[str, str]:
 def node_tooltip(node: Node) -> str:
     """Hover text: Paddle's grad node name, the layer (call), the key, why unhooked,
     what it saved for backward."""
-    where = box_name if node.kind == "layer" else layer_name
-    tip = [node.name, "layer: " + (where(node.layer) + _call_suffix(node.call, node.calls)
-                                   if node.layer is not None else OUTSIDE_MODEL), f"key: {node.key}"]
+    tip = [node.name, "layer: " + node_layer(node, node.calls), f"key: {node.key}"]
     if node.note:
         tip.append(node.note)
     tip.extend(source_lines(node))

@@ -240,3 +240,27 @@ def test_numpy_step_numbers_are_steps(tmp_path):
             with rec.step(s, micro_batches=np.int32(1)):
                 model(paddle.randn([2, 4])).mean().backward()
     assert rec.captured_steps == [1, 2, 4] and all(type(s) is int for s in rec.captured_steps)
+
+
+def test_a_forward_run_outside_the_step_has_its_layers_marked_not_recorded(tmp_path):
+    # the forward ran before `with rec.step()` armed the layer hooks: its ops' layers are unknown,
+    # not "outside the model" (what they used to be called)
+    from paddleviz_hooks.text import node_tooltip, describe_node
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    with BackwardGraphRecorder(str(tmp_path), model, every=1, formats=("json",), visualdl=False, verbose=0) as rec:
+        loss = model(paddle.randn([2, 4])).mean()  # outside the step
+        with pytest.warns(RuntimeWarning, match="run the forward inside `with rec.step"):
+            with rec.step(1):
+                loss.backward()
+        with rec.step(2):  # inside: layers recorded, the loss's Mean outside the model
+            model(paddle.randn([2, 4])).mean().backward()
+    from paddleviz_hooks import BackwardGraph
+    run = tmp_path / "backward_graph"
+    early, inside = (BackwardGraph.from_json((run / f"step_00000{i}.json").read_text()) for i in (1, 2))
+    ops = [n for n in early.nodes if n.kind == "op"]
+    assert ops and all(n.layer is None and n.layer_note == "unrecorded" for n in ops)
+    assert all("layer: layer not recorded" in node_tooltip(n) for n in ops)
+    assert all("outside the model" not in describe_node(n) for n in ops)
+    mean = next(n for n in inside.nodes if n.op == "Mean")
+    assert mean.layer is None and mean.layer_note is None and "layer: outside the model" in node_tooltip(mean)
+    assert all(n.layer is not None for n in inside.nodes if n.kind == "op" and n.op != "Mean")

@@ -9,7 +9,7 @@ import paddle
 from .._interrupts import pop_each, run_all
 from .gradnode import grad_fn, strip_wrapper_prefix
 
-__all__ = ["LayerAttribution", "frame_name", "tensors_in"]
+__all__ = ["LayerAttribution", "frame_name", "tensors_in", "mark_unrecorded"]
 
 
 class LayerAttribution:
@@ -278,3 +278,23 @@ def tensors_in(obj: Any) -> list[Any]:
     return found
 
 
+def mark_unrecorded(nodes: list[Any]) -> None:
+    """Give the op nodes whose layer could not be recorded ``layer_note = "unrecorded"``.
+
+    An op with no layer ran outside the model (the loss) only if the hooks saw
+    its forward. When no op of the graph has a layer, the model's forward ran
+    before the hooks were in place (outside ``with rec.step():``), so no op's
+    layer is known. When some ops have call stacks (``Node.source``), those
+    whose stack was not recorded ran before the capture was armed: their
+    layer is not known either.
+    """
+    ops = [n for n in nodes if n.kind == "op"]
+    if not any(n.layer is not None for n in ops):
+        unknown = ops
+    elif any(n.source is not None for n in ops):
+        unknown = [n for n in ops if n.source_note == "unrecorded"]
+    else:
+        return
+    for n in unknown:
+        if n.layer is None:
+            n.layer_note = "unrecorded"

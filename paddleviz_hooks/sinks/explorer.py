@@ -39,7 +39,7 @@ from ..diff import GraphDiff, diff_graphs, node_norms
 from ..escape import safe_filename, visible, visible_data
 from ..graph import BackwardGraph, GradMeta, Node, merge_grad_metas
 from ..findings import marks, record_of
-from ..text import (FIRST_GRADIENT, NOT_OBSERVED, UNOBSERVED_WHY, backward_role, combined_norm, box_name, call_of, capture_title, describe_node,
+from ..text import (FIRST_GRADIENT, node_layer, NOT_OBSERVED, UNOBSERVED_WHY, backward_role, combined_norm, box_name, call_of, capture_title, describe_node,
                     describe_origin, fmt_shape, graph_summary, layer_name, origin_mark, origin_node_lines,
                     source_attrs)
 
@@ -160,7 +160,7 @@ def explorer_graph(graph: BackwardGraph, graph_id: str) -> dict[str, Any]:
             attrs.append(_kv("grad node", n.name))
             calls_of = max(n.calls, calls.get(n.layer or "", 1), n.call + 1)
             attrs.append(_kv("layer", layer_name(n.layer) + call_of(n.call, calls_of) if n.layer is not None
-                             else layer_name(None)))
+                             else node_layer(n)))
             if n.layer is not None and n.layer in graph.layers:
                 attrs.append(_kv("layer class", graph.layers[n.layer]))
         if n.kind == "param":
