@@ -397,6 +397,8 @@ class BackwardCapture:
                     self._warn("saved", f"saved-tensor memory is not observed: {exc!r}")
             if len(roots) == 1 and roots[0].size == 1:
                 s.loss = local_scalar(roots[0])  # float() of a Partial loss would be a collective
+            if stacks and not keep_stacks:  # the forward is over; with the flag on, Paddle
+                self._hold_sources(False)  # would format a call stack for every hook registered
             self._hook_all(s)
             s.prepare_seconds = time.perf_counter() - t0
             return s
