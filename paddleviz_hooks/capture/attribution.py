@@ -244,14 +244,20 @@ class LayerAttribution:
         nodes = walk.nodes
         n = len(nodes)
         out_edges = walk.out_edges
-        succ = [[e.dst for e in out_edges.get(i, ())] for i in range(n)]
-        leaf = [node.kind != "op" for node in nodes]  # accumulation nodes (roots are never reached)
         ptr_of: list[int | None] = [None] * n
         for ptr, nid in ids.items():
             ptr_of[nid] = ptr
         owner = self.owner
-        own: list[tuple[str, int] | None] = [owner.get(p) for p in ptr_of] if owner else [None] * n
-        mark = [-1] * n  # the record that reached each node last (a per-record seen set)
+        own: list[Any] = [owner.get(p) for p in ptr_of] if owner else [None] * n
+        # an accumulation node (and a root, never reached) is neither claimed nor followed
+        succ: list[list[int]] = []
+        for i, node in enumerate(nodes):
+            if node.kind == "op":
+                succ.append([e.dst for e in out_edges.get(i, ())])
+            else:
+                succ.append([])
+                own[i] = _LEAF
+        mark = [-1] * n  # the record that reached each node (or stops there): a per-record seen set
         for r, (path, call, outs, stops) in enumerate(self._records):
             where = (path, call)
             todo: list[int] = []
@@ -264,21 +270,25 @@ class LayerAttribution:
                     todo.append(nid)
             if live:  # not reached by this backward: followed live until it enters the walk
                 self._claim(live, stops, where, ids, todo)
-            stop = {ids[p] for p in stops if p in ids}
+            for p in stops:  # the inputs' nodes: not entered, as if seen already
+                nid = ids.get(p)
+                if nid is not None:
+                    mark[nid] = r
             while todo:
                 i = todo.pop()
-                if mark[i] == r or i in stop:
+                if mark[i] == r:
                     continue
                 mark[i] = r
-                if leaf[i]:
-                    continue
                 if own[i] is None:  # inner layers ran first and keep their claim
                     own[i] = where
                 todo.extend(succ[i])
         self._records.clear()
         for p, where in zip(ptr_of, own):
-            if where is not None:
+            if where is not None and where is not _LEAF:
                 owner[p] = where
+
+
+_LEAF = ("", -1)  # _claim_walked: a node no record claims
 
 
 class _RecomputePatch:
