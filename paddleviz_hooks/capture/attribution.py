@@ -48,16 +48,17 @@ class LayerAttribution:
 
     def install(self) -> None:
         compiled: list[str] = []  # to_static layers: their sublayers run inside a program
+        static_function = _static_function()
         for path, sub in self.layer.named_sublayers(include_self=True):
             if type(sub).__name__ == "DataParallel":
                 continue
             path = strip_wrapper_prefix(path) if path != "_layers" else ""
             self.types[path] = type(sub).__name__
-            if any(path.startswith(c + ".") or (c == "" and path) for c in compiled):
+            if compiled and any(path.startswith(c + ".") or (c == "" and path) for c in compiled):
                 # A hook inside a to_static layer would make SOT fall back to
                 # running it eagerly: the capture would change how it runs.
                 continue
-            if _is_to_static(sub):
+            if static_function is not None and isinstance(getattr(sub, "forward", None), static_function):
                 compiled.append(path)
             # with_kwargs: tensors passed by keyword are seen too
             # one line each: a hook is registered and kept for removal with nothing in between
@@ -333,13 +334,13 @@ class _RecomputePatch:
 _RECOMPUTED = _RecomputePatch()
 
 
-def _is_to_static(layer: paddle.nn.Layer) -> bool:
-    """Whether ``layer.forward`` was converted by ``paddle.jit.to_static``."""
+def _static_function() -> type | None:
+    """The type of a ``layer.forward`` converted by ``paddle.jit.to_static`` (None: unknown)."""
     try:
         from paddle.jit.dy2static.program_translator import StaticFunction
     except Exception:
-        return False
-    return isinstance(getattr(layer, "forward", None), StaticFunction)
+        return None
+    return StaticFunction
 
 
 def frame_name(frame: list[Any] | None) -> str | None:
