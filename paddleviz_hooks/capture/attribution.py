@@ -289,7 +289,7 @@ class LayerAttribution:
                 owner[p] = where
 
 
-_LEAF = ("", -1)  # _claim_walked: a node no record claims
+_LEAF = object()  # _claim_walked: a node no record claims (an accumulation node, a root)
 
 
 class _RecomputePatch:
