@@ -175,6 +175,7 @@ class Walk:
         self.out_edges: dict[int, list[Edge]] = {}
         self.root_edges: dict[int, Edge] = {}  # grad node id -> edge from its root
         self.roots: list[tuple[int, Edge]] = []  # (index in the roots, its edge) of every root walked
+        self.ids: dict[int, int] = {}  # grad node address -> node id, for the grad nodes walked
 
     def release(self) -> None:
         """Drop the grad node wrappers (holding them keeps the C++ graph alive)."""
@@ -196,7 +197,7 @@ def walk_graph(
     """Breadth-first walk from the roots' ``grad_fn`` along ``next_functions``."""
     param_names = param_names or {}
     w = Walk()
-    ids: dict[int, int] = {}
+    ids = w.ids
     queue: list[Any] = []
 
     def node_for(gn: Any) -> int:
@@ -289,6 +290,7 @@ def prune_to_inputs(w: Walk, input_ptrs: set[int]) -> Walk:
             node.id = new_id[i]
             out.nodes.append(node)
             out.wrappers.append(w.wrappers[i])
+    out.ids = {p: new_id[i] for p, i in w.ids.items() if i in new_id}
     kept: set[int] = set()
     for e in w.edges:
         if runs[e.src] and keep[e.dst] and (runs[e.dst] or is_input[e.dst]):
