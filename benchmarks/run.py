@@ -29,7 +29,10 @@ Rows (medians over repeats, every ratio taken from numbers of this same run):
   plain forward+backward, with and without ``grad_stats``, in wall time and
   in process CPU time (steadier on a shared machine), for the encoder,
   resnet50 and two networks of many small gradients (mobilenet_v3_small and
-  shufflenet_v2_x1_0, batch 2, 224x224; section ``cnn``).
+  shufflenet_v2_x1_0, batch 2, 224x224; section ``cnn``); for those two and
+  the 10k-node encoder also each part of a capture added one at a time
+  (walk and hooks, gradient statistics, layer attribution, source lines),
+  in CPU time.
 * dp2: under 2-process data parallel (``paddle.distributed.launch``, gloo on
   CPU), rank 0's uncaptured and captured steps with
   ``BackwardGraphRecorder(every=10, ranks="all")`` divided by plain steps.
@@ -183,8 +186,11 @@ def _interleaved(model, loss_fn, captures: dict[str, dict[str, Any]], repeats: i
         model.clear_gradients()
 
     def captured(kwargs: dict[str, Any]):
+        kwargs = dict(kwargs)
+        layer = kwargs.pop("layer", model)  # {"layer": None}: no layer attribution
+
         def run():
-            with capture_backward(model, **kwargs) as cap:
+            with capture_backward(layer, **kwargs) as cap:
                 loss = loss_fn()
                 loss.backward()
             model.clear_gradients()
@@ -222,6 +228,27 @@ def bench_steps(table: Table, name: str, model, loss_fn, repeats: int) -> Any:
         table.add(name, label + " / plain", f"{v / base:.2f}x", f"{fmt_s(v)} per step; CPU time {c / base_cpu:.2f}x",
                   seconds=v, ratio=v / base, cpu_ratio=c / base_cpu)
     return graph
+
+
+#: what a captured step does, one part added at a time (``bench_parts``)
+PARTS = (("walk and hooks", {"layer": None, "grad_stats": False, "sources": False}),
+         ("+ gradient statistics", {"layer": None, "sources": False}),
+         ("+ layer attribution", {"sources": False}),
+         ("+ source lines (all defaults)", {}))
+
+
+def bench_parts(table: Table, name: str, model, loss_fn, repeats: int) -> None:
+    """A captured step with one part of the capture added at a time (:data:`PARTS`), each
+    divided by a plain step, and what each part adds, in CPU time (alternating runs)."""
+    _, cpu, _ = _interleaved(model, loss_fn, dict(PARTS), repeats)
+    base = med(cpu["plain"])
+    before = base
+    for label, _ in PARTS:
+        c = med(cpu[label])
+        table.add(name + ":parts", f"captured, {label} / plain (CPU time)", f"{c / base:.2f}x",
+                  f"{fmt_s(c)} per step, this part {1000 * (c - before):+.1f} ms; plain {fmt_s(base)}; "
+                  f"{repeats} repeats", cpu_ratio=c / base, part_seconds=c - before)
+        before = c
 
 
 # --------------------------------------------------------------------------
@@ -522,6 +549,7 @@ def bench_huge(table: Table, explorer: bool = True) -> None:
     table.add("10k nodes", f"captured step ({len(graph.nodes)} nodes) / plain", f"{dt / plain:.2f}x",
               f"{fmt_s(dt)} vs {fmt_s(plain)}; CPU time {med(cpus) / med(plain_cpus):.2f}x",
               seconds=dt, ratio=dt / plain, cpu_ratio=med(cpus) / med(plain_cpus))
+    bench_parts(table, "10k nodes", enc, lambda: enc(x).mean(), 3)
     clear_plan_cache()
     for what in ("first drawing", "same structure again"):
         info: dict = {}
@@ -1111,6 +1139,7 @@ def main(argv: list[str] | None = None) -> int:
             g = bench_steps(table, name, model, loss_fn, reps["tr_steps"] + 2)
             table.add(name, "graph captured (grad_stats=True)", f"{len(g.nodes)} nodes",
                       f"{sum(1 for e in g.edges if e.grad is not None and e.grad.norm is not None)} gradients measured")
+            bench_parts(table, name, model, loss_fn, reps["tr_steps"] + 2)
             del model, g
     for group, bench in (("saved", bench_saved), ("sources", bench_sources)):  # captured step with / without
         if group in args.skip:

@@ -30,24 +30,48 @@ def atomic_write(path: str, data: bytes | str) -> str:
 
     Raises:
         OSError: the directory is missing, unwritable or full; no partial
-            file is left behind.
+            file is left behind. Its ``filename`` is ``path`` (never the
+            temporary file, which the caller never asked for), its
+            ``strerror`` the reason.
+
+    Examples:
+        >>> import tempfile
+        >>> missing = os.path.join(tempfile.mkdtemp(), "gone", "report.html")
+        >>> try:
+        ...     atomic_write(missing, "x")
+        ... except OSError as exc:
+        ...     exc.filename == missing, exc.strerror.startswith("No such file or directory (making a new file in ")
+        (True, True)
     """
     if isinstance(data, str):
         data = data.encode("utf-8")
     directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
+    except OSError as exc:  # where the refusal came from: the folder, not the file (which may not exist)
+        raise _naming(exc, path, f" (making a new file in {directory})") from None
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
         os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600 files; honour the umask
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         try:
             os.unlink(tmp)
         except OSError:
             pass
+        if isinstance(exc, OSError):
+            raise _naming(exc, path) from None
         raise
     return path
+
+
+def _naming(exc: OSError, path: str, where: str = "") -> OSError:
+    """The same error (same class and errno: ``except PermissionError`` still catches it) about
+    ``path``, the file the caller asked for, instead of a temporary file next to it."""
+    if exc.errno is None:
+        return OSError(f"cannot write {path}: {exc}{where}")
+    return OSError(exc.errno, (exc.strerror or os.strerror(exc.errno)) + where, path)
 
 
 #: The largest step JSON the command line and the report read (bytes). A capture of

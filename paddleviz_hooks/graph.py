@@ -120,6 +120,12 @@ class SourceFrame(NamedTuple):
 #: the capture was armed or decided (or with Paddle's own dump path in use).
 SOURCE_NOTES = ("static", "internal", "unrecorded")
 
+#: Why an op node has no :attr:`Node.layer` although the capture had a model to attribute it to
+#: (worded in ``paddleviz_hooks.text``): ``"unrecorded"`` its forward ran before the capture's
+#: layer hooks were in place (a forward outside ``with rec.step():``), so where it ran is unknown;
+#: an op with no layer and no note ran outside every layer of the model (the loss).
+LAYER_NOTES = ("unrecorded",)
+
 
 _FIELD_NAMES: dict[type, tuple[str, ...]] = {}
 
@@ -274,6 +280,9 @@ class Node:
             not recorded.
         source_note: for an op without ``source``, why (one of
             :data:`SOURCE_NOTES`); None otherwise.
+        layer_note: for an op without ``layer``, when that is not because it
+            ran outside the model: why (one of :data:`LAYER_NOTES`); None
+            otherwise.
     """
 
     id: int
@@ -301,6 +310,7 @@ class Node:
     received: GradMeta | None = None
     source: tuple[SourceFrame, ...] | None = None
     source_note: str | None = None
+    layer_note: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = _field_values(self)  # its tuples and GradMetas are converted below
@@ -337,7 +347,8 @@ class Node:
 
 
 _NODE_BOX_DEFAULTS = {"count": 1, "calls": 1, "ops": 0, "unhooked": 0, "params": 0, "norm": None, "nonfinite": 0,
-                      "grad": None, "saved_bytes": 0, "local_grad": None, "received": None, "source": None, "source_note": None}
+                      "grad": None, "saved_bytes": 0, "local_grad": None, "received": None, "source": None, "source_note": None,
+                      "layer_note": None}
 
 
 @dataclass

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
+import numbers
 import os
 from typing import Any, Iterable, Iterator, Sequence
 
@@ -239,7 +240,7 @@ class BackwardGraphRecorder:
         self.dropped_steps: list[int] = []
         #: steps whose data is saved but whose pictures were not drawn by close()
         self.undrawn_steps: list[int] = []
-        #: captured steps whose data never reached disk -> why (set by close())
+        #: captured steps whose data never reached disk -> why (set by close(), for the run it closes)
         self.lost_steps: dict[int, str] = {}
         #: step -> what captured it (``"scheduled"`` or a trigger name)
         self.triggers: dict[int, str] = {}
@@ -262,6 +263,9 @@ class BackwardGraphRecorder:
         # this step: graphs waiting for its end, backwards seen (per entry), micro-batches announced
         self._pending: list[BackwardGraph] = []
         self._seen: list[str] = []
+        self._run_from = (0, 0)  # captured_steps, dropped_steps: where the open run's entries start
+        self._unwritable: str | None = None  # why the run folder could not be written (then nothing is)
+        self._doomed = False  # this step was written early (NaN/Inf loss): its later graphs follow at once
         self._micro_batches: int | None = None
         self._applied_norm: float | None = None
         self._applied: dict[str, Any] | None = None  # read_applied_gradients() of this step
@@ -297,6 +301,9 @@ class BackwardGraphRecorder:
                                  "capture, so nothing is recorded")
         if not self._active:
             return self
+        self._run_from = (len(self.captured_steps), len(self.dropped_steps))  # where this run's steps start
+        self._unwritable = None
+        self.lost_steps = {}
         run_dir = os.path.join(opts.log_dir, opts.run_name)
         if rank != 0:
             run_dir = os.path.join(run_dir, f"rank_{rank}")
@@ -308,6 +315,7 @@ class BackwardGraphRecorder:
             self._pipeline = CapturePipeline(opts, files, self._display_name(files.directory, rank), self._warn)
         except OSError as exc:
             run_all(*(f.close for f in opened))
+            self._unwritable = f"{run_dir} could not be written ({exc.strerror or exc})"
             self._warn("dir", f"cannot write to {run_dir!r} ({exc.strerror or exc}); backward graphs "
                               "will not be saved or logged. Pass a writable log_dir")
         except BaseException:
@@ -402,6 +410,9 @@ class BackwardGraphRecorder:
         """Write and draw what is left, close VisualDL, and say what was kept."""
         pipeline = self._pipeline
         if pipeline is None:
+            if self._unwritable is not None and self.lost_steps and self.options.verbose:
+                print("[paddleviz-hooks] " + end_line(len(self.lost_steps), len(self.lost_steps), 0, self.lost_steps,
+                                                      0, 0, self.run_dir or self.options.log_dir))
             return
         if self.options.verbose and not pipeline.idle:  # the wait may be long: say what it is for
             print("[paddleviz-hooks] " + closing_line(self.options.close_timeout), flush=True)
@@ -409,10 +420,12 @@ class BackwardGraphRecorder:
         self._pipeline = None
         self.undrawn_steps = pipeline.undrawn_at_close
         written = set(pipeline.written)
-        self.lost_steps = {**{s: "the background writer stopped" for s in self.dropped_steps}, **pipeline.lost}
-        for step in set(self.captured_steps) - written - set(self.lost_steps):
+        # this run's steps only: a recorder opened again writes a new run folder, and counts anew
+        run_steps, dropped = self.captured_steps[self._run_from[0]:], self.dropped_steps[self._run_from[1]:]
+        self.lost_steps = {**{s: "the background writer stopped" for s in dropped}, **pipeline.lost}
+        for step in set(run_steps) - written - set(self.lost_steps):
             self.lost_steps[step] = "not written before close() gave up"
-        if self.options.verbose and (self.captured_steps or self.lost_steps):
+        if self.options.verbose and (run_steps or self.lost_steps):
             captured = written | set(self.lost_steps)
             graphs = len(pipeline.written) + len(pipeline.lost)  # a step may have several backwards
             print("[paddleviz-hooks] " + end_line(
@@ -447,11 +460,13 @@ class BackwardGraphRecorder:
         """
         if step is None:
             step = self.global_step + 1
-        elif isinstance(step, bool) or not isinstance(step, int):
+        elif isinstance(step, bool) or not isinstance(step, numbers.Integral):
             raise TypeError(f"step must be an int or None, got {step!r}")
-        if micro_batches is not None and micro_batches != COUNTED and (
-                isinstance(micro_batches, bool) or not isinstance(micro_batches, int)):
-            raise TypeError(f"micro_batches must be an int, 'counted' or None, got {micro_batches!r}")
+        step = int(step)  # numpy integers too (a loop counter from np.arange)
+        if micro_batches is not None and micro_batches != COUNTED:
+            if isinstance(micro_batches, bool) or not isinstance(micro_batches, numbers.Integral):
+                raise TypeError(f"micro_batches must be an int, 'counted' or None, got {micro_batches!r}")
+            micro_batches = int(micro_batches)
         if isinstance(micro_batches, int) and micro_batches < 1:
             raise ValueError(f"micro_batches must be >= 1 or None, got {micro_batches!r}")
         if step < 1:
@@ -476,7 +491,9 @@ class BackwardGraphRecorder:
             raise
 
     def _start_step(self, step: int, micro_batches: int | str | None) -> bool:
-        self.end_step()  # a step that was never ended (begin_step, then `continue`): disarmed and written
+        # a step that was never ended (begin_step, then `continue`): disarmed and written; a forward
+        # under way keeps its inputs (the step was begun from its own pre-hook, as attach() does)
+        self._end_step(keep_call=True)
         self.global_step = self._last_step = step
         self._micro_batches = micro_batches
         if not self._open:
@@ -487,7 +504,7 @@ class BackwardGraphRecorder:
             return False
         self._triggers.new_step()
         if self._kept is not None:
-            self._kept.reset()
+            self._kept.new_step()
         scheduled = self.options.scheduled(step) and self._budget_left()
         if scheduled:
             self._armed = "scheduled"
@@ -516,16 +533,23 @@ class BackwardGraphRecorder:
         Everything is removed whatever raises where (a Ctrl-C is delivered
         after); then the step's graphs go to the writer.
         """
-        run_all(self._disarm_step, self._flush)  # the step's graphs are written whatever the other raises
+        self._end_step()
 
-    def _disarm_step(self) -> None:
+    def _end_step(self, keep_call: bool = False) -> None:
+        # the step's graphs are written whatever the other raises
+        run_all(lambda: self._disarm_step(keep_call), self._flush)
+
+    def _disarm_step(self, keep_call: bool = False) -> None:
         with held_interrupts():
             self._armed = None
-            run_all(self._reset_kept, self._end_step_capture, self._unobserve)
+            run_all(lambda: self._reset_kept(keep_call), self._end_step_capture, self._unobserve)
 
-    def _reset_kept(self) -> None:
-        if self._kept is not None:
-            self._kept.reset()  # no reference to the step's tensors outlives it
+    def _reset_kept(self, keep_call: bool = False) -> None:
+        if self._kept is not None:  # no reference to the step's tensors outlives it
+            if keep_call:
+                self._kept.new_step()
+            else:
+                self._kept.reset()
 
     def _unobserve(self) -> None:
         if self._watch is not None:
@@ -791,12 +815,20 @@ class BackwardGraphRecorder:
         if trigger != "scheduled":
             story = " ".join(nonfinite_lines(record)).rstrip(";")
             self._notice(f"captured step {step} (trigger: {trigger})" + (f"; {story}" if story else ""))
+        if any(n.layer_note == "unrecorded" for n in graph.nodes):
+            self._warn("forward-outside", f"step {step}'s forward ran before its capture was armed, so the layers "
+                                          "(and source lines) of its ops are not recorded; run the forward inside "
+                                          "`with rec.step(n):` (or between begin_step() and end_step())")
         self._pending.append(graph)
         self._write_if_doomed()
 
     def _write_if_doomed(self) -> None:
-        """After the step's last backward, a step with a NaN/Inf loss is written at once."""
-        if any(self._nonfinite_loss(g) for g in self._pending) and self._last_backward():
+        """After the step's last backward, a step with a NaN/Inf loss is written at once; so is
+        every graph of it delivered after that (one capture may deliver after another's check)."""
+        if not self._pending:
+            return
+        if self._doomed or (any(self._nonfinite_loss(g) for g in self._pending) and self._last_backward()):
+            self._doomed = True
             self._write_now()
 
     @staticmethod
@@ -816,7 +848,7 @@ class BackwardGraphRecorder:
         backward (PaddleFormers' Trainer does), so neither :meth:`end_step` nor
         :meth:`close` may follow; the capture must not wait for them.
         """
-        self._flush()
+        self._flush(final=False)
         if self._pipeline is not None:
             self._pipeline.settle(self.options.close_timeout)
 
@@ -832,11 +864,21 @@ class BackwardGraphRecorder:
             (name, b) for name, b in self.model.named_buffers() if b is not None and b._is_initialized())]
         return weights, buffers
 
-    def _flush(self) -> None:
-        """The step is over: label its graphs (now that their number is known) and write them."""
+    def _flush(self, final: bool = True) -> None:
+        """Label the step's graphs and write them.
+
+        Args:
+            final: the step is over (its number of backwards is known). False: a
+                step written before its end (:meth:`_write_now`): the backwards
+                seen so far stay counted, so a later one of the step gets the
+                next number (and a file of its own); the total is left unknown
+                unless the loop announced it.
+        """
         pending, self._pending = self._pending, []
-        seen_entries, self._seen = self._seen, []
-        seen = len(seen_entries)
+        seen_entries = self._seen
+        if final:
+            self._seen, self._doomed = [], False
+        seen = len(seen_entries) if final or isinstance(self._micro_batches, int) else None
         applied, self._applied_norm = self._applied_norm, None
         read, self._applied = self._applied, None
         if read is not None and read["norm"] is not None:
@@ -851,7 +893,7 @@ class BackwardGraphRecorder:
                 if info.get("index") is not None:
                     info["of"] = seen
                 if info.get("micro_batches") == COUNTED:
-                    info["micro_batches"] = seen_entries.count("backward")
+                    info["micro_batches"] = seen_entries.count("backward") if final else None
                 info["role"] = backward_role(info)
             if applied is not None:
                 graph.meta["accumulated_grad_norm"] = applied
@@ -862,18 +904,22 @@ class BackwardGraphRecorder:
             index = info.get("index") if isinstance(info, dict) else None
             suffix = f"b{index}" if isinstance(index, int) and index > 1 else (
                 "" if isinstance(index, int) else f"nested{pending.index(graph)}")
-            if self._pipeline is None or self._pipeline.submit(CaptureJob(graph, step, trigger, suffix)):
-                written = written or self._pipeline is not None
+            if self._pipeline is None:  # the run folder could not be written: lost, and said so at close
+                self.lost_steps.setdefault(step, self._unwritable or "no run folder to write to")
+            elif self._pipeline.submit(CaptureJob(graph, step, trigger, suffix)):
+                written = True
             else:
                 # nothing of it reaches disk or VisualDL
                 if step not in self.dropped_steps:
                     self.dropped_steps.append(step)
             if trigger != "scheduled" or step not in self.triggers:
                 self.triggers[step] = trigger
-        # captured_steps (and the max_captures budget) stay true to what was written
-        if written or self._pipeline is None:
-            self.captured_steps.append(step)
-        else:
+        # captured_steps (and the max_captures budget) stay true to what was written; a step
+        # written in parts (early, then at its end) is counted once
+        if written:
+            if not self.captured_steps or self.captured_steps[-1] != step:
+                self.captured_steps.append(step)
+        elif not self.captured_steps or self.captured_steps[-1] != step:  # nothing of the step written
             self.triggers.pop(step, None)
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from typing import Any, Iterable
 
 from .diff import GraphDiff
@@ -32,6 +33,8 @@ __all__ = [
     "MODEL_OUTPUT",
     "REPLAYED_FROM_OUTPUT",
     "OUTSIDE_MODEL",
+    "LAYER_UNRECORDED",
+    "node_layer",
     "TOP_LAYER",
     "TOP_PARAMS",
     "WHOLE_MODEL",
@@ -108,6 +111,9 @@ TOP_PARAMS = "the model's own parameters"
 WHOLE_MODEL = "the whole model"
 #: How an op that no layer ran is placed (the loss function, a user's own code).
 OUTSIDE_MODEL = "outside the model"
+#: An op whose layer is not known: its forward ran before the capture's layer hooks were in place
+#: (``Node.layer_note == "unrecorded"``).
+LAYER_UNRECORDED = "layer not recorded (its forward ran before the capture was armed)"
 #: The root of a replayed step's graph: the model's output (the loss ops are outside it).
 MODEL_OUTPUT = "model output"
 #: What a replayed capture is, against an ordinary one (its graph starts at the model output).
@@ -244,6 +250,10 @@ def backward_role(info: dict[str, Any] | None) -> str:
         'backward 2 of 2'
         >>> backward_role({"index": 1, "of": 1, "entry": "backward"})
         ''
+        >>> backward_role({"index": 1, "of": None, "entry": "backward"})  # written before its step ended
+        ''
+        >>> backward_role({"index": 2, "of": None, "entry": "backward"})
+        'backward 2'
     """
     if not isinstance(info, dict):
         return ""
@@ -257,7 +267,7 @@ def backward_role(info: dict[str, Any] | None) -> str:
     order = f"backward {i} of {n}" if n else f"backward {i}"
     if grad:
         return "paddle.grad" + (f" ({order})" if i is not None and n != 1 else "")
-    if i is None or n == 1:
+    if i is None or n == 1 or (n is None and i == 1):  # the first of an unknown number: maybe the only one
         return ""
     return order
 
@@ -301,20 +311,40 @@ def _in_layer(layer: str | None) -> str:
     return f" in layer '{layer}'" if layer else f" in {TOP_LAYER}"
 
 
-def node_where(layer: str | None, call: int = 0) -> str:
+def node_where(layer: str | None, call: int = 0, note: str | None = None) -> str:
     """``in encoder.layers.0 (call 2)``, ``outside the model``.
 
     Args:
-        layer: the layer path (None: outside the model).
+        layer: the layer path (None: outside the model, or not known).
         call: the call index, 0 for the first call (then not mentioned).
+        note: ``Node.layer_note``: why a node has no layer when it is not
+            that it ran outside the model.
 
     Examples:
         >>> node_where("block", 1), node_where(None)
         ('in block (call 2)', 'outside the model')
+        >>> node_where(None, note="unrecorded")
+        'with its layer not recorded (its forward ran before the capture was armed)'
     """
     if layer is None:
-        return OUTSIDE_MODEL
+        return "with its " + LAYER_UNRECORDED if note == "unrecorded" else OUTSIDE_MODEL
     return "in " + layer_name(layer) + _call_suffix(call)
+
+
+def node_layer(node: Any, calls: int = 1) -> str:
+    """An op node's layer, as its tooltips and attributes show it: the layer and call,
+    "outside the model", or why it is not known.
+
+    Examples:
+        >>> node_layer(Node(0, "op", "MatmulGradNode", "Matmul", layer="fc", call=1), calls=2)
+        'fc (call 2 of 2)'
+        >>> node_layer(Node(0, "op", "MatmulGradNode", "Matmul", layer_note="unrecorded"))
+        'layer not recorded (its forward ran before the capture was armed)'
+    """
+    if node.layer is None:
+        return LAYER_UNRECORDED if node.layer_note == "unrecorded" else OUTSIDE_MODEL
+    where = box_name if node.kind == "layer" else layer_name
+    return where(node.layer) + _call_suffix(node.call, calls)
 
 
 def _call_suffix(call: int, calls: int = 1) -> str:
@@ -345,7 +375,7 @@ def describe_node(info: Node | dict[str, Any]) -> str:
     if kind == "layer":  # a collapsed layer box
         return ((f"layer {get('layer')}" if get("layer") else WHOLE_MODEL) + f" ({get('name') or '?'})"
                 + _call_suffix(get("call") or 0, get("calls") or 1))
-    return f"{get('op') or '?'} {node_where(get('layer'), get('call') or 0)}"
+    return f"{get('op') or '?'} {node_where(get('layer'), get('call') or 0, get('layer_note'))}"
 
 
 def _as_origin(origin: NonfiniteOrigin | dict[str, Any]) -> NonfiniteOrigin:
@@ -844,9 +874,7 @@ def source_attrs(node: Node) -> dict[str, str]:
 def node_tooltip(node: Node) -> str:
     """Hover text: Paddle's grad node name, the layer (call), the key, why unhooked,
     what it saved for backward."""
-    where = box_name if node.kind == "layer" else layer_name
-    tip = [node.name, "layer: " + (where(node.layer) + _call_suffix(node.call, node.calls)
-                                   if node.layer is not None else OUTSIDE_MODEL), f"key: {node.key}"]
+    tip = [node.name, "layer: " + node_layer(node, node.calls), f"key: {node.key}"]
     if node.note:
         tip.append(node.note)
     tip.extend(source_lines(node))
@@ -861,18 +889,30 @@ def node_tooltip(node: Node) -> str:
 
 
 def run_folder_note(asked: str, used: str) -> str:
-    """Said once, when a recorder writes beside the run folder it was given.
+    """Said once, when a recorder writes beside the run folder it was given: which folders it
+    passed over (``asked``, ``asked_2``... up to the one before ``used``: each held records or
+    another live writer's lock when it looked, see ``sinks/files.py``'s ``claim_run_dir``).
 
     Examples:
         >>> run_folder_note("/logs/backward_graph", "/logs/backward_graph_2")
         ' (backward_graph holds an earlier run or another writer: kept as it is, this run writes beside it)'
+        >>> run_folder_note("/logs/backward_graph", "/logs/backward_graph_3")
+        ' (backward_graph and backward_graph_2 hold earlier runs or other writers: kept as they are, this run writes beside them)'
+        >>> run_folder_note("/logs/run", "/logs/run_12")
+        ' (run to run_11, 11 folders, hold earlier runs or other writers: kept as they are, this run writes beside them)'
         >>> run_folder_note("/logs/a", "/logs/a")
         ''
     """
     if asked == used:
         return ""
-    return (f" ({os.path.basename(asked)} holds an earlier run or another writer: kept as it is, "
-            "this run writes beside it)")
+    name = os.path.basename(asked)
+    m = re.fullmatch(re.escape(asked) + r"_(\d+)", used)
+    taken = int(m.group(1)) - 1 if m else 0  # the folders passed over: name, name_2, ... name_<taken>
+    if taken <= 1:
+        return f" ({name} holds an earlier run or another writer: kept as it is, this run writes beside it)"
+    last = f"{name}_{taken}"
+    folders = f"{name} and {last}" if taken == 2 else f"{name} to {last}, {taken} folders,"
+    return f" ({folders} hold earlier runs or other writers: kept as they are, this run writes beside them)"
 
 
 def step_list(steps: Iterable[int], limit: int = 10) -> str:

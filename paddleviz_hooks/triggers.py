@@ -7,7 +7,8 @@
   captures that same step by replaying it, or the next step when it cannot.
 * ``grad_spike``: the global gradient norm exceeded ``on_grad_spike`` times
   the running median; the next step is captured.
-* ``structure_change``: the graph differs from the last capture's.
+* ``structure_change``: the graph differs from the last capture's (each backward of
+  a step compared with the backward in the same place of earlier steps).
 
 Each trigger respects ``cooldown`` (steps between two of its captures) and
 the recorder's capture budget.
@@ -92,7 +93,10 @@ class Triggers:
         self._notice = notice
         self._pending: tuple[str, int] | None = None
         self._last_fired: dict[str, int] = {}
-        self._last_fp: Any = None
+        # structure fingerprint of each backward of a step (by its place in the step: a
+        # paddle.grad penalty, then backward()) at the last capture, or when first seen
+        self._last_fp: dict[int, Any] = {}
+        self._backward = 0  # backwards of this step so far
         self._norms: deque[float] = deque(maxlen=100)
         self.note: str | None = None  # why a pending trigger fired, for the capture's record
         self.captured_now = False
@@ -107,6 +111,7 @@ class Triggers:
 
     def new_step(self) -> None:
         self.captured_now = False
+        self._backward = 0
         self._loss_nonfinite = False
         self.loss = None
 
@@ -124,6 +129,7 @@ class Triggers:
 
     def decide(self, step: int, armed: str | None, roots: list[Any], walk: Callable[[], Any]) -> str | None:
         """When a backward starts: the label that captures it, or None."""
+        self._backward += 1
         if self.captured_now:
             # a scheduled step records each of its backwards (micro-batches, paddle.grad);
             # a trigger captures one backward per step
@@ -147,14 +153,15 @@ class Triggers:
             # this capture already shows the NaN/Inf loss: the next NaN step
             # is not captured again until the cooldown has passed
             self._last_fired["nonfinite_loss"] = step
-        if opts.on_structure_change:
+        if opts.on_structure_change:  # compared with the same backward of the step at the last capture
             fp = structure_fingerprint(walk())
-            if self._last_fp is None:
-                self._last_fp = fp
-            elif fp != self._last_fp and trigger is None:
+            last = self._last_fp.get(self._backward)
+            if last is None:
+                self._last_fp[self._backward] = fp
+            elif fp != last and trigger is None:
                 trigger = self._fire("structure_change", step)
             if trigger is not None:
-                self._last_fp = fp
+                self._last_fp[self._backward] = fp
         if trigger is not None:
             self.captured_now = True
         return trigger

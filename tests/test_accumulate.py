@@ -167,3 +167,52 @@ def test_bad_micro_batches_fail_with_the_value_received(tmp_path):
     with pytest.raises(ValueError, match="micro_batches must be >= 1 or None, got 0"):
         rec.begin_step(1, micro_batches=0)
     rec.close()
+
+
+def _nan_in_micro_batch(tmp_path, nan_at: int, micro_batches, backwards: int = 4, **options):
+    """Two steps of `backwards` micro-batches each; step 2's micro-batch `nan_at` (1-based) has a NaN loss."""
+    paddle.seed(0)
+    net = nn.Linear(4, 2)
+    opt = paddle.optimizer.SGD(learning_rate=0.0, parameters=net.parameters())
+    kw = {} if micro_batches is None else {"micro_batches": micro_batches}
+    with BackwardGraphRecorder(str(tmp_path), net, every=1, capture_first=False, on_nonfinite=True, verbose=0,
+                               formats=("json",), visualdl=False, **options) as rec:
+        for step in (1, 2):
+            with rec.step(step, **kw):
+                for mb in range(1, backwards + 1):
+                    loss = net(paddle.full([2, 4], float(mb))).mean()
+                    if step == 2 and mb == nan_at:
+                        loss = loss * paddle.sqrt(paddle.to_tensor(-1.0))
+                    (loss / backwards).backward()
+            opt.step()
+            opt.clear_grad()
+    run = tmp_path / "backward_graph"
+    graphs = {p.name: BackwardGraph.from_json(p.read_text()) for p in run.glob("step_000002*.json")
+              if "diff" not in p.name}
+    return rec, graphs
+
+
+@pytest.mark.parametrize("nan_at", [1, 3])
+def test_a_nan_micro_batch_before_the_last_keeps_its_own_file(tmp_path, nan_at):
+    # the NaN step is written at once after its last backward; a graph delivered after that
+    # write used to be numbered from 0 again and overwrite step_000002.json (the NaN's own file)
+    rec, graphs = _nan_in_micro_batch(tmp_path, nan_at, 4)
+    assert sorted(graphs) == ["step_000002.json", "step_000002_b2.json", "step_000002_b3.json",
+                              "step_000002_b4.json"]
+    for i, name in enumerate(sorted(graphs), start=1):
+        info = graphs[name].meta["backward"]
+        assert (info["index"], info["micro_batch"], info["micro_batches"]) == (i, i, 4), name
+        loss = graphs[name].meta["loss"]
+        assert (loss != loss) == (i == nan_at), (name, loss)  # only the NaN micro-batch's loss is NaN
+    assert rec.captured_steps == [1, 2] and rec.triggers[2] == "nonfinite_loss"
+
+
+def test_a_nan_backward_of_an_unannounced_step_keeps_its_own_file(tmp_path):
+    # without micro_batches every backward may be the last: the NaN one is written at once,
+    # and the step's next backward goes to a file of its own
+    rec, graphs = _nan_in_micro_batch(tmp_path, 1, None, backwards=2)
+    assert sorted(graphs) == ["step_000002.json", "step_000002_b2.json"]
+    first, second = graphs["step_000002.json"], graphs["step_000002_b2.json"]
+    assert first.meta["loss"] != first.meta["loss"] and first.meta["backward"]["index"] == 1
+    assert second.meta["loss"] == second.meta["loss"] and second.meta["backward"]["index"] == 2
+    assert rec.captured_steps == [1, 2] and rec.triggers[2] == "nonfinite_loss"

@@ -211,3 +211,34 @@ def test_attaching_twice_is_refused_at_attach_time_and_training_goes_on(tmp_path
     with attach(net, opt, str(tmp_path / "c"), **QUIET) as again:  # after detach() it attaches again
         seg_loop(net, opt)
     assert again.recorder.captured_steps == [1, 2, 3, 4]
+
+
+def test_on_nonfinite_finds_where_the_nan_started(tmp_path):
+    # the step opens from the model's own pre-hook, after the recorder's hook has kept the
+    # forward's inputs for the replay: opening the step used to drop them, so no origin was found
+    class Net(nn.Layer):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4)
+            self.bad = False
+
+        def forward(self, x):
+            h = self.a(x)
+            if self.bad:
+                h = paddle.log(h)  # negative entries: NaN
+            return self.b(paddle.tanh(h))
+
+    paddle.seed(0)
+    net = Net()
+    opt = paddle.optimizer.SGD(learning_rate=0.01, parameters=net.parameters())
+    with attach(net, opt, str(tmp_path), every=100, on_nonfinite=True, verbose=0, formats=("json",),
+                visualdl=False) as h:
+        for it in range(5):
+            net.bad = it == 3
+            x, y = paddle.randn([4, 8]), paddle.randint(0, 4, [4, 1])
+            paddle.nn.functional.cross_entropy(net(x), y).backward()
+            opt.step()
+            opt.clear_grad()
+    g = BackwardGraph.from_json(pathlib.Path(h.recorder.run_dir, "step_000004.json").read_text())
+    origin = g.nonfinite.origin
+    assert origin is not None and (origin.kind, origin.op) == ("forward", "log"), origin

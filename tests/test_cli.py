@@ -237,3 +237,16 @@ def test_error_paths(files, capsys):
         assert len(lines) == 1 and lines[0].startswith("paddleviz-hooks: error: "), (argv, err)
         assert text in lines[0], (argv, lines[0])
     assert not (root / "x.png").exists() and not (root / "r.html").exists()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc (a folder no file can be made in)")
+def test_a_refused_output_is_named_as_given(files, capsys):
+    """A folder that refuses new files (/proc: for root too): the error names the file asked for
+    and why, never the temporary file the write goes through."""
+    for argv in (["report", "log", "-o", "/proc/x.html"], ["render", "a.json", "-o", "/proc/x.dot"],
+                 ["diff", "a.json", "b.json", "-o", "/proc/x.json"]):
+        status, _, err = run_main(argv, files["root"], capsys)
+        assert status == 1, (argv, err)
+        (line,) = err.splitlines()
+        assert line.startswith(f"paddleviz-hooks: error: cannot write {argv[-1]}"), line
+        assert ".tmp-" not in line and ": " in line.removeprefix("paddleviz-hooks: error: "), line

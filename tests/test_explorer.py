@@ -13,6 +13,7 @@ import pathlib
 import json
 import math
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -502,3 +503,58 @@ def test_explore_a_nan_run_in_chromium(tmp_path):
     for shot in shots:
         assert shot.stat().st_size > 10_000, f"{shot} looks empty"
         shutil.copy(shot, out / shot.name)
+
+
+def _locale_sorted(ids: list[str]) -> list[str] | None:
+    """``ids`` sorted as the page sorts its graph list (``a.localeCompare(b)``, node's ICU); None without node."""
+    import shutil
+
+    node = shutil.which("node")
+    if node is None:
+        return None
+    script = "const a = JSON.parse(require('fs').readFileSync(0, 'utf8')); " \
+             "console.log(JSON.stringify(a.sort((x, y) => x.localeCompare(y))))"
+    done = subprocess.run([node, "-e", script], input=json.dumps(ids), capture_output=True, text=True, timeout=60,
+                          check=True)
+    return json.loads(done.stdout)
+
+
+def test_a_step_of_many_micro_batches_is_listed_in_order_and_opens_at_the_first_nan(tmp_path):
+    """Twelve micro-batches a step, in a step's files ``step_N.json``, ``step_N_b2.json``...
+    ``step_N_b12.json``: the list goes by step, then micro-batch (10 after 9, not after 1), in the
+    page's own order too, and the page opens at the earliest NaN (step 3, micro-batch 11), not at
+    step 4's first micro-batch, which a list grouped by micro-batch puts first."""
+    run = tmp_path / "log" / "backward_graph"
+    run.mkdir(parents=True)
+    k = 12
+    for step in (3, 4):
+        for mb in range(1, k + 1):
+            bad = (step, mb) in {(3, 11), (3, 12), (4, 1)}
+            grad = GradMeta((2,), "float32", float("nan") if bad else 1.0, -1.0, 1.0, nan=2 if bad else 0)
+            g = BackwardGraph([Node(0, "root", "loss"), Node(1, "op", "ExpGradNode", "Exp")], [Edge(0, 1, grad=grad)],
+                              meta={"step": step, "trigger": "nonfinite_loss" if bad else "scheduled",
+                                    "backward": {"index": mb, "of": k, "entry": "backward", "micro_batch": mb,
+                                                 "micro_batches": k}})
+            g.assign_keys()
+            (run / (f"step_{step:06d}" + (f"_b{mb}" if mb > 1 else "") + ".json")).write_text(g.to_json())
+    files = ex.export_explorer(str(tmp_path / "log"), str(tmp_path / "out"))
+    listed = [tuple(int(x) for x in re.search(r"step (\d+).*micro-batch (\d+) of 12", g).groups())
+              for g in files.graph_ids]
+    assert listed == [(s, mb) for s in (3, 4) for mb in range(1, k + 1)]
+    assert files.graph_ids[10] == "backward_graph: step 3 b11 - micro-batch 11 of 12 - trigger: nonfinite_loss"
+    assert files.graph_ids[1] == "backward_graph: step 3 b02 - micro-batch 2 of 12"  # padded: sorts before b10
+    assert files.start == (files.graph_ids[10], "0")
+    assert sorted(files.graph_ids) == files.graph_ids
+    in_page = _locale_sorted(files.graph_ids)
+    assert in_page is None or in_page == files.graph_ids
+    collection, overlays = load_export(files)
+    assert [g["id"] for g in collection["graphs"]] == files.graph_ids
+    # each micro-batch is compared with the same micro-batch of the step before
+    assert sorted(overlays[ex.ADDED]) == sorted(files.graph_ids[k:])
+
+    # a list of the same graphs in capture order names them the same way
+    graphs = sorted((BackwardGraph.from_json(p.read_text()) for p in run.glob("step_000003*.json")),
+                    key=lambda g: g.meta["backward"]["index"])
+    listed = ex.export_explorer(graphs, str(tmp_path / "out2"))
+    assert [f"backward_graph: {g}" for g in listed.graph_ids] == files.graph_ids[:k]
+    assert listed.start == (listed.graph_ids[10], "0")

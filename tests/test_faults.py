@@ -208,8 +208,11 @@ def test_log_dir_unwritable(tmp_path, how):
     assert len(msgs) == 1, msgs
     assert "cannot write to" in msgs[0] and "log_dir" in msgs[0]
     assert repr(os.path.join(log_dir, "backward_graph")) in msgs[0]
-    # the graphs were still captured (cb.captured_steps), only not saved
-    assert cb.captured_steps == CAPTURED
+    # the graphs were still captured, but nothing could be saved: each step is lost, with why
+    # (captured = written + lost), and none is listed as captured
+    assert cb.captured_steps == []
+    assert sorted(cb.recorder.lost_steps) == CAPTURED
+    assert all("could not be written" in why for why in cb.recorder.lost_steps.values())
     if how == "chmod":
         assert os.listdir(log_dir) == []
 
@@ -644,3 +647,33 @@ def test_renderer_backlog_loses_nothing(tmp_path, monkeypatch):
     assert cb.recorder.undrawn_steps == []
     # while drawing was blocked, the data of later captures kept being written
     assert written_while_blocked == [STEPS]
+
+
+def test_write_errors_name_the_file_asked_for(tmp_path):
+    """atomic_write and the run folder's write probe go through temporary files; a failure names
+    the destination (and the reason), of the same error class, and leaves no temporary file."""
+    from paddleviz_hooks._fileio import atomic_write
+    from paddleviz_hooks.sinks.files import StepFiles
+
+    target = tmp_path / "adir"  # the rename onto a folder that holds a file fails
+    target.mkdir()
+    (target / "keep").write_text("x")
+    with pytest.raises(OSError) as info:
+        atomic_write(str(target), "data")
+    assert info.value.filename == str(target) and ".tmp-" not in str(info.value), info.value
+    assert info.value.strerror and info.value.errno in (errno.EISDIR, errno.ENOTEMPTY, errno.EEXIST)
+    assert sorted(os.listdir(tmp_path)) == ["adir"]
+
+    missing = tmp_path / "gone" / "r.html"
+    with pytest.raises(FileNotFoundError) as info:
+        atomic_write(str(missing), "data")
+    assert info.value.filename == str(missing) and ".tmp-" not in str(info.value)
+    assert str(tmp_path / "gone") in info.value.strerror  # the folder the new file was refused in
+
+    if os.path.isdir("/proc/self"):  # a folder that exists and refuses new files, for root too
+        with pytest.raises(OSError) as info:
+            atomic_write("/proc/self/x.html", "data")
+        assert info.value.filename == "/proc/self/x.html" and ".tmp-" not in str(info.value)
+        with pytest.raises(OSError) as info:
+            StepFiles("/proc/self")
+        assert info.value.filename == "/proc/self" and ".probe-" not in str(info.value)

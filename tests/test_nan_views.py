@@ -532,3 +532,45 @@ def test_a_parameter_whose_gradient_is_nan_is_red_in_every_view(tmp_path):
         node_svg = re.search(rf"<title>n{nid}</title>.*?</g>", svg, re.S).group(0)
         assert f'fill="{red if bad else green}"' in node_svg, node_svg
         assert (results.get(str(nid), {"value": 0})["value"] > 0) == bad, (name, results.get(str(nid)))
+
+
+
+def test_the_first_nan_is_opened_and_listed_first_with_micro_batches(tmp_path):
+    """The NaN starts in step 2's last micro-batch; the update then writes it into the weights,
+    so step 3's first micro-batch is NaN too. Every view lists captures by (step, backward), and
+    the explorer opens step 2, micro-batch 3, at the origin (not step 3, which came first when
+    captures were grouped by which backward of their step they are)."""
+    paddle.seed(0)
+    net = InLayerNet()
+    opt = paddle.optimizer.SGD(learning_rate=0.1, parameters=net.parameters())
+    with BackwardGraphRecorder(str(tmp_path / "log"), net, every=1, on_nonfinite=True, verbose=0,
+                               formats=("json",), visualdl=False) as rec:
+        for step in (1, 2, 3):
+            with rec.step(step, micro_batches=3):
+                for mb in (1, 2, 3):
+                    x = _batch(10 * step + mb, bad=23)  # step 2, micro-batch 3
+                    (net(paddle.to_tensor(x)).mean() / 3).backward()
+            opt.step()
+            opt.clear_grad()
+    run = tmp_path / "log" / "backward_graph"
+    bad = BackwardGraph.from_json((run / "step_000002_b3.json").read_text())
+    assert bad.nonfinite.origin is not None and bad.nonfinite.origin.op == "sqrt"
+    later = BackwardGraph.from_json((run / "step_000003.json").read_text())
+    assert later.nonfinite_count() > 0  # the weights carry it on: a NaN, not the first one
+
+    files = ex.export_explorer(str(tmp_path / "log"), str(tmp_path / "me"))
+    first_two = [f"step {s} - micro-batch {b} of 3" for s in (1, 2) for b in (1, 2, 3)]
+    shown = [g.split(": ", 1)[1] for g in files.graph_ids]
+    assert [re.sub(r" b\d+ - ", " - ", g).replace(" - trigger: nonfinite_loss", "") for g in shown[:6]] == first_two
+    assert all(g.startswith("step 3") for g in shown[6:]) and shown[6:], shown
+    assert sorted(files.graph_ids) == files.graph_ids  # the page lists them by name: the same order
+    gid, node = files.start
+    assert "step 2" in gid and "micro-batch 3 of 3" in gid, files.start
+    assert node == str(bad.node_by_key()[bad.nonfinite.origin.key].id)
+
+    page = Path(build_report(str(run), str(tmp_path / "report.html"))).read_text()
+    titles = [html.unescape(t) for t in re.findall(r"<h2>(.*?)</h2>", page)]
+    assert titles[:6] == first_two and all(t.startswith("step 3") for t in titles[6:])
+    sites = re.search(r'<ul class="sites">(.*?)</ul>', page, re.S).group(1)
+    first_site = html.unescape(re.search(r'class="jump"[^>]*>(.*?)</button>', sites).group(1))
+    assert first_site == "step 2 - micro-batch 3 of 3"

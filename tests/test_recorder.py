@@ -198,3 +198,69 @@ def test_close_says_what_it_waits_for_when_pictures_are_still_being_drawn(tmp_pa
     out = capsys.readouterr().out
     assert "drawing the captures still waiting (at most close_timeout=60 s;" in out
     assert out.index("drawing the captures still waiting") < out.index("1 drawn")
+
+
+def test_a_reopened_recorder_adds_up_its_own_run(tmp_path, capsys):
+    # the second run (a new run folder) used to report the first run's step 4 as lost
+    model = paddle.nn.Linear(4, 2)
+    rec = BackwardGraphRecorder(str(tmp_path), model, every=2, formats=("json",), visualdl=False)
+    for last in (5, 3):
+        for s in range(1, last + 1):
+            with rec.step(s):
+                model(paddle.randn([2, 4])).mean().backward()
+        rec.close()
+    assert rec.lost_steps == {}
+    lines = [line for line in capsys.readouterr().out.splitlines() if "steps captured" in line]
+    assert lines[0].startswith("[paddleviz-hooks] 3 steps captured: 3 written, 0 lost"), lines
+    assert lines[1].startswith("[paddleviz-hooks] 2 steps captured: 2 written, 0 lost"), lines
+
+
+def test_steps_that_could_not_be_saved_are_lost_not_captured(tmp_path, capsys):
+    # a log_dir that is a file: one warning, training goes on, and the steps are counted as lost
+    # (they used to be listed in captured_steps with nothing on disk, and no summary was printed)
+    blocker = tmp_path / "not_a_dir"
+    blocker.write_text("")
+    model = paddle.nn.Linear(4, 2)
+    with pytest.warns(RuntimeWarning, match="Pass a writable log_dir"):
+        rec = BackwardGraphRecorder(str(blocker), model, every=1, formats=("json",), visualdl=False)
+        for s in (1, 2):
+            with rec.step(s):
+                model(paddle.randn([2, 4])).mean().backward()
+        rec.close()
+    assert rec.captured_steps == [] and sorted(rec.lost_steps) == [1, 2]
+    assert "could not be written" in rec.lost_steps[1]
+    out = capsys.readouterr().out
+    assert "2 steps captured: 0 written, 2 lost" in out, out
+
+
+def test_numpy_step_numbers_are_steps(tmp_path):
+    model = paddle.nn.Linear(4, 2)
+    with BackwardGraphRecorder(str(tmp_path), model, every=2, formats=("json",), visualdl=False, verbose=0) as rec:
+        for s in np.arange(1, 5):  # np.int64, as a loop over np.arange gives
+            with rec.step(s, micro_batches=np.int32(1)):
+                model(paddle.randn([2, 4])).mean().backward()
+    assert rec.captured_steps == [1, 2, 4] and all(type(s) is int for s in rec.captured_steps)
+
+
+def test_a_forward_run_outside_the_step_has_its_layers_marked_not_recorded(tmp_path):
+    # the forward ran before `with rec.step()` armed the layer hooks: its ops' layers are unknown,
+    # not "outside the model" (what they used to be called)
+    from paddleviz_hooks.text import node_tooltip, describe_node
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    with BackwardGraphRecorder(str(tmp_path), model, every=1, formats=("json",), visualdl=False, verbose=0) as rec:
+        loss = model(paddle.randn([2, 4])).mean()  # outside the step
+        with pytest.warns(RuntimeWarning, match="run the forward inside `with rec.step"):
+            with rec.step(1):
+                loss.backward()
+        with rec.step(2):  # inside: layers recorded, the loss's Mean outside the model
+            model(paddle.randn([2, 4])).mean().backward()
+    from paddleviz_hooks import BackwardGraph
+    run = tmp_path / "backward_graph"
+    early, inside = (BackwardGraph.from_json((run / f"step_00000{i}.json").read_text()) for i in (1, 2))
+    ops = [n for n in early.nodes if n.kind == "op"]
+    assert ops and all(n.layer is None and n.layer_note == "unrecorded" for n in ops)
+    assert all("layer: layer not recorded" in node_tooltip(n) for n in ops)
+    assert all("outside the model" not in describe_node(n) for n in ops)
+    mean = next(n for n in inside.nodes if n.op == "Mean")
+    assert mean.layer is None and mean.layer_note is None and "layer: outside the model" in node_tooltip(mean)
+    assert all(n.layer is not None for n in inside.nodes if n.kind == "op" and n.op != "Mean")

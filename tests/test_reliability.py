@@ -410,6 +410,29 @@ def test_a_second_process_on_the_same_log_dir_writes_beside_the_first(tmp_path):
     assert out.getvalue().count("holds an earlier run") == 1, out.getvalue()
 
 
+
+def test_the_folder_line_names_every_earlier_run_kept(tmp_path):
+    """A third run in one log dir writes in backward_graph_3; its line says that backward_graph
+    and backward_graph_2 (both kept as they are) hold earlier runs, not only the first of them."""
+    net, x = Net(), paddle.randn([2, 6])
+    lines = []
+    for _ in range(4):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            with BackwardGraphRecorder(str(tmp_path), net, every=1, visualdl=False, formats=("json",)) as rec:
+                _steps(rec, net, (1,), x)
+        (line,) = [l for l in out.getvalue().splitlines() if "backward graphs ->" in l]
+        lines.append(line)
+    first, second, third, fourth = lines
+    assert first.endswith(f"-> {tmp_path / 'backward_graph'}"), first
+    assert second.endswith(f"-> {tmp_path / 'backward_graph_2'} (backward_graph holds an earlier run or another "
+                           "writer: kept as it is, this run writes beside it)"), second
+    assert third.endswith(f"-> {tmp_path / 'backward_graph_3'} (backward_graph and backward_graph_2 hold earlier "
+                          "runs or other writers: kept as they are, this run writes beside them)"), third
+    assert fourth.endswith(f"-> {tmp_path / 'backward_graph_4'} (backward_graph to backward_graph_3, 3 folders, hold "
+                           "earlier runs or other writers: kept as they are, this run writes beside them)"), fourth
+    assert step_files(tmp_path / "backward_graph_3", "json") == [1]
+
 def test_two_recorders_open_at_once_never_share_a_folder(tmp_path):
     net = Net()
     a = BackwardGraphRecorder(str(tmp_path), net, every=1, verbose=0, visualdl=False, formats=("json",)).open()

@@ -15,7 +15,7 @@ import paddle.nn as nn
 import paddle.nn.functional as F
 import pytest
 
-from paddleviz_hooks import BackwardGraph, BackwardGraphCallback
+from paddleviz_hooks import BackwardGraph, BackwardGraphCallback, BackwardGraphRecorder
 
 from paddleviz_hooks.diff import GraphDiff
 
@@ -296,3 +296,25 @@ def test_triggers_and_schedule_together(tmp_path):
     # 1 scheduled; K scheduled (and NaN: one capture, labelled scheduled); K+3 NaN; 2K scheduled
     assert cb.captured_steps == [1, K, K + 3, 2 * K]
     assert cb.triggers[K + 3] == "nonfinite_loss"
+
+
+def test_structure_change_compares_each_backward_with_the_same_backward_of_earlier_steps(tmp_path):
+    # a step of two different backwards (a paddle.grad penalty, then backward()), the same code every
+    # step: nothing changes, so nothing is captured (it used to fire on every step, comparing
+    # the penalty's graph with the previous step's main graph and back)
+    paddle.seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    rec = BackwardGraphRecorder(str(tmp_path), net, every=None, capture_first=False, on_structure_change=True,
+                                cooldown=0, verbose=0, formats=("json",), visualdl=False)
+    for step in range(1, 7):
+        with rec.step(step):
+            x = paddle.randn([3, 4])
+            x.stop_gradient = False
+            out = net(x).sum()
+            (gx,) = paddle.grad(out, x, create_graph=True)
+            total = out + (gx * gx).sum()
+            (total.abs() if step == 5 else total).backward()  # a real change, in the second backward only
+        net.clear_gradients()
+    rec.close()
+    # step 5 changed its second backward, step 6 changed it back: two changes, nothing else
+    assert rec.captured_steps == [5, 6] and rec.triggers == {5: "structure_change", 6: "structure_change"}

@@ -7,9 +7,9 @@ from typing import Any
 import paddle
 
 from .._interrupts import pop_each, run_all
-from .gradnode import grad_fn, strip_wrapper_prefix
+from .gradnode import Walk, grad_fn, strip_wrapper_prefix
 
-__all__ = ["LayerAttribution", "frame_name", "tensors_in"]
+__all__ = ["LayerAttribution", "frame_name", "tensors_in", "mark_unrecorded"]
 
 
 class LayerAttribution:
@@ -48,16 +48,17 @@ class LayerAttribution:
 
     def install(self) -> None:
         compiled: list[str] = []  # to_static layers: their sublayers run inside a program
+        static_function = _static_function()
         for path, sub in self.layer.named_sublayers(include_self=True):
             if type(sub).__name__ == "DataParallel":
                 continue
             path = strip_wrapper_prefix(path) if path != "_layers" else ""
             self.types[path] = type(sub).__name__
-            if any(path.startswith(c + ".") or (c == "" and path) for c in compiled):
+            if compiled and any(path.startswith(c + ".") or (c == "" and path) for c in compiled):
                 # A hook inside a to_static layer would make SOT fall back to
                 # running it eagerly: the capture would change how it runs.
                 continue
-            if _is_to_static(sub):
+            if static_function is not None and isinstance(getattr(sub, "forward", None), static_function):
                 compiled.append(path)
             # with_kwargs: tensors passed by keyword are seen too
             # one line each: a hook is registered and kept for removal with nothing in between
@@ -133,6 +134,29 @@ class LayerAttribution:
             self._resolve()
         return self.owner.get(ptr)
 
+    def assign(self, walk: Walk) -> None:
+        """Set ``Node.layer``/``Node.call`` of every op node of a fresh ``walk``
+        (what :meth:`lookup` gives for its address), claiming the pending records first.
+
+        The claims run over the walk's edges, on plain node ids: a walk holds
+        every node reachable from the ones it holds, so a claim that enters it
+        never leaves it. Only a record's output node that the walk did not
+        reach (an output unused by this backward, an earlier forward) is
+        followed on the live grad nodes, until the claim enters the walk.
+        """
+        if self._records:
+            self._claim_walked(walk)
+        owner = self.owner
+        if not owner:
+            return
+        nodes = walk.nodes
+        for ptr, nid in walk.ids.items():
+            node = nodes[nid]
+            if node.kind == "op":
+                where = owner.get(ptr)
+                if where is not None:
+                    node.layer, node.call = where
+
     def current_frame(self) -> list[Any] | None:
         """The innermost layer call under way (name it later with :func:`frame_name`)."""
         return self._stack[-1] if self._stack else None
@@ -188,20 +212,84 @@ class LayerAttribution:
                 self.parents[name] = parent[1]
         self._links[:] = pending
 
-    def _claim(self, todo: list[Any], stops: set[int], where: tuple[str, int]) -> None:
+    def _claim(self, todo: list[Any], stops: set[int], where: tuple[str, int],
+               ids: dict[int, int] | None = None, walked: list[int] | None = None) -> None:
+        """Claim for ``where`` every node reached from the grad nodes ``todo`` without passing
+        through ``stops`` (its inputs' nodes) or an accumulation node, unless claimed already.
+        With ``ids`` (a walk's address -> node id), a node of the walk is not followed here
+        but its id is put on ``walked``, where :meth:`_claim_walked` goes on."""
         seen: set[int] = set()
         todo = list(todo)
+        owner = self.owner
         while todo:
             gn = todo.pop()
             ptr = gn.node_ptr()
             if ptr in seen or ptr in stops:
                 continue
             seen.add(ptr)
+            if ids is not None:
+                nid = ids.get(ptr)
+                if nid is not None:
+                    walked.append(nid)
+                    continue
             if gn.name() == "GradNodeAccumulation":
                 continue
-            if ptr not in self.owner:  # inner layers ran first and keep their claim
-                self.owner[ptr] = where
+            if ptr not in owner:  # inner layers ran first and keep their claim
+                owner[ptr] = where
             todo.extend(n for n in gn.next_functions if n is not None)
+
+    def _claim_walked(self, walk: Walk) -> None:
+        """:meth:`_resolve`'s claims, in the same order with the same outcome, over the
+        walk's successor lists (plain ints) instead of the live grad nodes."""
+        ids = walk.ids
+        nodes = walk.nodes
+        n = len(nodes)
+        out_edges = walk.out_edges
+        ptr_of: list[int | None] = [None] * n
+        for ptr, nid in ids.items():
+            ptr_of[nid] = ptr
+        owner = self.owner
+        own: list[Any] = [owner.get(p) for p in ptr_of] if owner else [None] * n
+        # an accumulation node (and a root, never reached) is neither claimed nor followed
+        succ: list[list[int]] = []
+        for i, node in enumerate(nodes):
+            if node.kind == "op":
+                succ.append([e.dst for e in out_edges.get(i, ())])
+            else:
+                succ.append([])
+                own[i] = _LEAF
+        mark = [-1] * n  # the record that reached each node (or stops there): a per-record seen set
+        for r, (path, call, outs, stops) in enumerate(self._records):
+            where = (path, call)
+            todo: list[int] = []
+            live = []
+            for gn in outs:
+                nid = ids.get(gn.node_ptr())
+                if nid is None:
+                    live.append(gn)
+                else:
+                    todo.append(nid)
+            if live:  # not reached by this backward: followed live until it enters the walk
+                self._claim(live, stops, where, ids, todo)
+            for p in stops:  # the inputs' nodes: not entered, as if seen already
+                nid = ids.get(p)
+                if nid is not None:
+                    mark[nid] = r
+            while todo:
+                i = todo.pop()
+                if mark[i] == r:
+                    continue
+                mark[i] = r
+                if own[i] is None:  # inner layers ran first and keep their claim
+                    own[i] = where
+                todo.extend(succ[i])
+        self._records.clear()
+        for p, where in zip(ptr_of, own):
+            if where is not None and where is not _LEAF:
+                owner[p] = where
+
+
+_LEAF = object()  # _claim_walked: a node no record claims (an accumulation node, a root)
 
 
 class _RecomputePatch:
@@ -246,13 +334,13 @@ class _RecomputePatch:
 _RECOMPUTED = _RecomputePatch()
 
 
-def _is_to_static(layer: paddle.nn.Layer) -> bool:
-    """Whether ``layer.forward`` was converted by ``paddle.jit.to_static``."""
+def _static_function() -> type | None:
+    """The type of a ``layer.forward`` converted by ``paddle.jit.to_static`` (None: unknown)."""
     try:
         from paddle.jit.dy2static.program_translator import StaticFunction
     except Exception:
-        return False
-    return isinstance(getattr(layer, "forward", None), StaticFunction)
+        return None
+    return StaticFunction
 
 
 def frame_name(frame: list[Any] | None) -> str | None:
@@ -278,3 +366,23 @@ def tensors_in(obj: Any) -> list[Any]:
     return found
 
 
+def mark_unrecorded(nodes: list[Any]) -> None:
+    """Give the op nodes whose layer could not be recorded ``layer_note = "unrecorded"``.
+
+    An op with no layer ran outside the model (the loss) only if the hooks saw
+    its forward. When no op of the graph has a layer, the model's forward ran
+    before the hooks were in place (outside ``with rec.step():``), so no op's
+    layer is known. When some ops have call stacks (``Node.source``), those
+    whose stack was not recorded ran before the capture was armed: their
+    layer is not known either.
+    """
+    ops = [n for n in nodes if n.kind == "op"]
+    if not any(n.layer is not None for n in ops):
+        unknown = ops
+    elif any(n.source is not None for n in ops):
+        unknown = [n for n in ops if n.source_note == "unrecorded"]
+    else:
+        return
+    for n in unknown:
+        if n.layer is None:
+            n.layer_note = "unrecorded"

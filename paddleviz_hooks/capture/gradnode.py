@@ -107,9 +107,16 @@ def dtype_str(dtype: Any) -> str:
     return s
 
 
+_DTYPE_NAME: dict[tuple[type, Any], str] = {}
+
+
 def dtype_name(dtype: Any) -> str:
-    """``paddle.float32`` -> ``"float32"``."""
-    return dtype_str(dtype).rpartition(".")[2]
+    """``paddle.float32`` -> ``"float32"`` (remembered per dtype, as :func:`dtype_str`)."""
+    key = (type(dtype), dtype)
+    s = _DTYPE_NAME.get(key)
+    if s is None:
+        s = _DTYPE_NAME[key] = dtype_str(dtype).rpartition(".")[2]
+    return s
 
 
 def has_graph(t: Any) -> bool:
@@ -168,6 +175,7 @@ class Walk:
         self.out_edges: dict[int, list[Edge]] = {}
         self.root_edges: dict[int, Edge] = {}  # grad node id -> edge from its root
         self.roots: list[tuple[int, Edge]] = []  # (index in the roots, its edge) of every root walked
+        self.ids: dict[int, int] = {}  # grad node address -> node id, for the grad nodes walked
 
     def release(self) -> None:
         """Drop the grad node wrappers (holding them keeps the C++ graph alive)."""
@@ -178,6 +186,9 @@ class Walk:
         return [(n, gn.node_ptr()) for gn, n in zip(self.wrappers, self.nodes) if n.kind == "param"]
 
 
+_OP_NAMES: dict[str, str] = {}  # grad node class name -> readable op name (a few hundred kinds)
+
+
 def walk_graph(
     roots: Sequence[Any],
     param_names: dict[int, tuple[str, Any]] | None = None,
@@ -186,7 +197,7 @@ def walk_graph(
     """Breadth-first walk from the roots' ``grad_fn`` along ``next_functions``."""
     param_names = param_names or {}
     w = Walk()
-    ids: dict[int, int] = {}
+    ids = w.ids
     queue: list[Any] = []
 
     def node_for(gn: Any) -> int:
@@ -206,13 +217,18 @@ def walk_graph(
             else:
                 node = Node(nid, "input", name, "Leaf")
         else:
-            node = Node(nid, "op", name, op_display_name(name))
+            op = _OP_NAMES.get(name)
+            if op is None:
+                if len(_OP_NAMES) > 4096:
+                    _OP_NAMES.clear()
+                op = _OP_NAMES[name] = op_display_name(name)
+            node = Node(nid, "op", name, op)
             where = layer_of(ptr) if layer_of is not None else None
             if where is not None:
                 node.layer, node.call = where
         w.nodes.append(node)
         w.wrappers.append(gn)
-        queue.append(gn)
+        queue.append((gn, nid))
         return nid
 
     for i, t in enumerate(roots):
@@ -232,9 +248,8 @@ def walk_graph(
 
     head = 0
     while head < len(queue):
-        gn = queue[head]
+        gn, src = queue[head]
         head += 1
-        src = ids[gn.node_ptr()]
         outs = []
         for slot, nxt in enumerate(gn.next_functions):
             if nxt is None:
@@ -275,6 +290,7 @@ def prune_to_inputs(w: Walk, input_ptrs: set[int]) -> Walk:
             node.id = new_id[i]
             out.nodes.append(node)
             out.wrappers.append(w.wrappers[i])
+    out.ids = {p: new_id[i] for p, i in w.ids.items() if i in new_id}
     kept: set[int] = set()
     for e in w.edges:
         if runs[e.src] and keep[e.dst] and (runs[e.dst] or is_input[e.dst]):

@@ -147,6 +147,13 @@ class StepInputs:
         self._recording = False
         self._call = getattr(self, "_call", 0) + 1  # hooks of earlier calls no longer write
 
+    def new_step(self) -> None:
+        """A step starts (or ends): drop what earlier steps kept, but not the inputs of a call
+        under way now (a step opened from the model's own forward hook, as ``attach`` does,
+        starts after this layer's pre-hook has kept them)."""
+        if not self._recording:
+            self.reset()
+
     @property
     def seen(self) -> bool:
         """Whether the layer was called since the last :meth:`reset`."""

@@ -44,7 +44,7 @@ from ..graph import BackwardGraph, GradMeta
 from .._interrupts import held_interrupts, pop_each, run_all
 from ..hazards import PROGRAM_OP_NOTE, SHARES_RECEIVED_UNCHANGED, hook_hazard
 from ..warn import WarnOnce
-from .attribution import LayerAttribution, frame_name
+from .attribution import LayerAttribution, frame_name, mark_unrecorded
 from .dispatch import DISPATCHER
 from .gradnode import Walk, forget_saved, grad_fn, grad_node_ptr, parameter_names, prune_to_inputs, walk_graph
 from .joins import Joins, explain
@@ -363,12 +363,11 @@ class BackwardCapture:
             if nested:  # observed exactly when the backward it runs inside is
                 return self._begin_nested(roots, entry, parent, t0) if parent is not None else None
             self.backwards_seen += 1
-            layer_of = self._attribution.lookup if self._attribution is not None else None
             cache: list[Walk] = []
 
             def walk() -> Walk:
                 if not cache:
-                    cache.append(walk_graph(roots, self._param_names, layer_of))
+                    cache.append(self._walk(roots))
                     self._programs.open(cache[0])  # to_static programs opened
                 return cache[0]
 
@@ -398,6 +397,8 @@ class BackwardCapture:
                     self._warn("saved", f"saved-tensor memory is not observed: {exc!r}")
             if len(roots) == 1 and roots[0].size == 1:
                 s.loss = local_scalar(roots[0])  # float() of a Partial loss would be a collective
+            if stacks and not keep_stacks:  # the forward is over; with the flag on, Paddle
+                self._hold_sources(False)  # would format a call stack for every hook registered
             self._hook_all(s)
             s.prepare_seconds = time.perf_counter() - t0
             return s
@@ -410,6 +411,13 @@ class BackwardCapture:
             if stacks and not nested and not keep_stacks:
                 self._hold_sources(False)  # the forward is over
 
+    def _walk(self, roots: list[Any]) -> Walk:
+        """The graph from ``roots``, its op nodes given their layer calls."""
+        w = walk_graph(roots, self._param_names)
+        if self._attribution is not None:
+            self._attribution.assign(w)
+        return w
+
     def _snapshot_calls(self, s: _Session) -> None:
         """The layer-call tree of the walked nodes, taken now: attribution is
         reset before the graph is built."""
@@ -419,8 +427,7 @@ class BackwardCapture:
 
     def _begin_nested(self, roots: list[Any], entry: str, parent: _Session, t0: float) -> _Session:
         """A backward inside ``parent``'s: walk and hook it, and find the node that runs it."""
-        layer_of = self._attribution.lookup if self._attribution is not None else None
-        s = _Session(self, walk_graph(roots, self._param_names, layer_of), entry, t0, parent=parent)
+        s = _Session(self, self._walk(roots), entry, t0, parent=parent)
         s.roots = list(roots)
         s.wants_stacks = parent.wants_stacks and self._sources_held  # the recomputed forward ran with them
         for node in s.walk.nodes:  # its roots are activations (recompute's block outputs), not a loss
@@ -635,6 +642,8 @@ class BackwardCapture:
             if s.wants_stacks or self.sources:
                 sources_.apply_stacks(s.walk.nodes, s.ptrs, s.stacks if s.wants_stacks else None,
                                       PROGRAM_OP_NOTE, nested=s.parent is not None)
+            if self._attribution is not None and s.parent is None:
+                mark_unrecorded(s.walk.nodes)  # after the stacks: they tell which forwards were seen
             s.walk.release()
             if not retain_graph and self._attribution is not None:
                 # that forward's graph is consumed (a nested one: the recomputed forward's);

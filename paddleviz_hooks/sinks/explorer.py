@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -38,7 +39,7 @@ from ..diff import GraphDiff, diff_graphs, node_norms
 from ..escape import safe_filename, visible, visible_data
 from ..graph import BackwardGraph, GradMeta, Node, merge_grad_metas
 from ..findings import marks, record_of
-from ..text import (FIRST_GRADIENT, NOT_OBSERVED, UNOBSERVED_WHY, backward_role, combined_norm, box_name, call_of, capture_title, describe_node,
+from ..text import (FIRST_GRADIENT, node_layer, NOT_OBSERVED, UNOBSERVED_WHY, backward_role, combined_norm, box_name, call_of, capture_title, describe_node,
                     describe_origin, fmt_shape, graph_summary, layer_name, origin_mark, origin_node_lines,
                     source_attrs)
 
@@ -159,7 +160,7 @@ def explorer_graph(graph: BackwardGraph, graph_id: str) -> dict[str, Any]:
             attrs.append(_kv("grad node", n.name))
             calls_of = max(n.calls, calls.get(n.layer or "", 1), n.call + 1)
             attrs.append(_kv("layer", layer_name(n.layer) + call_of(n.call, calls_of) if n.layer is not None
-                             else layer_name(None)))
+                             else node_layer(n)))
             if n.layer is not None and n.layer in graph.layers:
                 attrs.append(_kv("layer class", graph.layers[n.layer]))
         if n.kind == "param":
@@ -357,8 +358,11 @@ class ExplorerExport:
         graph_ids: the graph ids, in the collection's order.
         label: the collection's label.
         start: ``(graph id, node id)`` the page should open at: where the
-            NaN/Inf starts in the first capture that has one
-            (:func:`origin_node_id`); None otherwise.
+            NaN/Inf starts (:func:`origin_node_id`) in the first capture
+            that has one, captures taken in the order of the graph list (by
+            run, then step, then which backward of the step:
+            :func:`~paddleviz_hooks.sinks.report.capture_order`); None
+            when no capture has one.
     """
 
     graphs: str
@@ -370,37 +374,55 @@ class ExplorerExport:
 
 def _series(source: Any) -> tuple[str, list[tuple[str, BackwardGraph, BackwardGraph | None]]]:
     """(collection label, [(graph id, graph, previous)]) from a graph, a list of graphs or a log directory."""
+    from .report import capture_order
+
     if isinstance(source, BackwardGraph):
         source = [source]
     if isinstance(source, (str, os.PathLike)):
         return _series_of_dir(os.fspath(source))
     if isinstance(source, (list, tuple)) and source and all(isinstance(g, BackwardGraph) for g in source):
-        steps = [g.meta.get("step") for g in source]
-        return "captures", _name(list(zip([""] * len(source), steps, source)))
+        items, seen = [], {}
+        for g in source:  # a step's second (third...) graph in the list: its second backward
+            step = g.meta.get("step")
+            k = seen[step] = seen.get(step, 0) + 1
+            items.append(("", step, f"b{k}" if _is_step(step) and k > 1 else "", g))
+        if all(_is_step(step) for _, step, _, _ in items):  # listed as every other view lists them
+            items.sort(key=lambda item: capture_order(item[1], item[2]))
+        return "captures", _name(items)
     raise TypeError(
         "export_explorer takes a BackwardGraph, a non-empty list of them or a log directory, "
         f"got {type(source).__name__}"
     )
 
 
+def _is_step(step: Any) -> bool:
+    return isinstance(step, int) and not isinstance(step, bool) and step >= 0
+
+
 def _series_of_dir(log_dir: str) -> tuple[str, list]:
-    from .report import ReportError, _NotAGraph, _read_graph, find_step_files
+    from .report import ReportError, _NotAGraph, _read_graph, capture_order, find_step_files, run_suffix
 
     if not os.path.isdir(log_dir):
         raise ValueError(f"log directory {log_dir!r} does not exist (pass the directory the recorder wrote to)")
-    items = []
-    runs = find_step_files(log_dir)
-    for (directory, suffix), files in runs.items():
-        rel = os.path.relpath(directory, log_dir)
-        run = "" if rel == "." and len(runs) == 1 else (rel if rel != "." else os.path.basename(log_dir))
-        run += f" [{suffix}]" if suffix else ""
+    runs: dict[tuple[str, str], list] = {}  # one run per folder and file suffix, a step's backwards in it
+    for (directory, suffix), files in find_step_files(log_dir).items():
+        captures = runs.setdefault((directory, run_suffix(suffix)), [])
         for number, path in files:
             try:
                 g = _read_graph(path)
             except (_NotAGraph, OSError, ValueError):
                 continue
             step = g.meta.get("step")
-            items.append((run, step if isinstance(step, int) and not isinstance(step, bool) else number, g))
+            step = step if isinstance(step, int) and not isinstance(step, bool) else number
+            captures.append((step, suffix if run_suffix(suffix) != suffix else "", g))
+    runs = {key: captures for key, captures in runs.items() if captures}
+    items = []
+    for (directory, own), captures in runs.items():
+        rel = os.path.relpath(directory, log_dir)
+        run = "" if rel == "." and len(runs) == 1 else (rel if rel != "." else os.path.basename(log_dir))
+        run += f" [{own}]" if own else ""
+        captures.sort(key=lambda c: capture_order(c[0], c[1]))  # by step, then which backward of it
+        items += [(run, step, suffix, g) for step, suffix, g in captures]
     if not items:
         raise ReportError(f"no readable step_*.json under {log_dir}")
     return os.path.basename(os.path.abspath(log_dir)), _name(items)
@@ -411,25 +433,40 @@ def _role(meta: dict) -> Any:
     return backward_role(role) if isinstance(role, dict) else role
 
 
-def _name(items: list[tuple[str, Any, BackwardGraph]]) -> list[tuple[str, BackwardGraph, BackwardGraph | None]]:
-    """Unique ids that sort by step as text; each graph with the previous capture of its run
-    and backward role (replayed captures included: ``diff_graphs`` aligns them)."""
-    width = max((len(str(s)) for _, s, _ in items if isinstance(s, int) and s >= 0), default=1)
+def _name(items: list[tuple[str, Any, str, BackwardGraph]]) -> list[tuple[str, BackwardGraph, BackwardGraph | None]]:
+    """Unique ids for ``(run, step, backward suffix, graph)`` in the order given, each graph with the
+    previous capture of the same backward in its run (replayed captures included: ``diff_graphs``
+    aligns them).
+
+    The page lists graphs sorted by id as text (``localeCompare``), so an id sorts by run, step and
+    backward: steps are padded to one width, and a step's further backwards are named as their files
+    are (``step 06 b2``, ``b02`` when a step has ten or more), so ``micro-batch 10 of 12`` does not
+    come before ``micro-batch 2 of 12``.
+    """
+    width = max((len(str(s)) for _, s, _, _ in items if _is_step(s)), default=1)
+    numbers = [int(m.group(2)) for _, _, b, _ in items if (m := _SUFFIX_NUMBER.match(b))]
+    b_width = len(str(max(numbers, default=1)))
     out, seen, last = [], set(), {}
-    for i, (run, step, g) in enumerate(items):
-        shown = str(step).zfill(width) if isinstance(step, int) and step >= 0 else step
+    for i, (run, step, suffix, g) in enumerate(items):
+        shown = str(step).zfill(width) if _is_step(step) else step
+        m = _SUFFIX_NUMBER.match(suffix)
+        if m and _is_step(step):
+            shown += f" {m.group(1)}{m.group(2).zfill(b_width)}"
         index = str(i + 1).zfill(len(str(len(items))))
         gid = (f"{run}: " if run else "") + capture_title(shown, g.meta.get("trigger"), _role(g.meta), index)
         base, k = gid, 2
         while gid in seen:
             gid, k = f"{base} #{k}", k + 1
         seen.add(gid)
-        # a recorded step is compared with the same backward of an earlier step; captures
-        # without a step (by hand) with the one before
-        same = (run, str(_role(g.meta))) if g.meta.get("step") is not None else (run,)
+        # a recorded step is compared with the same backward of an earlier step (as in the
+        # report and the recorder's diffs); captures without a step (by hand) with the one before
+        same = (run, suffix) if g.meta.get("step") is not None else (run,)
         out.append((gid, g, last.get(same)))
         last[same] = g
     return out
+
+
+_SUFFIX_NUMBER = re.compile(r"^(b|nested)(\d+)$")
 
 
 def export_explorer(source: Any, out_dir: str) -> ExplorerExport:
@@ -437,8 +474,10 @@ def export_explorer(source: Any, out_dir: str) -> ExplorerExport:
 
     Args:
         source: a :class:`~paddleviz_hooks.graph.BackwardGraph`, a list of
-            them (in capture order), or a log directory (every
-            ``step_*.json`` under it; one run per folder and file suffix).
+            them (in capture order; listed by step when every one has a
+            step), or a log directory (every ``step_*.json`` under it; one
+            run per folder and file suffix, a step's further backwards,
+            ``step_N_b2.json``..., in the run of its first).
         out_dir: directory for ``backward_graphs.json`` and one
             ``<overlay>.json`` per overlay (created if missing).
 

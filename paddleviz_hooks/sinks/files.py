@@ -143,7 +143,10 @@ class StepFiles:
         self.directory = os.path.abspath(directory)
         self._lock = lock
         os.makedirs(self.directory, exist_ok=True)
-        probe = tempfile.NamedTemporaryFile(dir=self.directory, prefix=".probe-", delete=True)
+        try:
+            probe = tempfile.NamedTemporaryFile(dir=self.directory, prefix=".probe-", delete=True)
+        except OSError as exc:  # about the folder asked for, not the probe file's made-up name
+            raise OSError(exc.errno, exc.strerror, self.directory) if exc.errno else exc from None
         probe.close()
 
     def path(self, step: int, ext: str, suffix: str = "") -> str:

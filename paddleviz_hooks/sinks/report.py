@@ -49,12 +49,51 @@ from ..text import (FIRST_GRADIENT, backward_role, call_name, capture_title, des
                     plural, rank_comparison_lines)
 from .report_ranks import MergedRun, merged_chart, merged_overview, merged_panel, merged_run
 
-__all__ = ["build_report", "find_step_files", "ReportError"]
+__all__ = ["build_report", "capture_order", "find_step_files", "ReportError"]
 
 _STEP_FILE = re.compile(r"^step_(\d+)(?:_(.+))?\.json$")
 #: The suffix of a step's second (third...) backward, or of a backward run inside another:
 #: one more capture of the same step, in the same run.
 _BACKWARD_SUFFIX = re.compile(r"^(?:b(\d+)|nested(\d+))$")
+
+
+def backward_order(suffix: str) -> int:
+    """Which backward of its step a capture is, from its file suffix: 1 for the first (no
+    suffix), 2 for ``b2``...; a backward run inside another (``nestedN``) after all of them.
+
+    Examples:
+        >>> [backward_order(s) for s in ("", "b2", "b10")], backward_order("nested1") > backward_order("b99")
+        ([1, 2, 10], True)
+    """
+    m = _BACKWARD_SUFFIX.match(suffix)
+    if m is None:
+        return 1
+    return int(m.group(1)) if m.group(1) else 1_000_000 + int(m.group(2))
+
+
+def run_suffix(suffix: str) -> str:
+    """The suffix of the run a capture belongs to: a step's further backwards (``b2``,
+    ``nested1``) belong to the run of its first; another suffix (``rank1``) is a run of its own.
+
+    Examples:
+        >>> run_suffix("b2"), run_suffix("nested1"), run_suffix("rank1")
+        ('', '', 'rank1')
+    """
+    return "" if _BACKWARD_SUFFIX.match(suffix) else suffix
+
+
+def capture_order(step: int, suffix: str = "") -> tuple[int, int]:
+    """The order of the captures of one run, in every view that lists them or picks the first
+    NaN/Inf (the report, the explorer's graph list and the capture it opens at): by training
+    step, then by which backward of the step it was (:func:`backward_order`).
+
+    Examples:
+        >>> sorted([(7, ""), (6, "b3"), (6, ""), (6, "b10"), (6, "b2")], key=lambda c: capture_order(*c))
+        [(6, ''), (6, 'b2'), (6, 'b3'), (6, 'b10'), (7, '')]
+    """
+    return step, backward_order(suffix)
+
+
 _PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf"]
 MAX_CHART_LINES = 8
 
@@ -80,12 +119,9 @@ class _Step:
     older: "_Step | None" = None  # the capture diffed against: the same backward of an earlier step
 
     @property
-    def order(self) -> int:
-        """Where this backward comes in its step: 1 for the first, 2 for ``b2``..."""
-        m = _BACKWARD_SUFFIX.match(self.suffix)
-        if m is None:
-            return 1
-        return int(m.group(1)) if m.group(1) else 1_000_000 + int(m.group(2))
+    def order(self) -> tuple[int, int]:
+        """Where this capture comes in its run (:func:`capture_order`)."""
+        return capture_order(self.number, self.suffix)
 
     @property
     def title(self) -> str:
@@ -172,12 +208,11 @@ def _load_runs(log_dir: str, timeout: float,
     skipped: list[tuple[str, str]] = []
     for (directory, suffix), files in groups.items():
         # a step's further backwards (step_N_b2.json...) belong to the run of its first
-        run_suffix = "" if _BACKWARD_SUFFIX.match(suffix) else suffix
+        own = run_suffix(suffix)
         rel = os.path.relpath(directory, log_dir)
         name = os.path.basename(os.path.abspath(log_dir)) if rel == "." else rel
-        run = by_key.get((directory, run_suffix)) or by_key.setdefault(
-            (directory, run_suffix), _Run(name + (f" [{run_suffix}]" if run_suffix else ""), directory,
-                                          suffix=run_suffix))
+        run = by_key.get((directory, own)) or by_key.setdefault(
+            (directory, own), _Run(name + (f" [{own}]" if own else ""), directory, suffix=own))
         for number, path in files:
             try:
                 g = _read_graph(path, max_bytes)
@@ -188,12 +223,12 @@ def _load_runs(log_dir: str, timeout: float,
                 skipped.append((os.path.relpath(path, log_dir), reason))
                 warnings.warn(f"skipped {path}: {reason}", RuntimeWarning, stacklevel=2)
                 continue
-            role = backward_role(g.meta.get("backward")) if suffix != run_suffix else ""
-            run.steps.append(_Step(_step_number(g, number), path, g, suffix=suffix if suffix != run_suffix else "",
+            role = backward_role(g.meta.get("backward")) if suffix != own else ""
+            run.steps.append(_Step(_step_number(g, number), path, g, suffix=suffix if suffix != own else "",
                                    role=role))
     runs = [run for run in by_key.values() if run.steps]
     for run in runs:
-        run.steps.sort(key=lambda s: (s.number, s.order))
+        run.steps.sort(key=lambda s: s.order)
         if any(st.suffix for st in run.steps):  # the first backward of a step with several is named too
             for st in run.steps:
                 if not st.suffix:

@@ -46,7 +46,7 @@ from ..collapse import call_paths
 from ..escape import vdl_graph_name, visible_data
 from ..graph import BackwardGraph, GradMeta, Node
 from ..findings import marks, record_of
-from ..text import (FIRST_GRADIENT, NOT_OBSERVED, describe_origin, edge_lines, fmt_num, layer_name, origin_short,
+from ..text import (FIRST_GRADIENT, node_layer, NOT_OBSERVED, describe_origin, edge_lines, fmt_num, layer_name, origin_short,
                     source_attrs)
 
 __all__ = ["vdl_graph", "write_vdl_graph", "VDL_GRAPH_VERSION"]
@@ -213,7 +213,7 @@ def vdl_graph(graph: BackwardGraph) -> dict[str, Any]:
         elif n.kind == "op":
             box = layer_box(list(paths[n.id]))
             path = tree.child(box, ("node", n.id), n.op or n.name, _op_type(n.op or n.name), leaf=True)
-            where = layer_name(n.layer) if n.layer is not None else "outside the model"
+            where = layer_name(n.layer) if n.layer is not None else node_layer(n)
             if n.layer is not None and calls[n.layer] > 1:
                 where += f" (call {n.call + 1})"
             node = tree.nodes[path]
