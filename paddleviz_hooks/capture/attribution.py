@@ -370,19 +370,12 @@ def mark_unrecorded(nodes: list[Any]) -> None:
     """Give the op nodes whose layer could not be recorded ``layer_note = "unrecorded"``.
 
     An op with no layer ran outside the model (the loss) only if the hooks saw
-    its forward. When no op of the graph has a layer, the model's forward ran
+    the model's forward. When no op of the graph has a layer, that forward ran
     before the hooks were in place (outside ``with rec.step():``), so no op's
-    layer is known. When some ops have call stacks (``Node.source``), those
-    whose stack was not recorded ran before the capture was armed: their
-    layer is not known either.
+    layer is known. (Call stacks cannot tell it op by op: a dump that could not
+    be written whole leaves ops without a stack whose forward was seen.)
     """
     ops = [n for n in nodes if n.kind == "op"]
-    if not any(n.layer is not None for n in ops):
-        unknown = ops
-    elif any(n.source is not None for n in ops):
-        unknown = [n for n in ops if n.source_note == "unrecorded"]
-    else:
-        return
-    for n in unknown:
-        if n.layer is None:
+    if ops and not any(n.layer is not None for n in ops):
+        for n in ops:
             n.layer_note = "unrecorded"

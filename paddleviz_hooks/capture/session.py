@@ -643,7 +643,7 @@ class BackwardCapture:
                 sources_.apply_stacks(s.walk.nodes, s.ptrs, s.stacks if s.wants_stacks else None,
                                       PROGRAM_OP_NOTE, nested=s.parent is not None)
             if self._attribution is not None and s.parent is None:
-                mark_unrecorded(s.walk.nodes)  # after the stacks: they tell which forwards were seen
+                mark_unrecorded(s.walk.nodes)
             s.walk.release()
             if not retain_graph and self._attribution is not None:
                 # that forward's graph is consumed (a nested one: the recomputed forward's);
