@@ -503,8 +503,6 @@ class BackwardGraphRecorder:
         if not self._active:
             return False
         self._triggers.new_step()
-        if self._kept is not None:
-            self._kept.new_step()
         scheduled = self.options.scheduled(step) and self._budget_left()
         if scheduled:
             self._armed = "scheduled"
