@@ -129,14 +129,9 @@ class LayerAttribution:
                 name = parent
         return tree
 
-    def lookup(self, ptr: int) -> tuple[str, int] | None:
-        if self._records:
-            self._resolve()
-        return self.owner.get(ptr)
-
     def assign(self, walk: Walk) -> None:
-        """Set ``Node.layer``/``Node.call`` of every op node of a fresh ``walk``
-        (what :meth:`lookup` gives for its address), claiming the pending records first.
+        """Set ``Node.layer``/``Node.call`` of every op node of a fresh ``walk`` (the layer
+        call that claimed its address), claiming the pending records first.
 
         The claims run over the walk's edges, on plain node ids: a walk holds
         every node reachable from the ones it holds, so a claim that enters it

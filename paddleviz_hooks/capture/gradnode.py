@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import sys
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import paddle
 
@@ -192,7 +192,6 @@ _OP_NAMES: dict[str, str] = {}  # grad node class name -> readable op name (a fe
 def walk_graph(
     roots: Sequence[Any],
     param_names: dict[int, tuple[str, Any]] | None = None,
-    layer_of: Callable[[int], tuple[str, int] | None] | None = None,
 ) -> Walk:
     """Breadth-first walk from the roots' ``grad_fn`` along ``next_functions``."""
     param_names = param_names or {}
@@ -223,9 +222,6 @@ def walk_graph(
                     _OP_NAMES.clear()
                 op = _OP_NAMES[name] = op_display_name(name)
             node = Node(nid, "op", name, op)
-            where = layer_of(ptr) if layer_of is not None else None
-            if where is not None:
-                node.layer, node.call = where
         w.nodes.append(node)
         w.wrappers.append(gn)
         queue.append((gn, nid))
