@@ -590,3 +590,32 @@ def test_a_fully_masked_row_in_a_hand_loop_names_the_softmax_then_the_weights(tm
     assert "captured step 3 (trigger: nonfinite_loss); NaN/Inf first produced by op 'softmax' in layer 'attn'" in out
     assert "captured step 4 (trigger: nonfinite_loss); NaN/Inf already in the weights" in out
     assert "already in the input data" not in out
+
+
+def test_a_scheduled_step_whose_replay_differs_is_not_reproduced_not_made_in_the_backward(tmp_path):
+    # the forward makes a NaN only on its 2nd call (state outside the inputs and the RNG), and
+    # relu(NaN) = 0 keeps the loss finite: the replay is finite but is not the step's forward, so it
+    # cannot say the NaN was made in the backward (it used to, on scheduled steps)
+    class OnceBad(nn.Layer):
+        def __init__(self):
+            super().__init__()
+            self.l, self.o, self.calls = nn.Linear(4, 4), nn.Linear(4, 2), 0
+
+        def forward(self, x):
+            self.calls += 1
+            h = self.l(x)
+            if self.calls == 2:
+                h = paddle.sqrt(h - 100.0)
+            return self.o(F.relu(h))
+
+    paddle.seed(0)
+    m = OnceBad()
+    with BackwardGraphRecorder(str(tmp_path), m, every=1, on_nonfinite=True, verbose=0, formats=("json",),
+                               visualdl=False) as rec:
+        for step in (1, 2):
+            with rec.step(step):
+                F.cross_entropy(m(paddle.randn([3, 4])), paddle.randint(0, 2, [3])).backward()
+            m.clear_gradients()
+    g = BackwardGraph.from_json((tmp_path / "backward_graph" / "step_000002.json").read_text())
+    assert g.nonfinite.first_gradient.op == "Sqrt"
+    assert g.nonfinite.origin.kind == "not_reproduced", g.nonfinite.origin

@@ -47,6 +47,7 @@ import threading
 import traceback
 from typing import Any, Iterator
 
+import numpy as np
 import paddle
 
 from .._interrupts import held_interrupts, pop_each, run_all
@@ -328,8 +329,10 @@ def _from_stack(text: str, stack: list[tuple[Any, int]], layer: paddle.nn.Layer)
                    nan=counts.get("nan"), inf=counts.get("inf"))
 
 
-def _checked_forward(layer: paddle.nn.Layer, args: tuple, kwargs: dict, rng: Any) -> NonfiniteOrigin | None:
-    """One forward under the checker; the forward origin, or None when it is finite.
+def _checked_forward(layer: paddle.nn.Layer, args: tuple, kwargs: dict, rng: Any,
+                     outputs: list | None = None) -> NonfiniteOrigin | None:
+    """One forward under the checker; the forward origin, or None when it is finite
+    (then what it returned is appended to ``outputs``, when given).
 
     Gradients stay on (nothing runs a backward of it), so that the inputs of
     the origin's op say whether its output needs a gradient.
@@ -343,7 +346,9 @@ def _checked_forward(layer: paddle.nn.Layer, args: tuple, kwargs: dict, rng: Any
 
     def forward() -> None:
         with _numerics_checker(), paddle.set_grad_enabled(True):
-            layer(*args, **kwargs)
+            out = layer(*args, **kwargs)
+        if outputs is not None:
+            outputs.append(out)
 
     with _restored(layer, rng):
         try:
@@ -468,8 +473,9 @@ def locate(layer: paddle.nn.Layer, kept: StepInputs, graph: BackwardGraph | None
         names its grad node in ``graph`` when it has one.
     """
     kept.paused = True
+    replayed: list = []
     try:
-        found = _forward_origin(layer, kept.args, kept.kwargs, kept.rng)
+        found = _forward_origin(layer, kept.args, kept.kwargs, kept.rng, replayed)
     finally:
         kept.paused = False
     if found is not None and found.kind != "forward":
@@ -492,11 +498,38 @@ def locate(layer: paddle.nn.Layer, kept: StepInputs, graph: BackwardGraph | None
         return _origin("outside")
     if graph is not None and graph.meta.get("replayed") and not graph.nonfinite_count():
         return _origin("not_reproduced")
+    if replayed and not _same_values(replayed[0], kept.outputs):
+        # a finite replay says the forward was finite only if it is the step's forward: one that
+        # depends on more than its inputs and the RNG (a counter) ran differently
+        return _origin("not_reproduced")
     return _origin("backward")
 
 
-def _forward_origin(layer: paddle.nn.Layer, args: tuple, kwargs: dict, rng: Any) -> NonfiniteOrigin | None:
-    """What one forward of ``layer`` on these inputs says; None when it is finite.
+def _same_values(a: Any, b: Any) -> bool:
+    """Whether two forward results hold the same tensors, up to rounding (a kernel may sum in
+    another order when run again), NaN equal to NaN.
+
+    Examples:
+        >>> t = paddle.to_tensor([1.0, 2.0])
+        >>> _same_values((t, {"x": t}), (t + 1e-9, {"x": t})), _same_values(t, t * 2)
+        (True, False)
+    """
+    xs, ys = tensors_in(a), tensors_in(b)
+    if len(xs) != len(ys):
+        return False
+    for x, y in zip(xs, ys):
+        if tuple(x.shape) != tuple(y.shape):
+            return False
+        if x._is_initialized() and y._is_initialized() and x.size and x.is_floating_point():
+            if not np.allclose(x.numpy(), y.numpy(), rtol=1e-4, atol=1e-6, equal_nan=True):
+                return False
+    return True
+
+
+def _forward_origin(layer: paddle.nn.Layer, args: tuple, kwargs: dict, rng: Any,
+                    outputs: list | None = None) -> NonfiniteOrigin | None:
+    """What one forward of ``layer`` on these inputs says; None when it is finite (then,
+    when it ran one checked forward, what that returned is appended to ``outputs``).
 
     Inputs holding NaN are the origin; then trainable weights holding NaN/Inf.
     Inputs holding only ±inf (masks, a legitimate value) are the origin only
@@ -511,7 +544,7 @@ def _forward_origin(layer: paddle.nn.Layer, args: tuple, kwargs: dict, rng: Any)
     if has_nonfinite((args, kwargs)):
         found, out_bad = _first_nan_op(layer, args, kwargs, rng)
         return found or (_origin("input") if out_bad else None)
-    return _checked_forward(layer, args, kwargs, rng)
+    return _checked_forward(layer, args, kwargs, rng, outputs)
 
 
 def _nonfinite_weights(layer: paddle.nn.Layer) -> NonfiniteOrigin | None:
