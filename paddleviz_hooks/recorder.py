@@ -713,8 +713,10 @@ class BackwardGraphRecorder:
             return
         kept = self._kept
         can_replay = kept is not None and kept.seen and bool(kept.out_grads)
-        if self._triggers.after_backward(self.global_step, self.model.parameters(), can_replay,
-                                         spike=not self._reads_applied):
+        # a spike is judged on the gradient the update applies: after the step's last announced
+        # micro-batch (param.grad holds part of it before), or by the loop (read_applied_gradients)
+        spike = not self._reads_applied and self._last_backward()
+        if self._triggers.after_backward(self.global_step, self.model.parameters(), can_replay, spike=spike):
             self._capture_replayed("nonfinite_grad")
 
     def _capture_replayed(self, trigger: str) -> None:
@@ -812,7 +814,11 @@ class BackwardGraphRecorder:
             graph.meta["trigger_note"], self._triggers.note = self._triggers.note, None
         if trigger != "scheduled":
             story = " ".join(nonfinite_lines(record)).rstrip(";")
-            self._notice(f"captured step {step} (trigger: {trigger})" + (f"; {story}" if story else ""))
+            # several backwards of a step each say which one they are (their total is known later)
+            role = backward_role(dict(info, of=None, micro_batches=None if info.get("micro_batches") == COUNTED
+                                      else info.get("micro_batches"))) if isinstance(info, dict) else ""
+            self._notice(f"captured step {step} (" + (f"{role}; " if role else "") + f"trigger: {trigger})"
+                         + (f"; {story}" if story else ""))
         if any(n.layer_note == "unrecorded" for n in graph.nodes):
             self._warn("forward-outside", f"step {step}'s forward ran before its capture was armed, so the layers "
                                           "(and source lines) of its ops are not recorded; run the forward inside "

@@ -97,6 +97,7 @@ class Triggers:
         # paddle.grad penalty, then backward()) at the last capture, or when first seen
         self._last_fp: dict[int, Any] = {}
         self._backward = 0  # backwards of this step so far
+        self._whole_step: str | None = None  # a trigger seen at an earlier step captures all of this one
         self._norms: deque[float] = deque(maxlen=100)
         self.note: str | None = None  # why a pending trigger fired, for the capture's record
         self.captured_now = False
@@ -112,6 +113,7 @@ class Triggers:
     def new_step(self) -> None:
         self.captured_now = False
         self._backward = 0
+        self._whole_step = None
         self._loss_nonfinite = False
         self.loss = None
 
@@ -131,9 +133,10 @@ class Triggers:
         """When a backward starts: the label that captures it, or None."""
         self._backward += 1
         if self.captured_now:
-            # a scheduled step records each of its backwards (micro-batches, paddle.grad);
-            # a trigger captures one backward per step
-            return armed
+            # a scheduled step records each of its backwards (micro-batches, paddle.grad), and
+            # so does a step captured for what an earlier step showed (a gradient spike); a
+            # trigger of this very step captures the backward it fired at
+            return armed or self._whole_step
         opts = self.options
         trigger = None
         self.loss = local_scalar(roots[0]) if opts.on_nonfinite and len(roots) == 1 and roots[0].size == 1 else None
@@ -141,10 +144,10 @@ class Triggers:
         self._loss_nonfinite = loss_bad
         if armed:
             trigger = armed
-        elif self._pending:
+        elif self._pending and step > self._pending[1]:  # the next step's: not a later micro-batch of this one
             kind, seen_at = self._pending
             self._pending = None
-            trigger = self._fire(kind, step)
+            trigger = self._whole_step = self._fire(kind, step)
             if trigger is not None:
                 self.note = f"{kind} seen at step {seen_at}"
         if trigger is None and loss_bad:

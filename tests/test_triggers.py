@@ -318,3 +318,27 @@ def test_structure_change_compares_each_backward_with_the_same_backward_of_earli
     rec.close()
     # step 5 changed its second backward, step 6 changed it back: two changes, nothing else
     assert rec.captured_steps == [5, 6] and rec.triggers == {5: "structure_change", 6: "structure_change"}
+
+
+def test_a_grad_spike_in_a_micro_batch_is_judged_on_the_step_and_captures_all_of_the_next(tmp_path, capsys):
+    # the spike used to be judged after every backward on a half-accumulated param.grad, and its
+    # "next step" capture took the same step's next micro-batch
+    paddle.seed(0)
+    m = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    opt = paddle.optimizer.SGD(1e-6, parameters=m.parameters())
+    with BackwardGraphRecorder(str(tmp_path), m, every=1000, capture_first=False, on_grad_spike=5,
+                               formats=("json",), visualdl=False) as rec:
+        for step in range(1, 10):
+            with rec.step(step, micro_batches=2):
+                for mb in range(2):
+                    scale = 1000.0 if (step == 6 and mb == 0) else 1.0
+                    (F.cross_entropy(m(paddle.randn([4, 6])), paddle.randint(0, 3, [4])) * scale / 2).backward()
+            opt.step()
+            opt.clear_grad()
+    assert rec.captured_steps == [7] and rec.triggers == {7: "grad_spike"}
+    run = tmp_path / "backward_graph"
+    assert sorted(p.name for p in run.glob("step_*.json")) == ["step_000007.json", "step_000007_b2.json"]
+    out = capsys.readouterr().out
+    assert "at step 6 is" in out and "capturing step 7" in out
+    assert "captured step 7 (micro-batch 1 of 2; trigger: grad_spike)" in out
+    assert "captured step 7 (micro-batch 2 of 2; trigger: grad_spike)" in out
