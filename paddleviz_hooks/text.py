@@ -756,7 +756,7 @@ def box_lines(node: Node) -> list[str]:
     if node.saved_bytes:
         lines.append(f"saved for backward {fmt_bytes(node.saved_bytes)}")
     if node.nonfinite:
-        lines.append(f"NaN/Inf inside: {node.nonfinite}")
+        lines.append(f"{node.nonfinite} NaN/Inf gradient values inside")
     return lines
 
 
