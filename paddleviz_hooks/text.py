@@ -1261,9 +1261,10 @@ def graph_summary(graph: BackwardGraph, top: int = 5, previous: BackwardGraph | 
         lines.append(f"{plural(nested, 'backward')} run inside this one (recompute) drawn at the nodes that ran them;")
     gn = graph.global_grad_norm()
     acc = graph.meta.get("accumulated_grad_norm")
-    acc_differs = isinstance(acc, float) and (gn is None or not math.isclose(acc, gn, rel_tol=1e-6))
+    acc_differs = isinstance(acc, float) and (gn is None or not (
+        math.isclose(acc, gn, rel_tol=1e-6) or (math.isnan(acc) and math.isnan(gn))))
     if gn is not None:
-        lines.append(f"global grad norm {gn:.4g}" + (" (this backward);" if acc_differs else ";"))
+        lines.append(f"global grad norm {fmt_num(gn, 4)}" + (" (this backward);" if acc_differs else ";"))
     if acc_differs and isinstance(graph.meta.get("applied_grad_norm"), float):
         lines.append(f"applied gradient norm {fmt_num(acc, 4)} (param.grad as the update applied it);")
     elif acc_differs:

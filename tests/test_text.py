@@ -71,3 +71,14 @@ def test_the_top_layer_is_named_in_words_never_by_its_internal_key():
         describe_origin({**origin, "kind": "backward", "op": "Sqrt"})]
     assert origin_title(origin) == "NaN/Inf starts at sqrt in the model's own forward, m.py:3"
     assert all("<top>" not in t and "(self)" not in t for t in texts), [t for t in texts if "<top>" in t]
+
+
+def test_a_nan_global_norm_is_spelled_as_every_other_nan_and_not_repeated():
+    nan = float("nan")
+    g = BackwardGraph(
+        nodes=[Node(0, "root", "loss", "loss"), Node(1, "param", "GradNodeAccumulation", "Parameter", param="w",
+                                                     grad=GradMeta(shape=(2,), dtype="float32", norm=nan, nan=2))],
+        edges=[Edge(0, 1, 0, GradMeta(shape=(2,), dtype="float32", norm=nan, nan=2))],
+        meta={"accumulated_grad_norm": nan})
+    text = graph_summary(g)
+    assert "global grad norm NaN;" in text and "accumulated param.grad norm" not in text, text
