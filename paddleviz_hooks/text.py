@@ -33,6 +33,7 @@ __all__ = [
     "MODEL_OUTPUT",
     "REPLAYED_FROM_OUTPUT",
     "OUTSIDE_MODEL",
+    "LAYER_BOX_LEGEND",
     "LAYER_UNRECORDED",
     "node_layer",
     "TOP_LAYER",
@@ -761,6 +762,8 @@ def box_lines(node: Node) -> list[str]:
 
 
 #: The legend row of a drawing with folded repeats: what "x N" on a box means.
+#: Legend row of a layer box (a layer call whose ops a collapsed drawing folds into one node).
+LAYER_BOX_LEGEND = "layer box: one layer call's ops folded (|g| params: its parameters' gradients)"
 FOLD_LEGEND = "x N on a box: N consecutive layers alike (same ops, edges, parameter shapes), folded"
 #: ... and when one layer of each folded run is drawn open beside its box.
 FOLD_SHOWN_LEGEND = FOLD_LEGEND + '; "1 of N alike": one more of them, drawn beside the box'

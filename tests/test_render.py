@@ -313,3 +313,14 @@ def test_a_missing_preferred_engine_is_named_as_missing(monkeypatch):
     monkeypatch.setenv("PATH", "/nonexistent")
     with pytest.raises(EngineNotFound, match="the layout engine 'dot' is not installed"):
         require_engine("dot")
+
+
+def test_the_legend_names_the_layer_box_colour_when_boxes_are_drawn():
+    from paddleviz_hooks.render.dot import to_dot
+    from paddleviz_hooks.text import LAYER_BOX_LEGEND
+    net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    with capture_backward(net) as cap:
+        net(paddle.randn([2, 4])).sum().backward()
+    from paddleviz_hooks import collapse_graph
+    assert LAYER_BOX_LEGEND.split(":")[0] in to_dot(collapse_graph(cap.graph, depth=0))  # one box: the model
+    assert LAYER_BOX_LEGEND.split(":")[0] not in to_dot(cap.graph)  # every op: no box

@@ -12,7 +12,7 @@ from ..escape import dot_attrs, dot_html_table, dot_label, dot_quote
 from ..findings import marks, record_of
 from ..graph import BackwardGraph, Edge, Node, is_communication
 from ..hazards import PROGRAM_OP_NOTE
-from ..text import (COMMUNICATION_LEGEND, DASHED_LEGEND, FIRST_GRADIENT, FOLD_LEGEND, FOLD_SHOWN_LEGEND, NONFINITE_LEGEND,
+from ..text import (COMMUNICATION_LEGEND, DASHED_LEGEND, FIRST_GRADIENT, FOLD_LEGEND, FOLD_SHOWN_LEGEND, LAYER_BOX_LEGEND, NONFINITE_LEGEND,
                     NOT_OBSERVED, ORIGIN_LEGEND, SAVED_SHADE_NONE, SAVED_SHADE_TITLE, box_name, call_of, edge_lines,
                     fold_alike_line, node_lines, node_tooltip, origin_mark, origin_node_lines, saved_shade_line,
                     shown_block_line)
@@ -229,7 +229,8 @@ def dot_parts(
                             any(n.kind == "op" and is_communication(n.op) for n in graph.nodes),
                             None if shades is None else _shade_rows(graph, shades),
                             FOLD_SHOWN_LEGEND if shown else FOLD_LEGEND if any(
-                                n.kind == "layer" and n.count > 1 for n in graph.nodes) else None))
+                                n.kind == "layer" and n.count > 1 for n in graph.nodes) else None,
+                            any(n.kind == "layer" for n in graph.nodes)))
     return graph_attr, body
 
 
@@ -344,7 +345,8 @@ def _shade_rows(graph: BackwardGraph, shades: dict[int, int]) -> list[tuple[dict
 
 
 def _legend(stats: bool, compiled: bool = False, origin: bool = False, communication: bool = False,
-            shade_rows: list[tuple[dict[str, str], str]] | None = None, fold: str | None = None) -> str:
+            shade_rows: list[tuple[dict[str, str], str]] | None = None, fold: str | None = None,
+            boxes: bool = False) -> str:
     rows = [({"BGCOLOR": c}, t) for c, t in (
         ("#ffd966", "loss / root"),
         ("#dae8fc", "op (grad node)"),
@@ -352,6 +354,8 @@ def _legend(stats: bool, compiled: bool = False, origin: bool = False, communica
         ("#e6e6e6", "input leaf"),
         (STYLE["nonfinite"]["fillcolor"], NONFINITE_LEGEND),
     ) if not (shade_rows and c == STYLE["op"]["fillcolor"])]  # shaded: ops are blue by bytes or white
+    if boxes:
+        rows.append(({"BGCOLOR": STYLE["layer"]["fillcolor"]}, LAYER_BOX_LEGEND))
     if origin:
         rows.append(({"BGCOLOR": STYLE["origin"]["color"]}, ORIGIN_LEGEND))
     if communication:
