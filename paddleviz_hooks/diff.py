@@ -79,12 +79,22 @@ def norm_ratio(old: float | None, new: float | None) -> float | None:
     return new / old
 
 
+def _role(graph: BackwardGraph) -> str:
+    """Which backward of its step a recorded graph is, as the recorder worded it ("" if not said)."""
+    info = graph.meta.get("backward")
+    role = info.get("role") if isinstance(info, dict) else None
+    return role if isinstance(role, str) else ""
+
+
 @dataclass
 class GraphDiff:
     """What changed from an older capture to a newer one.
 
     Attributes:
         older_step / newer_step: ``meta["step"]`` of the two graphs, if known.
+        older_role / newer_role: which backward of its step each graph is
+            (``meta["backward"]["role"]``: ``"micro-batch 2 of 4"``), ``""``
+            for a step's only backward or when not known.
         added_nodes / removed_nodes: node keys only in the newer / older graph.
         added_edges / removed_edges: ``(src key, dst key)`` pairs (newer
             keys for added edges, older keys for removed ones).
@@ -115,6 +125,8 @@ class GraphDiff:
 
     older_step: Any = None
     newer_step: Any = None
+    older_role: str = ""
+    newer_role: str = ""
     added_nodes: list[str] = field(default_factory=list)
     removed_nodes: list[str] = field(default_factory=list)
     added_edges: list[tuple[str, str]] = field(default_factory=list)
@@ -191,6 +203,8 @@ class GraphDiff:
             "version": DIFF_VERSION,
             "older_step": self.older_step,
             "newer_step": self.newer_step,
+            "older_role": self.older_role,
+            "newer_role": self.newer_role,
             "added_nodes": list(self.added_nodes),
             "removed_nodes": list(self.removed_nodes),
             "added_edges": [list(e) for e in self.added_edges],
@@ -227,6 +241,8 @@ class GraphDiff:
             return cls(
                 older_step=d.get("older_step"),
                 newer_step=d.get("newer_step"),
+                older_role=str(d.get("older_role") or ""),
+                newer_role=str(d.get("newer_role") or ""),
                 added_nodes=list(d["added_nodes"]),
                 removed_nodes=list(d["removed_nodes"]),
                 added_edges=[(str(s), str(t)) for s, t in d["added_edges"]],
@@ -637,6 +653,8 @@ def diff_graphs(
     d = GraphDiff(
         older_step=older.meta.get("step"),
         newer_step=newer.meta.get("step"),
+        older_role=_role(older),
+        newer_role=_role(newer),
         added_nodes=[n.key for n in added],
         removed_nodes=[n.key for n in removed],
         added_edges=[e for e in new_edges if e not in old_as_new],

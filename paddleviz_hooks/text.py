@@ -33,6 +33,7 @@ __all__ = [
     "MODEL_OUTPUT",
     "REPLAYED_FROM_OUTPUT",
     "OUTSIDE_MODEL",
+    "diff_side",
     "LAYER_BOX_LEGEND",
     "LAYER_UNRECORDED",
     "node_layer",
@@ -1349,14 +1350,22 @@ def saved_memory_lines(graph: BackwardGraph, top: int = 5) -> list[str]:
     return lines
 
 
+def diff_side(step: Any, role: str = "") -> str:
+    """One side of a comparison: ``step 3``, ``step 3 (micro-batch 2 of 2)``, ``step ?``.
+
+    Examples:
+        >>> diff_side(3, "micro-batch 2 of 2"), diff_side(None)
+        ('step 3 (micro-batch 2 of 2)', 'step ?')
+    """
+    return f"step {'?' if step is None else step}" + (f" ({role})" if role else "")
+
+
 def diff_summary(diff: GraphDiff) -> str:
     """Short lines, one fact each, describing what changed between two captures."""
     if diff.older_step is None and diff.newer_step is None:
         lines = ["backward graph diff:"]
     else:
-        a = "?" if diff.older_step is None else diff.older_step
-        b = "?" if diff.newer_step is None else diff.newer_step
-        lines = [f"step {b} vs step {a}:"]
+        lines = [f"{diff_side(diff.newer_step, diff.newer_role)} vs {diff_side(diff.older_step, diff.older_role)}:"]
 
     def describe(key: str) -> str:
         info = diff.node_info.get(key)

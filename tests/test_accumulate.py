@@ -216,3 +216,23 @@ def test_a_nan_backward_of_an_unannounced_step_keeps_its_own_file(tmp_path):
     assert first.meta["loss"] != first.meta["loss"] and first.meta["backward"]["index"] == 1
     assert second.meta["loss"] == second.meta["loss"] and second.meta["backward"]["index"] == 2
     assert rec.captured_steps == [1, 2] and rec.triggers[2] == "nonfinite_loss"
+
+
+def test_a_diff_names_the_micro_batches_it_compares(tmp_path):
+    from paddleviz_hooks import diff_graphs
+    from paddleviz_hooks.diff import GraphDiff
+    from paddleviz_hooks.text import diff_summary
+    paddle.seed(0)
+    net = Net()
+    with BackwardGraphRecorder(str(tmp_path), net, every=2, verbose=0, formats=("json",), visualdl=False) as rec:
+        for step in (1, 2):
+            with rec.step(step, micro_batches=2):
+                for _ in range(2):
+                    net(paddle.randn([2, 8])).sum().backward()
+            net.clear_gradients()
+    run = tmp_path / "backward_graph"
+    older = BackwardGraph.from_json((run / "step_000001.json").read_text())
+    newer = BackwardGraph.from_json((run / "step_000002_b2.json").read_text())
+    d = diff_graphs(older, newer)
+    assert diff_summary(d).splitlines()[0] == "step 2 (micro-batch 2 of 2) vs step 1 (micro-batch 1 of 2):"
+    assert GraphDiff.from_json(d.to_json()).newer_role == "micro-batch 2 of 2"

@@ -24,7 +24,7 @@ from ..collapse import collapse_alike, collapse_graph
 from ..diff import GraphDiff, diff_graphs, edge_metas, norm_ratio
 from ..escape import dot_attrs, dot_html_table, dot_label
 from ..graph import BackwardGraph
-from ..text import collapse_note, describe_node, edge_lines, fmt_num, fmt_ratio, ghost_lines
+from ..text import collapse_note, describe_node, diff_side, edge_lines, fmt_num, fmt_ratio, ghost_lines
 from .dot import to_dot
 from .output import output_target
 from .draw import (LEGIBLE_DPI, VIEW_MAX_PX, collapse_specs, render_svg, render_views, structure_key,
@@ -172,6 +172,7 @@ def _collapsed(
                                   fold_repeats=collapse.get("fold_repeats", False))
     d = diff_graphs(old_c, new_c, threshold=diff.threshold)
     d.older_step, d.newer_step = diff.older_step, diff.newer_step
+    d.older_role, d.newer_role = diff.older_role, diff.newer_role
     return d, new_c, old_c
 
 
@@ -185,7 +186,8 @@ def _diff_options(diff: GraphDiff, newer: BackwardGraph, older: BackwardGraph, o
         if diff.older_step is None or diff.newer_step is None:
             options["title"] = "changes since the older capture"
         else:
-            options["title"] = f"changes from step {diff.older_step} to step {diff.newer_step}"
+            options["title"] = f"changes from {diff_side(diff.older_step, diff.older_role)} to " \
+                               f"{diff_side(diff.newer_step, diff.newer_role)}"
     options.update(node_style=node_style, edge_style=edge_style, extra_body=extra)
     return options
 
