@@ -5,9 +5,10 @@ which adds ``image/svg+xml`` formatters for :class:`~paddleviz_hooks.graph.Backw
 and :class:`~paddleviz_hooks.diff.GraphDiff` by name, so nothing is drawn or
 imported until an object is shown. The picture is the viewing drawing of
 :func:`paddleviz_hooks.render.render_png` as SVG, sized for a notebook cell
-(long side at most ``NOTEBOOK_MAX_PX`` CSS pixels, the PNG's legibility
-floor applying as it does to a PNG) and collapsed into layer boxes
-when the full graph would not be legible there; its title then says how to
+(at most ``NOTEBOOK_MAX_PX`` CSS pixels wide and, for a graph,
+``NOTEBOOK_MAX_HEIGHT_PX`` high: a cell scrolls down, not sideways; the
+PNG's legibility floor applying as it does to a PNG) and collapsed into
+layer boxes when the full graph would not be legible there; its title then says how to
 see every op: :func:`show` with ``full=True``. Every SVG shown passes the
 allowlist :func:`paddleviz_hooks.escape.clean_svg` first. A drawing that fails
 (no Graphviz, a timeout, unfit SVG) is one warning and the plain ``repr``
@@ -22,10 +23,13 @@ from typing import Any
 from .escape import clean_svg
 from .warn import WarnOnce
 
-__all__ = ["NOTEBOOK_MAX_PX", "Drawing", "register", "show", "svg_of"]
+__all__ = ["NOTEBOOK_MAX_PX", "NOTEBOOK_MAX_HEIGHT_PX", "Drawing", "register", "show", "svg_of"]
 
 #: Long side of a notebook drawing in CSS pixels (about a cell's width).
 NOTEBOOK_MAX_PX = 960
+#: Height a graph's notebook drawing may take, in CSS pixels (the cell scrolls): a chain of
+#: a few dozen ops stays drawn op by op at a cell's width instead of folding into one box.
+NOTEBOOK_MAX_HEIGHT_PX = 2400
 #: Seconds one notebook drawing may take before the engine is stopped.
 NOTEBOOK_TIMEOUT = 60.0
 
@@ -94,7 +98,8 @@ def show(obj: Any, *, full: bool = False, **options: Any) -> Drawing:
         if full:
             data = render_svg(obj, **{"timeout": NOTEBOOK_TIMEOUT, **options})
         else:
-            data = render_views(obj, ("svg",), **{"max_px": NOTEBOOK_MAX_PX, "timeout": NOTEBOOK_TIMEOUT,
+            data = render_views(obj, ("svg",), **{"max_px": NOTEBOOK_MAX_PX, "max_height_px": NOTEBOOK_MAX_HEIGHT_PX,
+                                                   "timeout": NOTEBOOK_TIMEOUT,
                                                    "full_detail": notebook_full_detail("graph"), **options})["svg"]
     elif isinstance(obj, GraphDiff):
         graphs = obj.compared_graphs()

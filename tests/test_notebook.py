@@ -15,7 +15,7 @@ import pytest
 from paddleviz_hooks import capture_backward, diff_graphs
 from paddleviz_hooks.diff import GraphDiff
 from paddleviz_hooks.escape import clean_svg
-from paddleviz_hooks.notebook import NOTEBOOK_MAX_PX, register, show, svg_of
+from paddleviz_hooks.notebook import NOTEBOOK_MAX_HEIGHT_PX, NOTEBOOK_MAX_PX, register, show, svg_of
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -68,7 +68,8 @@ def test_a_real_notebook_shows_graphs_and_diffs_as_svg(tmp_path, monkeypatch):
         assert "image/svg+xml" in out.data and "text/plain" in out.data, list(out.data)
         svg = out.data["image/svg+xml"]
         assert clean_svg(svg) == svg and svg.startswith("<svg")
-        assert max(_svg_size_px(svg)) <= NOTEBOOK_MAX_PX
+        width, height = _svg_size_px(svg)
+        assert width <= NOTEBOOK_MAX_PX and height <= (NOTEBOOK_MAX_HEIGHT_PX if name != "diff" else NOTEBOOK_MAX_PX)
         shown[name] = svg
     big_nodes, small_nodes = eval(outs[4][0].data["text/plain"])
     # the small graph: every parameter drawn, not collapsed
@@ -178,3 +179,44 @@ def test_a_collapsed_diff_draws_removed_layers_as_ghost_boxes():
     ghost_lines = {line for i, t in enumerate(texts) if t == "(removed)" for line in texts[max(0, i - 4):i]}
     # the first line of a ghost box is its layer: layer1 itself or its blocks, whichever depth fits
     assert "layer1" in ghost_lines or {"layer1.0", "layer1.1"} <= ghost_lines, ghost_lines
+
+
+class _Attn(nn.Layer):
+    def __init__(self, d: int, h: int) -> None:
+        super().__init__()
+        self.h, self.qkv, self.proj, self.ln = h, nn.Linear(d, 3 * d), nn.Linear(d, d), nn.LayerNorm(d)
+
+    def forward(self, x):
+        b, n, d = x.shape
+        q, k, v = (t.reshape([b, n, self.h, d // self.h]).transpose([0, 2, 1, 3])
+                   for t in paddle.split(self.qkv(self.ln(x)), 3, axis=-1))
+        a = paddle.nn.functional.softmax(q @ k.transpose([0, 1, 3, 2]) / (d // self.h) ** 0.5, -1)
+        return x + self.proj((a @ v).transpose([0, 2, 1, 3]).reshape([b, n, d]))
+
+
+class _TinyViT(nn.Layer):
+    def __init__(self) -> None:
+        super().__init__()
+        self.patch = nn.Conv2D(3, 16, 4, stride=4)
+        self.cls = self.create_parameter([1, 1, 16])
+        self.pos = self.create_parameter([1, 5, 16])
+        self.blk, self.head = _Attn(16, 2), nn.Linear(16, 5)
+
+    def forward(self, x):
+        p = self.patch(x).flatten(2).transpose([0, 2, 1])
+        t = paddle.concat([self.cls.expand([x.shape[0], 1, 16]), p], 1) + self.pos
+        return self.head(self.blk(t)[:, 0])
+
+
+def test_a_tall_chain_of_a_few_dozen_ops_is_drawn_op_by_op_in_a_cell():
+    # a cell scrolls down: the drawing may be taller than wide (it used to fold this 40-node
+    # ViT into one box, the long side held to the cell's width)
+    paddle.seed(0)
+    net = _TinyViT()
+    with capture_backward(net) as cap:
+        net(paddle.randn([2, 3, 8, 8])).mean().backward()
+    svg = show(cap.graph).svg
+    width, height = _svg_size_px(svg)
+    assert width <= NOTEBOOK_MAX_PX < height <= NOTEBOOK_MAX_HEIGHT_PX
+    texts = _texts(svg)
+    assert "collapsed" not in texts and "Softmax" in texts and "blk.qkv.weight" in texts
