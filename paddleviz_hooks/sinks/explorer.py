@@ -28,7 +28,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -443,13 +442,15 @@ def _name(items: list[tuple[str, Any, str, BackwardGraph]]) -> list[tuple[str, B
     are (``step 06 b2``, ``b02`` when a step has ten or more), so ``micro-batch 10 of 12`` does not
     come before ``micro-batch 2 of 12``.
     """
+    from .report import BACKWARD_SUFFIX
+
     width = max((len(str(s)) for _, s, _, _ in items if _is_step(s)), default=1)
-    numbers = [int(m.group(2)) for _, _, b, _ in items if (m := _SUFFIX_NUMBER.match(b))]
+    numbers = [int(m.group(2)) for _, _, b, _ in items if (m := BACKWARD_SUFFIX.match(b))]
     b_width = len(str(max(numbers, default=1)))
     out, seen, last = [], set(), {}
     for i, (run, step, suffix, g) in enumerate(items):
         shown = str(step).zfill(width) if _is_step(step) else step
-        m = _SUFFIX_NUMBER.match(suffix)
+        m = BACKWARD_SUFFIX.match(suffix)
         if m and _is_step(step):
             shown += f" {m.group(1)}{m.group(2).zfill(b_width)}"
         index = str(i + 1).zfill(len(str(len(items))))
@@ -464,9 +465,6 @@ def _name(items: list[tuple[str, Any, str, BackwardGraph]]) -> list[tuple[str, B
         out.append((gid, g, last.get(same)))
         last[same] = g
     return out
-
-
-_SUFFIX_NUMBER = re.compile(r"^(b|nested)(\d+)$")
 
 
 def export_explorer(source: Any, out_dir: str) -> ExplorerExport:

@@ -54,7 +54,7 @@ __all__ = ["build_report", "capture_order", "find_step_files", "ReportError"]
 _STEP_FILE = re.compile(r"^step_(\d+)(?:_(.+))?\.json$")
 #: The suffix of a step's second (third...) backward, or of a backward run inside another:
 #: one more capture of the same step, in the same run.
-_BACKWARD_SUFFIX = re.compile(r"^(?:b(\d+)|nested(\d+))$")
+BACKWARD_SUFFIX = re.compile(r"^(b|nested)(\d+)$")
 
 
 def backward_order(suffix: str) -> int:
@@ -65,10 +65,10 @@ def backward_order(suffix: str) -> int:
         >>> [backward_order(s) for s in ("", "b2", "b10")], backward_order("nested1") > backward_order("b99")
         ([1, 2, 10], True)
     """
-    m = _BACKWARD_SUFFIX.match(suffix)
+    m = BACKWARD_SUFFIX.match(suffix)
     if m is None:
         return 1
-    return int(m.group(1)) if m.group(1) else 1_000_000 + int(m.group(2))
+    return int(m.group(2)) + (0 if m.group(1) == "b" else 1_000_000)
 
 
 def run_suffix(suffix: str) -> str:
@@ -79,7 +79,7 @@ def run_suffix(suffix: str) -> str:
         >>> run_suffix("b2"), run_suffix("nested1"), run_suffix("rank1")
         ('', '', 'rank1')
     """
-    return "" if _BACKWARD_SUFFIX.match(suffix) else suffix
+    return "" if BACKWARD_SUFFIX.match(suffix) else suffix
 
 
 def capture_order(step: int, suffix: str = "") -> tuple[int, int]:
