@@ -115,7 +115,9 @@ class _Session:
         self.joins: Joins | None = None  # Concat/AddN nodes: their gradients read from what they received
         self.errors: list[BaseException] = []
         self.interrupt: BaseException | None = None
-        self.returned: list[list[Any]] = []  # what the hooks returned; emptied in _end
+        self.returned: list[Any] | None = None  # what the last post-hook returned (see _make_hook)
+        self.kept: list[Any] = []  # gradients a later hook reads what they became (see _make_hook)
+        self.readers: set[int] = set()  # nodes whose hooks read what they received
         self.hook_seconds = 0.0
         self.prepare_seconds = time.perf_counter() - t0
         self.loss: float | None = None
@@ -459,6 +461,7 @@ class BackwardCapture:
             into[e.dst] = into.get(e.dst, 0) + 1
         s.in_count = into
         read_sum = self._sum_readers(s, into)
+        s.readers = needs_in | read_sum
         for nid, node in enumerate(w.nodes):
             if node.name in CUT_KINDS and into.get(nid) == 1 and w.wrappers[nid] is not None:
                 s.cuts[nid] = [len(w.wrappers[nid].next_functions), None]
@@ -563,12 +566,16 @@ class BackwardCapture:
                 if nodes[e.dst].kind == "param" and s.in_count.get(e.dst) == 1}
         joins = s.joins
         to_join = [i for i, e in enumerate(out_edges) if joins.wants(e.dst)] if joins is not None else []
+        keep = [i for i, e in enumerate(out_edges) if e.dst in s.readers]
+        kept = s.kept
 
         def hook(outs, ins):
             t = time.perf_counter()
             try:
                 produced = stats.flat_tensors(outs)
                 paired = len(produced) == len(out_edges)
+                if keep:  # held until the backward is over, so no kernel rewrites it before its reader
+                    kept.extend([produced[i] for i in keep] if paired else produced)
                 if paired:
                     for i, (e, g) in enumerate(zip(out_edges, produced)):
                         e.grad = stats.grad_meta(g, with_stats, queue)
@@ -611,10 +618,16 @@ class BackwardCapture:
             # Paddle 3.3.1 never releases the object a node post-hook returns
             # (one reference leaks per call, and with it every gradient tensor
             # in it: about 1 MB per capture of a 64x512 MLP). Return a fresh list
-            # of the same slots and empty it when the backward is over
-            # (_end): only an empty list is left behind.
-            ret = list(outs)
-            s.returned.append(ret)
+            # of the same slots and empty it at the next post-hook call (Paddle
+            # has taken the tensors out of it by then) or when the backward is
+            # over: only an empty list is left behind, and each gradient is freed
+            # when Paddle is done with it, as in a backward not captured (held to
+            # the end, every gradient of the backward was alive at once). Only the
+            # gradients a later hook reads what they became are kept (``kept``).
+            prev = s.returned
+            if prev is not None:
+                prev.clear()
+            ret = s.returned = list(outs)
             return ret
 
         return hook
@@ -673,9 +686,10 @@ class BackwardCapture:
         pop_each(s.handles, _remove_quietly)
         s.roots, s.sent = [], {}  # s.cuts: used, then dropped, by _fill_received
         s.totals.hooked.difference_update(s.param_hooks)
-        for ret in s.returned:  # see _make_hook: drop the gradients Paddle leaks
-            ret.clear()
-        s.returned.clear()
+        if s.returned is not None:  # see _make_hook: drop the gradients Paddle leaks
+            s.returned.clear()
+            s.returned = None
+        s.kept.clear()
 
     def _deliver(self, graph: BackwardGraph) -> None:
         if self.keep_graphs:
