@@ -117,14 +117,17 @@ class SourceFrame(NamedTuple):
 #: Why an op node has no :attr:`Node.source` (worded in ``paddleviz_hooks.text``):
 #: ``"static"`` an op inside a to_static program; ``"internal"`` made by Paddle
 #: with no Python caller of the user's; ``"unrecorded"`` its forward ran before
-#: the capture was armed or decided (or with Paddle's own dump path in use).
-SOURCE_NOTES = ("static", "internal", "unrecorded")
+#: the capture was armed or decided (or with Paddle's own dump path in use); ``"backward"``
+#: an op a backward made (``paddle.grad(create_graph=True)``): Paddle keeps no stack for it.
+SOURCE_NOTES = ("static", "internal", "unrecorded", "backward")
 
 #: Why an op node has no :attr:`Node.layer` although the capture had a model to attribute it to
 #: (worded in ``paddleviz_hooks.text``): ``"unrecorded"`` its forward ran before the capture's
 #: layer hooks were in place (a forward outside ``with rec.step():``), so where it ran is unknown;
+#: ``"backward"`` an op of a gradient's own graph, made by a backward with ``create_graph=True``
+#: (``MatmulDoubleGradNode``), not by a forward;
 #: an op with no layer and no note ran outside every layer of the model (the loss).
-LAYER_NOTES = ("unrecorded",)
+LAYER_NOTES = ("unrecorded", "backward")
 
 
 _FIELD_NAMES: dict[type, tuple[str, ...]] = {}

@@ -36,6 +36,7 @@ __all__ = [
     "diff_side",
     "LAYER_BOX_LEGEND",
     "LAYER_UNRECORDED",
+    "LAYER_BACKWARD",
     "node_layer",
     "TOP_LAYER",
     "TOP_PARAMS",
@@ -116,6 +117,9 @@ OUTSIDE_MODEL = "outside the model"
 #: An op whose layer is not known: its forward ran before the capture's layer hooks were in place
 #: (``Node.layer_note == "unrecorded"``).
 LAYER_UNRECORDED = "layer not recorded (its forward ran before the capture was armed)"
+#: An op of a gradient's own graph, made by a backward with ``create_graph=True``
+#: (``Node.layer_note == "backward"``): no forward op, so no layer call.
+LAYER_BACKWARD = "no layer: made by a backward with create_graph=True (an op of a gradient's graph)"
 #: The root of a replayed step's graph: the model's output (the loss ops are outside it).
 MODEL_OUTPUT = "model output"
 #: What a replayed capture is, against an ordinary one (its graph starts at the model output).
@@ -329,7 +333,8 @@ def node_where(layer: str | None, call: int = 0, note: str | None = None) -> str
         'with its layer not recorded (its forward ran before the capture was armed)'
     """
     if layer is None:
-        return "with its " + LAYER_UNRECORDED if note == "unrecorded" else OUTSIDE_MODEL
+        return {"unrecorded": "with its " + LAYER_UNRECORDED,
+                "backward": "made by a backward with create_graph=True"}.get(note or "", OUTSIDE_MODEL)
     return "in " + layer_name(layer) + _call_suffix(call)
 
 
@@ -344,7 +349,7 @@ def node_layer(node: Any, calls: int = 1) -> str:
         'layer not recorded (its forward ran before the capture was armed)'
     """
     if node.layer is None:
-        return LAYER_UNRECORDED if node.layer_note == "unrecorded" else OUTSIDE_MODEL
+        return {"unrecorded": LAYER_UNRECORDED, "backward": LAYER_BACKWARD}.get(node.layer_note or "", OUTSIDE_MODEL)
     where = box_name if node.kind == "layer" else layer_name
     return where(node.layer) + _call_suffix(node.call, calls)
 
@@ -798,6 +803,7 @@ SOURCE_NOTES_TEXT = {
     "internal": "no Python line: made inside Paddle, not called from your code",
     "unrecorded": "forward line not recorded: its forward ran before the capture was armed or decided "
                   "(or Paddle kept no stack for this op)",
+    "backward": "no forward line: made by a backward with create_graph=True (Paddle keeps no call stack for it)",
 }
 _SOURCE_SHOWN = 4  # outer frames named after the innermost one
 
@@ -876,9 +882,17 @@ def source_attrs(node: Node) -> dict[str, str]:
 
 
 def node_tooltip(node: Node) -> str:
-    """Hover text: Paddle's grad node name, the layer (call), the key, why unhooked,
-    what it saved for backward."""
-    tip = [node.name, "layer: " + node_layer(node, node.calls), f"key: {node.key}"]
+    """Hover text: Paddle's grad node name, the layer (call) of an op or a layer box, the
+    key, why unhooked, what it saved for backward.
+
+    Examples:
+        >>> node_tooltip(Node(3, "param", "GradNodeAccumulation", "param", param="head.weight", key="param:head.weight"))
+        'GradNodeAccumulation | key: param:head.weight'
+    """
+    tip = [node.name]
+    if node.kind in ("op", "layer"):  # a parameter, the root or an input belongs to no layer call
+        tip.append("layer: " + node_layer(node, node.calls))
+    tip.append(f"key: {node.key}")
     if node.note:
         tip.append(node.note)
     tip.extend(source_lines(node))

@@ -18,6 +18,7 @@ from paddleviz_hooks import BackwardGraph, capture_backward, make_graph
 from paddleviz_hooks.capture import dispatcher_installed
 from paddleviz_hooks.render.dot import STYLE
 from paddleviz_hooks import render_to_file, summarize
+from paddleviz_hooks.text import node_tooltip
 from paddleviz_hooks.render import to_dot
 
 SEED = 11
@@ -703,6 +704,17 @@ def test_grad_create_graph_then_backward():
     layers = {(n.name, n.layer) for n in second.nodes if n.kind == "op"}
     assert ("MatmulGradNode", "0") in layers and ("TanhGradNode", "1") in layers
     assert ("TanhDoubleGradNode", None) in layers  # made by paddle.grad, outside any forward
+    # ... and said so, not "outside the model" nor "its forward ran before the capture"
+    for n in second.nodes:
+        tip = node_tooltip(n)
+        if "Double" in n.name:
+            assert (n.layer_note, n.source_note) == ("backward", "backward"), n.name
+            assert "made by a backward with create_graph=True" in tip and "outside the model" not in tip
+            assert "before the capture" not in tip, tip
+        elif n.kind == "param":  # a parameter belongs to no layer call
+            assert "layer:" not in tip and "outside the model" not in tip, tip
+        elif n.kind == "op":
+            assert n.layer_note is None and n.source is not None, n.name
     # the last bias does not influence d(sum)/dx, so the penalty never reaches it
     assert ref["2.bias"] is None
     assert {n.param for n in second.nodes if n.kind == "param"} == {n for n, g in ref.items() if g is not None}

@@ -7,9 +7,9 @@ from typing import Any
 import paddle
 
 from .._interrupts import pop_each, run_all
-from .gradnode import Walk, grad_fn, strip_wrapper_prefix
+from .gradnode import Walk, grad_fn, made_by_backward, strip_wrapper_prefix
 
-__all__ = ["LayerAttribution", "frame_name", "tensors_in", "mark_unrecorded"]
+__all__ = ["LayerAttribution", "frame_name", "tensors_in", "mark_layer_notes"]
 
 
 class LayerAttribution:
@@ -361,16 +361,26 @@ def tensors_in(obj: Any) -> list[Any]:
     return found
 
 
-def mark_unrecorded(nodes: list[Any]) -> None:
-    """Give the op nodes whose layer could not be recorded ``layer_note = "unrecorded"``.
+def mark_layer_notes(nodes: list[Any], attributed: bool = True) -> None:
+    """Say why op nodes have no layer when it is not that they ran outside the model.
 
-    An op with no layer ran outside the model (the loss) only if the hooks saw
-    the model's forward. When no op of the graph has a layer, that forward ran
-    before the hooks were in place (outside ``with rec.step():``), so no op's
-    layer is known. (Call stacks cannot tell it op by op: a dump that could not
-    be written whole leaves ops without a stack whose forward was seen.)
+    An op a backward made (``create_graph=True``: ``MatmulDoubleGradNode``) is
+    no forward op: ``layer_note = "backward"``. Of the others, an op with no
+    layer ran outside the model (the loss) only if the hooks saw the model's
+    forward. When none of them has a layer (and ``attributed``: the capture had a
+    model to attribute them to), that forward ran before the hooks
+    were in place (outside ``with rec.step():``), so no op's layer is known:
+    ``"unrecorded"``. (Call stacks cannot tell it op by op: a dump that could
+    not be written whole leaves ops without a stack whose forward was seen.)
     """
-    ops = [n for n in nodes if n.kind == "op"]
-    if ops and not any(n.layer is not None for n in ops):
+    ops = []
+    for n in nodes:
+        if n.kind != "op":
+            continue
+        if n.layer is None and made_by_backward(n.name):
+            n.layer_note = "backward"
+        else:
+            ops.append(n)
+    if attributed and ops and not any(n.layer is not None for n in ops):
         for n in ops:
             n.layer_note = "unrecorded"

@@ -10,6 +10,7 @@ holding them keeps the C++ graph alive.
 from __future__ import annotations
 
 import ctypes
+import re
 import sys
 from typing import Any, Sequence
 
@@ -18,7 +19,25 @@ import paddle
 from ..graph import Edge, GradMeta, Node, op_display_name
 
 __all__ = ["grad_fn", "has_graph", "walk_graph", "prune_to_inputs", "Walk", "parameter_names", "strip_wrapper_prefix",
-           "structure_fingerprint", "dtype_name"]
+           "structure_fingerprint", "dtype_name", "made_by_backward"]
+
+# Grad nodes a backward makes when it builds a gradient's own graph (create_graph=True):
+# Paddle names them after the op whose gradient they differentiate (MatmulDoubleGradNode,
+# TanhTripleGradNode, Conv2dGradGradNodeFinal).
+_HIGHER_ORDER = re.compile(r"(?:Double|Triple)GradNode|GradGradNode")
+
+
+def made_by_backward(name: str) -> bool:
+    """Whether a grad node of this class name is made by a backward (``create_graph=True``),
+    not by a forward op.
+
+    Examples:
+        >>> made_by_backward("MatmulDoubleGradNode"), made_by_backward("Conv2dGradGradNodeFinal")
+        (True, True)
+        >>> made_by_backward("MatmulGradNode")
+        False
+    """
+    return _HIGHER_ORDER.search(name) is not None
 
 
 # --------------------------------------------------------------------------

@@ -44,7 +44,7 @@ from ..graph import BackwardGraph, GradMeta
 from .._interrupts import held_interrupts, pop_each, run_all
 from ..hazards import PROGRAM_OP_NOTE, SHARES_RECEIVED_UNCHANGED, hook_hazard
 from ..warn import WarnOnce
-from .attribution import LayerAttribution, frame_name, mark_unrecorded
+from .attribution import LayerAttribution, frame_name, mark_layer_notes
 from .dispatch import DISPATCHER
 from .gradnode import Walk, forget_saved, grad_fn, grad_node_ptr, parameter_names, prune_to_inputs, walk_graph
 from .joins import Joins, explain
@@ -655,8 +655,8 @@ class BackwardCapture:
             if s.wants_stacks or self.sources:
                 sources_.apply_stacks(s.walk.nodes, s.ptrs, s.stacks if s.wants_stacks else None,
                                       PROGRAM_OP_NOTE, nested=s.parent is not None)
-            if self._attribution is not None and s.parent is None:
-                mark_unrecorded(s.walk.nodes)
+            if s.parent is None:
+                mark_layer_notes(s.walk.nodes, attributed=self._attribution is not None)
             s.walk.release()
             if not retain_graph and self._attribution is not None:
                 # that forward's graph is consumed (a nested one: the recomputed forward's);

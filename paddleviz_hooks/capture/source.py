@@ -53,7 +53,7 @@ import paddle
 
 from .._interrupts import held_interrupts
 from ..graph import Node, SourceFrame
-from .gradnode import grad_fn
+from .gradnode import grad_fn, made_by_backward
 
 __all__ = ["arm", "disarm", "armed", "StackDump", "parse_call_stacks", "user_frames", "apply_stacks", "prefix_recomputed"]
 
@@ -479,7 +479,7 @@ def apply_stacks(nodes: list[Node], ptrs: list[int | None], stacks: dict[int, li
             continue
         raw = stacks.get(p) if stacks is not None and p is not None else None
         if not raw:  # no dump, or a node made while the flag was off (a forward run before the block)
-            n.source_note = "unrecorded"
+            n.source_note = "backward" if made_by_backward(n.name) else "unrecorded"
             continue
         key = tuple(raw)
         frames = cache.get(key)
