@@ -1273,7 +1273,10 @@ def graph_summary(graph: BackwardGraph, top: int = 5, previous: BackwardGraph | 
     leaves = sum(1 for n in graph.nodes if n.kind == "input")
     if leaves and not params and not (previous is not None and not previous.params()
                                       and any(n.kind == "input" for n in previous.nodes)):
-        lines.append(f"{leaves} unnamed leaf tensors reached (capture_backward(model) names parameters);")
+        if graph.layers:  # a model was given: these leaves are inputs (paddle.grad's), not its parameters
+            lines.append(f"{plural(leaves, 'leaf tensor')} reached, none a parameter of the model;")
+        else:
+            lines.append(f"{leaves} unnamed leaf tensors reached (capture_backward(model) names parameters);")
     nested = graph.meta.get("nested")
     if isinstance(nested, int) and nested:
         lines.append(f"{plural(nested, 'backward')} run inside this one (recompute) drawn at the nodes that ran them;")
@@ -1283,10 +1286,14 @@ def graph_summary(graph: BackwardGraph, top: int = 5, previous: BackwardGraph | 
         math.isclose(acc, gn, rel_tol=1e-6) or (math.isnan(acc) and math.isnan(gn))))
     if gn is not None:
         lines.append(f"global grad norm {fmt_num(gn, 4)}" + (" (this backward);" if acc_differs else ";"))
-    if acc_differs and isinstance(graph.meta.get("applied_grad_norm"), float):
-        lines.append(f"applied gradient norm {fmt_num(acc, 4)} (param.grad as the update applied it);")
-    elif acc_differs:
-        lines.append(f"accumulated param.grad norm {fmt_num(acc, 4)} (what the optimizer applies);")
+    # a step's number, shown on the graphs that reach parameters; param.grad is what the
+    # optimizer starts from: its own clipping and weight decay come after (inside its step)
+    if acc_differs and params and isinstance(graph.meta.get("applied_grad_norm"), float):
+        lines.append(f"applied gradient norm {fmt_num(acc, 4)} (param.grad when the update was called, "
+                     f"before the optimizer's own clipping and weight decay);")
+    elif acc_differs and params:
+        lines.append(f"accumulated param.grad norm {fmt_num(acc, 4)} (after the step's last backward, "
+                     f"all parameters; before the optimizer's own clipping and weight decay);")
     sync_line = grad_sync_line(graph)
     if sync_line:
         lines.append(sync_line)

@@ -730,6 +730,13 @@ def test_summary_says_how_to_name_unnamed_leaves():
     with capture_backward(net) as cap:
         net(paddle.randn([3, 4])).mean().backward()
     assert "unnamed leaf" not in summarize(cap.graph)
+    x = paddle.randn([3, 4])
+    x.stop_gradient = False
+    with capture_backward(net) as cap:  # the model is given: the leaf is paddle.grad's input
+        paddle.grad(net(x).mean(), x)
+    text = summarize(cap.graph)
+    assert "1 leaf tensor reached, none a parameter of the model" in text
+    assert "capture_backward(model)" not in text, text
 
 
 def test_collections_wait_during_a_captured_backward_and_resume_as_they_were():

@@ -224,3 +224,4 @@ def test_recorder_records_the_accumulated_gradient_the_optimizer_applies(tmp_pat
     assert g.meta["accumulated_grad_norm"] == pytest.approx(applied[2], rel=1e-5)
     assert g.global_grad_norm() != pytest.approx(applied[2], rel=1e-3)  # one micro-batch's share
     assert "accumulated param.grad norm" in summarize(g)
+    assert "before the optimizer's own clipping and weight decay" in summarize(g)  # not "what it applies"

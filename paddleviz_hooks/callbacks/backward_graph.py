@@ -35,7 +35,8 @@ class BackwardGraphCallback(paddle.callbacks.Callback):
     With ``fit(accumulate_grad_batches=k)`` a step is one optimizer step: the
     k batches whose gradients it applies, each recorded as "micro-batch i of
     k" (``step_000003.*``, ``step_000003_b2.*``...), with the norm of the
-    accumulated gradient the optimizer applies (``accumulated_grad_norm``).
+    accumulated ``param.grad`` the optimizer receives (``accumulated_grad_norm``;
+    its own gradient clipping and weight decay come after).
 
     Raises:
         TypeError: an option of the wrong type (the message quotes it).
