@@ -16,7 +16,9 @@ Steps are found from what the loop does to the model and the optimizer:
   (NaN/Inf gradients under AMP) still closes its step.
 
 A forward with no backward before the next update (evaluation in training
-mode) opens nothing new and captures nothing. ``handle.detach()``, or leaving
+mode) opens nothing new and captures nothing. Updates with no training forward
+of ``model`` before them (the loop calls other layers: ``model.G`` and
+``model.D`` of a GAN) capture nothing either, and are warned about once. ``handle.detach()``, or leaving
 ``with attach(...):``, puts every method and hook back, on exceptions too.
 """
 
@@ -57,6 +59,7 @@ class AttachHandle:
         self._in_step = False
         self._depth = 0  # nested update calls (scaler.minimize -> optimizer.minimize)
         self._read = False  # this step's applied gradients were read
+        self._blind = 0  # updates in a row with no training forward of the model before them
         self._warn = WarnOnce()
         self._patched: list[tuple[Any, str, bool, Any]] = []  # (object, method, had own, own value)
         self._hook = None
@@ -92,6 +95,9 @@ class AttachHandle:
             finally:
                 self._depth -= 1
                 if outer:
+                    self._blind = 0 if self._in_step else self._blind + 1
+                    if self._blind == 2:
+                        self._warn_blind()
                     self._close_step()
         update.__wrapped__ = inner  # type: ignore[attr-defined]
         return update
@@ -108,6 +114,14 @@ class AttachHandle:
             self.updates += 1
             self._in_step = False
             self._safely(self.recorder.end_step)
+
+    def _warn_blind(self) -> None:
+        self._warn("attach-blind", f"attach(): {self._blind} optimizer updates ran with no training forward of "
+                                   f"the attached {type(self.model).__name__} before them, so nothing is captured: "
+                                   "a step opens when the loop calls that layer in training mode with gradients "
+                                   "enabled. Attach the layer the loop calls (for a GAN's model.G and model.D, "
+                                   "drive BackwardGraphRecorder with rec.step() instead), or check that it is "
+                                   "not left in eval() mode.")
 
     def _safely(self, fn: Callable[[], Any]) -> None:
         """The recorder's work never breaks the training it watches."""
@@ -139,6 +153,8 @@ class AttachHandle:
         if self._in_step:
             self._in_step = False
             self._safely(self.recorder.end_step)
+        elif self._blind == 1 and not self.updates:  # one update, and it was blind
+            self._warn_blind()
         self.recorder.close()
 
     def __enter__(self) -> "AttachHandle":

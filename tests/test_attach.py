@@ -242,3 +242,39 @@ def test_on_nonfinite_finds_where_the_nan_started(tmp_path):
     g = BackwardGraph.from_json(pathlib.Path(h.recorder.run_dir, "step_000004.json").read_text())
     origin = g.nonfinite.origin
     assert origin is not None and (origin.kind, origin.op) == ("forward", "log"), origin
+
+
+class _GAN(nn.Layer):
+    def __init__(self):
+        super().__init__()
+        self.G = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4))
+        self.D = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+
+
+def test_updates_with_no_forward_of_the_attached_model_are_warned_about(tmp_path, recwarn):
+    """A GAN loop calls model.G and model.D, never model itself: nothing can be captured,
+    and one warning says why and what to do (it used to be silent: an empty run folder)."""
+    paddle.seed(0)
+    gan = _GAN()
+    opt_d = paddle.optimizer.SGD(learning_rate=0.01, parameters=gan.D.parameters())
+    opt_g = paddle.optimizer.SGD(learning_rate=0.01, parameters=gan.G.parameters())
+    with attach(gan, [opt_d, opt_g], str(tmp_path), **QUIET) as h:
+        for _ in range(3):
+            fake = gan.G(paddle.randn([5, 4]))
+            gan.D(fake.detach()).mean().backward()
+            opt_d.step(), opt_d.clear_grad()
+            (-gan.D(fake).mean()).backward()
+            opt_g.step(), opt_g.clear_grad()
+    assert h.recorder.captured_steps == []
+    said = [str(w.message) for w in recwarn if "no training forward" in str(w.message)]
+    assert len(said) == 1, [str(w.message) for w in recwarn]
+    assert "_GAN" in said[0] and "BackwardGraphRecorder" in said[0], said[0]
+
+
+def test_one_blind_update_is_warned_about_at_detach(tmp_path, recwarn):
+    net, (opt,) = _setup()
+    with attach(net, opt, str(tmp_path), **QUIET):
+        net.eval()  # left in eval mode: its forward opens no step
+        net(paddle.randn([3, 8])).sum().backward()
+        opt.step()
+    assert any("no training forward" in str(w.message) and "eval()" in str(w.message) for w in recwarn)
