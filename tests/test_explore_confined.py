@@ -163,3 +163,28 @@ def test_a_rejected_port_leaves_no_temporary_folder(tmp_path, monkeypatch, capsy
         assert main(["explore", str(tmp_path / "log"), "--port", str(taken.getsockname()[1])]) != 0
     assert "cannot listen" in capsys.readouterr().err
     assert os.listdir(temp_root) == []
+
+
+def test_a_link_to_a_capture_outside_the_log_dir_is_skipped_with_a_warning(tmp_path):
+    """The explorer and the report read the same files: a file link leading out of the log
+    dir is left out by both and named (the explorer used to export and serve it, silently)."""
+    from paddleviz_hooks.sinks.explorer import export_explorer
+    from paddleviz_hooks.sinks.report import build_report
+
+    log = _log_dir(tmp_path, nan=False)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "step_000079.json").write_text((log / "step_000001.json").read_text())
+    (log / "evil").mkdir()
+    os.symlink(elsewhere / "step_000079.json", log / "evil" / "step_000079.json")
+    os.symlink("/etc/hostname", log / "step_000003.json")
+    os.symlink(log / "step_000001.json", log / "step_000004.json")  # inside: read as any file
+    with pytest.warns(RuntimeWarning, match="outside the log directory") as seen:
+        files = export_explorer(str(log), str(tmp_path / "out"))
+    assert len([w for w in seen if "outside the log directory" in str(w.message)]) == 2
+    assert len(files.graph_ids) == 3 and not any("evil" in g or "79" in g for g in files.graph_ids)
+    with pytest.warns(RuntimeWarning, match="outside the log directory"):
+        page = build_report(str(log), str(tmp_path / "r.html"))
+    with open(page, encoding="utf-8") as fh:
+        html = fh.read()
+    assert "evil" in html and "step_000003.json" in html  # listed under the skipped files

@@ -399,7 +399,7 @@ def _is_step(step: Any) -> bool:
 
 
 def _series_of_dir(log_dir: str) -> tuple[str, list]:
-    from .report import ReportError, _NotAGraph, _read_graph, capture_order, find_step_files, run_suffix
+    from .report import ReportError, _NotAGraph, _read_graph, capture_order, find_step_files, run_suffix, skip_file
 
     if not os.path.isdir(log_dir):
         raise ValueError(f"log directory {log_dir!r} does not exist (pass the directory the recorder wrote to)")
@@ -409,7 +409,10 @@ def _series_of_dir(log_dir: str) -> tuple[str, list]:
         for number, path in files:
             try:
                 g = _read_graph(path)
-            except (_NotAGraph, OSError, ValueError):
+            except _NotAGraph:
+                continue
+            except (OSError, ValueError) as exc:  # said as the report says it
+                skip_file(path, exc)
                 continue
             step = g.meta.get("step")
             step = step if isinstance(step, int) and not isinstance(step, bool) else number

@@ -137,24 +137,43 @@ class _Run:
     suffix: str = ""
 
 
-def find_step_files(log_dir: str) -> dict[tuple[str, str], list[tuple[int, str]]]:
+def find_step_files(log_dir: str,
+                    skipped: list[tuple[str, str]] | None = None) -> dict[tuple[str, str], list[tuple[int, str]]]:
     """Every ``step_*.json`` under ``log_dir``, grouped by (folder, suffix).
 
     ``step_000100.json`` has the suffix ``""``; ``step_000100_rank1.json``
-    the suffix ``"rank1"`` (one series per suffix). Steps are sorted.
+    the suffix ``"rank1"`` (one series per suffix). Steps are sorted. Links to
+    folders are not followed, and a link to a file outside ``log_dir`` is
+    left out: it goes on ``skipped`` (its path relative to ``log_dir``, why)
+    and is warned about, as an unreadable file is.
     """
     found: dict[tuple[str, str], list[tuple[int, str]]] = {}
+    root = os.path.realpath(log_dir)
     for dirpath, dirnames, filenames in os.walk(log_dir):
         dirnames.sort()
         for name in filenames:
             m = _STEP_FILE.match(name)
             if m:
+                path = os.path.join(dirpath, name)
+                if os.path.islink(path) and os.path.commonpath([root, os.path.realpath(path)]) != root:
+                    reason = skip_file(path, "a link to a file outside the log directory (not read)")
+                    if skipped is not None:
+                        skipped.append((os.path.relpath(path, log_dir), reason))
+                    continue
                 found.setdefault((dirpath, m.group(2) or ""), []).append(
                     (int(m.group(1)), os.path.join(dirpath, name))
                 )
     for files in found.values():
         files.sort()
     return dict(sorted(found.items()))
+
+
+def skip_file(path: str, why: Exception | str) -> str:
+    """Warn that the capture file ``path`` is skipped, and why (returned, as people read it)."""
+    reason = why if isinstance(why, str) else (
+        why.strerror if isinstance(why, OSError) and why.strerror else str(why))
+    warnings.warn(f"skipped {path}: {reason}", RuntimeWarning, stacklevel=3)
+    return reason
 
 
 class _NotAGraph(Exception):
@@ -201,11 +220,11 @@ def _step_number(graph: BackwardGraph, file_number: int) -> int:
 
 def _load_runs(log_dir: str, timeout: float,
                max_bytes: int = MAX_INPUT_BYTES) -> tuple[list[_Run], list[tuple[str, str]], list[MergedRun]]:
-    groups = find_step_files(log_dir)
+    skipped: list[tuple[str, str]] = []
+    groups = find_step_files(log_dir, skipped)
     if not groups:
         raise ReportError(f"no step_*.json files under {log_dir}")
     by_key: dict[tuple[str, str], _Run] = {}
-    skipped: list[tuple[str, str]] = []
     for (directory, suffix), files in groups.items():
         # a step's further backwards (step_N_b2.json...) belong to the run of its first
         own = run_suffix(suffix)
@@ -219,9 +238,7 @@ def _load_runs(log_dir: str, timeout: float,
             except _NotAGraph:
                 continue
             except (OSError, ValueError) as exc:
-                reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-                skipped.append((os.path.relpath(path, log_dir), reason))
-                warnings.warn(f"skipped {path}: {reason}", RuntimeWarning, stacklevel=2)
+                skipped.append((os.path.relpath(path, log_dir), skip_file(path, exc)))
                 continue
             role = backward_role(g.meta.get("backward")) if suffix != own else ""
             run.steps.append(_Step(_step_number(g, number), path, g, suffix=suffix if suffix != own else "",
