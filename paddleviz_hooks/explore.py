@@ -109,7 +109,13 @@ _CSP = ("default-src 'self' 'unsafe-inline' 'unsafe-eval' data: blob:; "
         "connect-src 'self'; font-src 'self' data:; frame-ancestors *")
 # Model Explorer endpoints the page needs that read no path given by the request
 _OPEN_ENDPOINTS = frozenset({"/check_health", "/api/v1/check_new_version", "/api/v1/get_extensions",
-                             "/api/v1/load_graphs_json", "/api/v1/load_node_data", "/apistream/server_director"})
+                             "/apistream/server_director"})
+# Answered here, as Model Explorer answers them when it has nothing to give: graphs held in its
+# process (this server gives files; Model Explorer raised IndexError into its log for any index),
+# and the page's note of a model path to watch for changes (nothing is watched: the page logged
+# a refusal on every load)
+_EMPTY_ANSWERS = {"/api/v1/load_graphs_json": {}, "/api/v1/load_node_data": {},
+                  "/api/v1/notify_user_provided_model_path": {"status": "ok"}}
 
 
 def host_allowed(header: str, host: str) -> bool:
@@ -169,6 +175,8 @@ class _Confined:
             return flask.Response(self.index(), 200, mimetype="text/html")
         if path in _OPEN_ENDPOINTS:
             return None
+        if path in _EMPTY_ANSWERS:
+            return flask.jsonify(_EMPTY_ANSWERS[path])
         if path == "/api/v1/read_text_file":
             asked = req.args.get("path") or ""
             if "\0" not in asked and os.path.realpath(os.path.expanduser(asked)) in self.readable:
