@@ -446,7 +446,8 @@ def test_explore_a_nan_run_in_chromium(tmp_path):
             try:
                 page = browser.new_page(viewport={"width": 1400, "height": 900})
                 page.set_default_timeout(30_000)
-                outside = []
+                outside, refused = [], []
+                page.on("response", lambda r: r.status >= 400 and refused.append((r.status, r.url)))
                 page.route(lambda u: not u.startswith("http://127.0.0.1:"),
                            lambda route: (outside.append(route.request.url), route.abort()))
 
@@ -495,6 +496,8 @@ def test_explore_a_nan_run_in_chromium(tmp_path):
     finally:
         _stop(proc)
     assert outside == []  # not even the page's web font: nothing leaves the machine
+    assert refused == []  # the page's own requests are all answered (a model-path notice was refused)
+    assert "Traceback" not in (tmp_path / "server.log").read_text(encoding="utf-8")
     printed = (tmp_path / "server.log").read_text(encoding="utf-8")
     assert printed.count("http://") == 1 and url in printed  # one address, the one that opens the NaN step
     assert not (tmp_path / "me").exists() or sorted(os.listdir(tmp_path / "me"))  # --out is the user's: kept
