@@ -519,9 +519,10 @@ class BackwardCapture:
         """Hooked ops that receive over several edges, each from a hooked op: their hooks read
         what they received in all (``Node.received``).
 
-        Paddle adds the parts into the first part's buffer, which the first producer's hook
-        holds (it returned it): the receiving op's kernel cannot rewrite that buffer in place,
-        so its post-hook reads the exact sum, at no extra arithmetic.
+        Paddle adds the parts into the first part's buffer, which the producers' hooks keep
+        until the backward is over (``_Session.kept``): the receiving op's kernel cannot
+        rewrite a buffer another reference holds in place, so its post-hook reads the exact
+        sum, at no extra arithmetic.
         """
         if not self.grad_stats:
             return set()  # shapes only: the sum would tell nothing more
