@@ -264,3 +264,29 @@ def test_a_forward_run_outside_the_step_has_its_layers_marked_not_recorded(tmp_p
     mean = next(n for n in inside.nodes if n.op == "Mean")
     assert mean.layer is None and mean.layer_note is None and "layer: outside the model" in node_tooltip(mean)
     assert all(n.layer is not None for n in inside.nodes if n.kind == "op" and n.op != "Mean")
+
+
+@pytest.mark.parametrize("shape", [[1], [1, 1]], ids=["[1]", "[1,1]"])
+def test_a_loss_of_one_element_that_is_not_0d_is_captured(tmp_path, shape, recwarn):
+    """Older toolkit code returns the loss as shape [1] (or sum(keepdim=True)): every selected
+    step is captured, and a NaN in it is the loss's (it was 'capture failed and was skipped'
+    with nothing lost, and a NaN loss was called a NaN gradient 'with a finite loss')."""
+    from paddleviz_hooks import capture_backward
+
+    paddle.seed(0)
+    net = nn.Linear(4, 2)
+    with capture_backward(net) as cap:
+        (net(paddle.randn([3, 4])) ** 2).sum().reshape(shape).backward()
+    assert cap.graph.meta["loss"] > 0 and not cap.errors
+    with BackwardGraphRecorder(str(tmp_path), net, every=2, on_nonfinite=True, verbose=0,
+                               formats=("json",), visualdl=False) as rec:
+        for step in range(1, 5):
+            with rec.step(step):
+                x = paddle.randn([3, 4])
+                if step == 3:
+                    x = x * float("nan")
+                (net(x) ** 2).sum().reshape(shape).backward()
+            net.clear_gradients()
+    assert rec.captured_steps == [1, 2, 3, 4] and rec.lost_steps == {}
+    assert rec.triggers[3] == "nonfinite_loss", rec.triggers
+    assert not [w for w in recwarn if "capture failed" in str(w.message)]

@@ -33,15 +33,18 @@ def local_scalar(t: Any) -> float | None:
     summand, and reading the whole would be an all-reduce that the other ranks
     never join: None (not observed).
 
+    A loss of shape ``[1]`` or ``[1, 1]`` (``sum(keepdim=True)``, older toolkit code)
+    is read as its one element (``float()`` of it fails on numpy 2).
+
     Examples:
-        >>> local_scalar(paddle.to_tensor(2.5))
-        2.5
+        >>> local_scalar(paddle.to_tensor(2.5)), local_scalar(paddle.to_tensor([[2.5]]))
+        (2.5, 2.5)
     """
     if stats.is_dist(t):
         if any(str(p).startswith("Partial") for p in t.placements):
             return None
         t = t._local_value()
-    return float(t)
+    return float(t.reshape([])) if t.ndim else float(t)
 
 
 def data_parallel_world() -> tuple[int, int] | None:
