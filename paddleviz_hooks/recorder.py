@@ -242,6 +242,8 @@ class BackwardGraphRecorder:
         self.undrawn_steps: list[int] = []
         #: captured steps whose data never reached disk -> why (set by close(), for the run it closes)
         self.lost_steps: dict[int, str] = {}
+        self._failed: dict[int, str] = {}  # this run's steps chosen for capture whose capture failed
+        self._capture_failures: list[str] = []  # what the captures could not capture since the last _flush
         #: step -> what captured it (``"scheduled"`` or a trigger name)
         self.triggers: dict[int, str] = {}
         #: the folder this rank writes to (set when the recorder opens)
@@ -303,7 +305,7 @@ class BackwardGraphRecorder:
             return self
         self._run_from = (len(self.captured_steps), len(self.dropped_steps))  # where this run's steps start
         self._unwritable = None
-        self.lost_steps = {}
+        self.lost_steps, self._failed = {}, {}
         run_dir = os.path.join(opts.log_dir, opts.run_name)
         if rank != 0:
             run_dir = os.path.join(run_dir, f"rank_{rank}")
@@ -422,7 +424,7 @@ class BackwardGraphRecorder:
         written = set(pipeline.written)
         # this run's steps only: a recorder opened again writes a new run folder, and counts anew
         run_steps, dropped = self.captured_steps[self._run_from[0]:], self.dropped_steps[self._run_from[1]:]
-        self.lost_steps = {**{s: "the background writer stopped" for s in dropped}, **pipeline.lost}
+        self.lost_steps = {**self._failed, **{s: "the background writer stopped" for s in dropped}, **pipeline.lost}
         for step in set(run_steps) - written - set(self.lost_steps):
             self.lost_steps[step] = "not written before close() gave up"
         if self.options.verbose and (run_steps or self.lost_steps):
@@ -676,6 +678,7 @@ class BackwardGraphRecorder:
         )
         # the watch is active on every step: it records sources only for the steps begin_step selects
         cap.sources_from_enter = not watch
+        cap.failures = self._capture_failures  # read by _flush: a chosen step that gave no graph is lost
         return cap
 
     def _decide(self, roots: list[Any], walk: Any) -> str | None:
@@ -887,6 +890,10 @@ class BackwardGraphRecorder:
         read, self._applied = self._applied, None
         if read is not None and read["norm"] is not None:
             applied = read["norm"]
+        failed, self._capture_failures[:] = list(self._capture_failures), []
+        if failed and not pending and self.global_step not in self.captured_steps:
+            self._failed.setdefault(self.global_step, failed[0])  # chosen, but no graph came of it
+            self.lost_steps.setdefault(self.global_step, failed[0])
         if not pending:
             return
         step = pending[0].meta["step"]

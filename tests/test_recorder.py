@@ -290,3 +290,29 @@ def test_a_loss_of_one_element_that_is_not_0d_is_captured(tmp_path, shape, recwa
     assert rec.captured_steps == [1, 2, 3, 4] and rec.lost_steps == {}
     assert rec.triggers[3] == "nonfinite_loss", rec.triggers
     assert not [w for w in recwarn if "capture failed" in str(w.message)]
+
+
+def test_a_step_whose_capture_failed_is_counted_as_lost(tmp_path, monkeypatch, capsys):
+    """A selected step whose capture raised is named in lost_steps and the closing line, so the
+    counts add up (it was in neither captured_steps nor lost_steps)."""
+    import paddleviz_hooks.capture.session as session
+
+    real = session.BackwardCapture._hook_all
+    boom = {2}
+
+    def hook_all(self, s):
+        if rec.global_step in boom:
+            raise RuntimeError("injected failure")
+        return real(self, s)
+
+    monkeypatch.setattr(session.BackwardCapture, "_hook_all", hook_all)
+    net = nn.Linear(4, 2)
+    with pytest.warns(RuntimeWarning, match="capture failed"):
+        with BackwardGraphRecorder(str(tmp_path), net, every=1, verbose=1, formats=("json",),
+                                   visualdl=False) as rec:
+            for step in range(1, 4):
+                with rec.step(step):
+                    net(paddle.randn([3, 4])).sum().backward()
+    assert rec.captured_steps == [1, 3]
+    assert list(rec.lost_steps) == [2] and "injected failure" in rec.lost_steps[2]
+    assert "injected failure" in capsys.readouterr().out

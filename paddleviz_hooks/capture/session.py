@@ -207,6 +207,7 @@ class BackwardCapture:
         self.when = when
         self.after_backward = after_backward
         self.graphs: list[BackwardGraph] = []
+        self.failures: list[str] = []  # why a backward it chose to capture gave no graph (a recorder reads it)
         self.meta: dict[str, Any] = {}
         #: top-level backwards started while active (nested ones are part of theirs)
         self.backwards_seen = 0
@@ -405,6 +406,7 @@ class BackwardCapture:
             s.prepare_seconds = time.perf_counter() - t0
             return s
         except Exception as exc:  # observability never breaks training
+            self.failures.append(f"capture failed: {exc!r}")
             self._warn("capture", f"backward graph capture failed and was skipped: {exc!r}")
             return None
         finally:
@@ -678,6 +680,7 @@ class BackwardCapture:
             )
             self._deliver(graph)
         except Exception as exc:
+            self.failures.append(f"capture failed: {exc!r}")
             self._warn("finish", f"backward graph capture failed and was skipped: {exc!r}")
         self._after(ok)
 
