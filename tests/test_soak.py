@@ -197,6 +197,41 @@ def test_gradients_seen_by_hooks_are_freed(monkeypatch):
     assert node() is None  # the loss's grad node wrapper is freed too
 
 
+def test_captures_leave_no_python_object_behind():
+    """Paddle 3.3.1 keeps a reference to every list a node post-hook returns and to every list
+    ``traceback.format_stack`` returns while its call-stack flag is on: a fresh list per hook
+    call and per op leaked about 5.7 KB per captured step of a 30-layer MLP with defaults
+    (11 MB over 2,000 steps). The same list objects are handed over again, so the number of
+    live lists stays flat over 150 captured steps (it grew by about 150 per step)."""
+    import gc
+
+    from paddleviz_hooks import capture_backward
+
+    paddle.seed(0)
+    net = paddle.nn.Sequential(*[m for _ in range(30) for m in (paddle.nn.Linear(32, 32), paddle.nn.ReLU())])
+    opt = paddle.optimizer.Adam(parameters=net.parameters())
+    x = paddle.randn([8, 32])
+
+    def step():
+        with capture_backward(net):
+            net(x).mean().backward()
+        opt.step()
+        opt.clear_grad()
+
+    def lists() -> int:
+        gc.collect()
+        return sum(1 for o in gc.get_objects() if type(o) is list)
+
+    for _ in range(10):
+        step()
+    before = lists()
+    for _ in range(150):
+        step()
+    grown = lists() - before
+    print(f"\nlive lists after 150 captured steps: {grown:+d}")
+    assert grown < 150, grown
+
+
 def test_captured_backward_frees_gradients_as_it_goes():
     """A captured backward needs about the memory a plain one does: each gradient is freed
     when Paddle is done with it, not kept until the backward is over.

@@ -34,6 +34,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import replace
 from typing import Any, Callable
@@ -115,7 +116,6 @@ class _Session:
         self.joins: Joins | None = None  # Concat/AddN nodes: their gradients read from what they received
         self.errors: list[BaseException] = []
         self.interrupt: BaseException | None = None
-        self.returned: list[Any] | None = None  # what the last post-hook returned (see _make_hook)
         self.kept: list[Any] = []  # gradients a later hook reads what they became (see _make_hook)
         self.readers: set[int] = set()  # nodes whose hooks read what they received
         self.hook_seconds = 0.0
@@ -134,6 +134,17 @@ class _Session:
         self.sent: dict[int, tuple[int, int, GradMeta]] = {}
         self.wants_stacks = False  # its forward ran with call stacks recorded (source.py)
         self.stacks: dict[int, Any] | None = None  # node address -> stack, set by the dispatcher
+
+
+_RETURNED = threading.local()
+
+
+def _returned_list() -> list[Any]:
+    """The list this thread's post-hooks return (see ``_make_hook``)."""
+    ret = getattr(_RETURNED, "list", None)
+    if ret is None:
+        ret = _RETURNED.list = []
+    return ret
 
 
 def _observe(s: _Session, record: Callable[[Any], None], grad: Any) -> None:
@@ -618,19 +629,19 @@ class BackwardCapture:
                 if s.interrupt is None:
                     s.interrupt = exc
             s.hook_seconds += time.perf_counter() - t
-            # Paddle 3.3.1 never releases the object a node post-hook returns
-            # (one reference leaks per call, and with it every gradient tensor
-            # in it: about 1 MB per capture of a 64x512 MLP). Return a fresh list
-            # of the same slots and empty it at the next post-hook call (Paddle
-            # has taken the tensors out of it by then) or when the backward is
-            # over: only an empty list is left behind, and each gradient is freed
-            # when Paddle is done with it, as in a backward not captured (held to
-            # the end, every gradient of the backward was alive at once). Only the
-            # gradients a later hook reads what they became are kept (``kept``).
-            prev = s.returned
-            if prev is not None:
-                prev.clear()
-            ret = s.returned = list(outs)
+            # Paddle 3.3.1 never releases the object a node post-hook returns (one
+            # reference leaks per call, and with it every gradient tensor in it: about
+            # 1 MB per capture of a 64x512 MLP). So every post-hook of a thread returns
+            # the same list, emptied and filled again at each call (Paddle has taken the
+            # tensors out of it by then: nothing runs in between) and emptied when a
+            # backward is over: a leaked reference costs no memory, and each gradient is
+            # freed when Paddle is done with it, as in a backward not captured (lists
+            # emptied only at the end kept every gradient of the backward alive at once;
+            # a fresh list per call leaked 56 bytes each). Only the gradients a later hook
+            # reads what they became are kept (``kept``).
+            ret = _returned_list()
+            ret.clear()
+            ret.extend(outs)
             return ret
 
         return hook
@@ -690,9 +701,7 @@ class BackwardCapture:
         pop_each(s.handles, _remove_quietly)
         s.roots, s.sent = [], {}  # s.cuts: used, then dropped, by _fill_received
         s.totals.hooked.difference_update(s.param_hooks)
-        if s.returned is not None:  # see _make_hook: drop the gradients Paddle leaks
-            s.returned.clear()
-            s.returned = None
+        _returned_list().clear()  # see _make_hook: drop the gradients the last post-hook returned
         s.kept.clear()
 
     def _deliver(self, graph: BackwardGraph) -> None:
