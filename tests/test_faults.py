@@ -526,6 +526,37 @@ def test_keyboard_interrupt_outside_a_step_needs_close(tmp_path):
     assert cb.captured_steps == [1, 4]
 
 
+
+class _InterruptAtBatchBegin(paddle.callbacks.Callback):
+    """Another callback, after ours in the list, whose on_train_batch_begin raises a Ctrl-C."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__()
+        self.at = at
+
+    def on_train_batch_begin(self, step, logs=None):
+        if step + 1 == self.at:
+            raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("triggers", [False, True], ids=["plain", "triggers"])
+def test_keyboard_interrupt_in_another_callbacks_batch_begin_leaves_nothing_armed(tmp_path, triggers):
+    """A selected step is armed when its train_batch runs, not in on_train_batch_begin: a Ctrl-C in
+    a later callback's on_train_batch_begin (before train_batch) left the step armed (forward hooks,
+    the backward patch, the call-stack flag) and every later backward() of the process was captured."""
+    flag = paddle.get_flags("FLAGS_call_stack_level")["FLAGS_call_stack_level"]
+    cb = cb_for(tmp_path, on_nonfinite=triggers)
+    res = run_fit(callbacks=[cb, _InterruptAtBatchBegin(at=EVERY)], catch=(KeyboardInterrupt,))
+    assert isinstance(res.error, KeyboardInterrupt)
+    assert paddle.get_flags("FLAGS_call_stack_level")["FLAGS_call_stack_level"] == flag
+    if not triggers:  # nothing of ours is armed: plain backwards run unpatched
+        _assert_clean(res.net)
+    captured = list(cb.captured_steps)
+    res.net(paddle.randn([4, 8])).mean().backward()  # the user's code after the failed fit
+    assert cb.captured_steps == captured == [1]
+    cb.close()
+    _assert_clean(res.net)
+
 def test_keyboard_interrupt_inside_capture_backward_block():
     net = mlp()
     x = paddle.randn([4, 8])

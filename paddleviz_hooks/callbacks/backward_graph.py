@@ -63,6 +63,7 @@ class BackwardGraphCallback(paddle.callbacks.Callback):
         #: the recorder this callback drives (public: its options and results)
         self.recorder = BackwardGraphRecorder(log_dir, every=every, steps=steps, **options)
         self._guard: _StepGuard | None = None
+        self._batch: int | None = None  # the batch Model.fit announced, begun when its train_batch runs
 
     # results, as the recorder keeps them
     @property
@@ -117,6 +118,29 @@ class BackwardGraphCallback(paddle.callbacks.Callback):
         return (step + 1) % k == 0 or (isinstance(steps, int) and step + 1 == steps)
 
     def on_train_batch_begin(self, step: int, logs: dict | None = None) -> None:
+        # Armed when the batch's train_batch runs (the guard): an exception in another
+        # callback between now and then (a Ctrl-C) would leave it armed, with no callback
+        # of ours called again to disarm it
+        self._batch = step
+        if self._guard is None:
+            self._begin_batch(step)
+
+    def on_train_batch_end(self, step: int, logs: dict | None = None) -> None:
+        if self._guard is None:
+            self._end_batch(step)
+
+    def _batch_starts(self) -> None:
+        """The guard runs the announced batch's train_batch now."""
+        if self._batch is not None:
+            self._begin_batch(self._batch)
+
+    def _batch_ends(self) -> None:
+        """The guard's train_batch returned (its update done, when it makes one)."""
+        step, self._batch = self._batch, None
+        if step is not None:
+            self._end_batch(step)
+
+    def _begin_batch(self, step: int) -> None:
         k = self._accumulate()
         if k == 1:
             self.recorder.begin_step()
@@ -125,7 +149,7 @@ class BackwardGraphCallback(paddle.callbacks.Callback):
             n = min(k, steps - step) if isinstance(steps, int) and steps > step else k
             self.recorder.begin_step(micro_batches=n)
 
-    def on_train_batch_end(self, step: int, logs: dict | None = None) -> None:
+    def _end_batch(self, step: int) -> None:
         if self._accumulate() == 1 or self._updates_after(step):
             self.recorder.end_step()
 
@@ -202,7 +226,12 @@ class _StepGuard:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         try:
-            return self.inner(*args, **kwargs)
+            for cb in list(self.callbacks):  # the batch's step is armed here, not in on_train_batch_begin
+                cb._batch_starts()
+            out = self.inner(*args, **kwargs)
+            for cb in list(self.callbacks):
+                cb._batch_ends()
+            return out
         except BaseException:
             for cb in list(self.callbacks):
                 try:
