@@ -468,3 +468,28 @@ def test_a_python_caller_of_format_stack_still_gets_every_frame():
         f'  File "{f.filename}", line {f.lineno}, in {f.name}' for f in expected[:-1]]
     assert seen[-1].split("\n")[1].strip() == "self.seen.append(traceback.format_stack())"
     assert next(n for n in cap.graph.nodes if n.op == "Tanh").source[-1].code == "return paddle.tanh(h)"
+
+
+def test_the_call_stack_flag_is_off_between_a_backward_and_the_next_forward():
+    """After a backward the flag goes on again when the layer's next forward begins, not at once:
+    the optimizer's update in between ran with it on (Paddle formats a stack for each of its ops,
+    and a Ctrl-C landing there can crash Paddle). Ops of the next micro-batch, the loss's included,
+    still get their lines."""
+    flag = "FLAGS_call_stack_level"
+    before = paddle.get_flags(flag)[flag]
+    net = paddle.nn.Sequential(paddle.nn.Linear(4, 4), paddle.nn.Tanh(), paddle.nn.Linear(4, 1))
+    opt = paddle.optimizer.Adam(parameters=net.parameters())
+    seen = []
+    with capture_backward(net) as cap:
+        for _ in range(2):
+            loss = (net(paddle.randn([3, 4])) ** 2).mean()
+            seen.append(paddle.get_flags(flag)[flag])
+            loss.backward()
+            seen.append(paddle.get_flags(flag)[flag])
+            opt.step()
+            opt.clear_grad()
+    assert seen == [3, before, 3, before]
+    assert paddle.get_flags(flag)[flag] == before
+    for g in cap.graphs:
+        ops = [n for n in g.nodes if n.kind == "op"]
+        assert ops and all(n.source is not None for n in ops), [(n.op, n.source_note) for n in ops]

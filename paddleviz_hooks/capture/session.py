@@ -242,8 +242,12 @@ class BackwardCapture:
         #: arm source recording when the block is entered (the recorder's trigger
         #: watch, active on every step, arms it only for captured steps instead)
         self.sources_from_enter = True
-        self._sources_on = False  # arm the forwards of this block (again after each backward)
+        self._sources_on = False  # arm the forwards of this block (again for the next one, see _end)
         self._sources_held = False  # this capture holds Paddle's call-stack flag on now
+        # after a backward, the flag goes on again at the layer's next forward, not at once: the
+        # update in between (an optimizer's ops) runs without it (see _end)
+        self._sources_at_forward = False
+        self._forward_hooks: list[Any] = []  # the layer's pre-hook that sees its forward begin
 
     # -- context protocol ---------------------------------------------------
     def __enter__(self) -> "BackwardCapture":
@@ -257,6 +261,8 @@ class BackwardCapture:
                 if self.layer is not None:
                     self._attribution = LayerAttribution(self.layer)
                     self._attribution.install()
+                    if self.sources:  # one line: registered and kept for removal with nothing in between
+                        self._forward_hooks.append(self.layer.register_forward_pre_hook(self._at_forward))
                 self._programs.install()
                 DISPATCHER.activate(self)
                 self._active = True
@@ -285,9 +291,19 @@ class BackwardCapture:
         with held_interrupts():
             self._active = False
             run_all(self._collections.start, lambda: self.observe_saved(False), lambda: self.observe_sources(False),
-                    self._drop_saved, lambda: DISPATCHER.deactivate(self),
+                    self._drop_saved, lambda: DISPATCHER.deactivate(self), self._drop_forward_hook,
                     self._programs.remove, self._drop_attribution, self._collections.end)
             self._param_names = {}
+
+    def _drop_forward_hook(self) -> None:
+        pop_each(self._forward_hooks, lambda h: h.remove())
+
+    def _at_forward(self, layer: Any, inputs: Any) -> None:
+        """The layer's forward begins: the call-stack flag goes on again if a backward let it go."""
+        if self._sources_at_forward and not self._backwards:
+            self._sources_at_forward = False
+            self._hold_sources(self._sources_on and self._active)
+        return None
 
     def _drop_saved(self) -> None:
         self._saved = None
@@ -325,9 +341,10 @@ class BackwardCapture:
         """Start (or stop) recording where the forwards call their ops.
 
         Like :meth:`observe_saved`: on at the start of a captured step (or
-        block) until its backward starts, again after each backward while on.
+        block) until its backward starts, again for the next forward while on (see ``_end``).
         """
         self._sources_on = on and self._active
+        self._sources_at_forward = False
         self._hold_sources(self._sources_on)
 
     def _hold_sources(self, on: bool) -> None:
@@ -652,8 +669,15 @@ class BackwardCapture:
         self._backwards = max(0, self._backwards - 1)
         if self._saved_on and self._active and not self._backwards:
             self.observe_saved(True)  # the next forward of the block
-        if not self._backwards:
-            self._hold_sources(self._sources_on and self._active)  # the next forward of the block
+        if not self._backwards and self._sources_on and self._active:
+            # a backward() that consumed its graph: the next graph needs a new forward of the
+            # layer, the flag goes on again when that begins (an optimizer's update comes first);
+            # after paddle.grad or retain_graph=True more ops may follow at once (a gradient
+            # penalty): on now, as without a layer to see a forward begin
+            if self._forward_hooks and not retain_graph and (s is None or s.entry == "backward"):
+                self._sources_at_forward = True
+            else:
+                self._hold_sources(True)
         if not retain_graph:
             self._programs.reset()  # that forward's program runs are consumed
         if s is None:
@@ -941,8 +965,9 @@ def capture_backward(
             (``Node.source``: file, line, function and code of each frame),
             from the call stacks Paddle keeps while
             ``FLAGS_call_stack_level`` is 3; the flag is on from the start of
-            the block (and again after each backward) until a backward
-            starts. Run the forward inside the block.
+            the block until a backward starts, and again from the layer's
+            next forward (at once after ``paddle.grad``). Run the forward
+            inside the block.
 
     Returns:
         A :class:`BackwardCapture`; ``cap.graphs`` holds one graph per backward,

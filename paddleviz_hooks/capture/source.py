@@ -6,9 +6,11 @@ by the node's address (``grad_fn.node_ptr()``), when a backward is given a
 ``dump_backward_graph_path``. So, on captured steps only:
 
 * :func:`arm` sets the flag for the forward (the capture arms it when its
-  block is entered or its step starts, and again after each backward of the
-  block); :func:`disarm` puts the previous value back when the backward
-  starts. Arming is counted: the flag returns to the user's value when the
+  block is entered or its step starts, and again when the layer's next
+  forward begins after a ``backward()``, at once after ``paddle.grad``, with
+  ``retain_graph=True`` or without a layer: an optimizer's update between a
+  backward and the next forward runs without it); :func:`disarm` puts the
+  previous value back when the backward starts. Arming is counted: the flag returns to the user's value when the
   last capture disarms, on every exit path.
 * Paddle formats each stack with ``traceback.format_stack``, which in Python
   3.11 parses every frame's line to place ``^^^`` markers: about 0.9 ms per op
