@@ -107,27 +107,29 @@ def _clean_line(text: str) -> str:
     return visible(str(text).replace("\t", " ").replace("\r", " ").replace("\n", " "))
 
 
+def _dot_text(text: str) -> str:
+    """One line of text as the inside of a DOT double-quoted string, shown literally."""
+    # Graphviz decodes HTML entities in every string (&amp; &#60; shown as & <): & is written as one
+    return text.replace("&", "&amp;").replace("\\", "\\\\").replace('"', '\\"')
+
+
 def dot_quote(text: str, limit: int = MAX_TEXT) -> str:
     """A DOT double-quoted string holding ``text`` literally (one line).
 
     Backslashes are doubled so Graphviz escapes such as ``\\N`` or ``\\l``
-    cannot be injected; quotes are escaped; newlines become spaces.
+    cannot be injected; quotes are escaped; ``&`` is written as ``&amp;`` (Graphviz
+    decodes entities such as ``&amp;`` or ``&#60;`` in any string); newlines become spaces.
 
     Examples:
-        >>> dot_quote('a"b')
-        '"a\\\\"b"'
+        >>> dot_quote('a"b'), dot_quote("x&amp;y")
+        ('"a\\\\"b"', '"x&amp;amp;y"')
     """
-    text = _clean_line(shorten(text, limit))
-    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return '"' + _dot_text(_clean_line(shorten(text, limit))) + '"'
 
 
 def dot_label(*lines: str) -> str:
-    """A DOT quoted label whose lines are each escaped and centred."""
-    parts = []
-    for line in lines:
-        text = _clean_line(shorten(line))
-        parts.append(text.replace("\\", "\\\\").replace('"', '\\"'))
-    return '"' + "\\n".join(parts) + '"'
+    """A DOT quoted label whose lines are each escaped (as :func:`dot_quote`) and centred."""
+    return '"' + "\\n".join(_dot_text(_clean_line(shorten(line))) for line in lines) + '"'
 
 
 def dot_attrs(attrs: Mapping[str, Any]) -> str:

@@ -52,6 +52,7 @@ HOSTILE = [
     "back\\slash\\N",
     INJECT,
     "<script>alert(1)</script>",
+    "x&amp;y&z &#60;b&#62;",  # Graphviz decodes entities: shown as x&y&z <b> unless & is escaped
 ]
 
 # a PyLayer whose class name (and so its grad node name) is hostile too
