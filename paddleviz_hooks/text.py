@@ -18,6 +18,7 @@ import re
 from typing import Any, Iterable
 
 from .diff import GraphDiff
+from .escape import visible
 from .findings import record_of
 from .ranks import RankView
 from .graph import BackwardGraph, GradMeta, Node, NonfiniteOrigin, NonfiniteRecord, SourceFrame, is_communication
@@ -1439,13 +1440,23 @@ def diff_summary(diff: GraphDiff) -> str:
 
 
 def summarize(obj: BackwardGraph | GraphDiff, **options: Any) -> str:
-    """The summary of a graph (:func:`graph_summary`) or a diff (:func:`diff_summary`).
+    """The summary of a graph (:func:`graph_summary`) or a diff (:func:`diff_summary`), with
+    every control character of a name made visible (an escape sequence in a layer name
+    printed to a terminal would run).
 
     Raises:
         TypeError: ``obj`` is neither.
+
+    Examples:
+        >>> from paddleviz_hooks.graph import Edge
+        >>> g = BackwardGraph([Node(0, "root", "loss"), Node(1, "param", "GradNodeAccumulation", "param",
+        ...                                                   param="blk\x1b[2J.w", grad=GradMeta(norm=2.0))],
+        ...                   [Edge(0, 1)])
+        >>> summarize(g).splitlines()[-1]
+        'largest grad norms: blk\\\\x1b[2J 2;'
     """
     if isinstance(obj, BackwardGraph):
-        return graph_summary(obj, **options)
+        return visible(graph_summary(obj, **options), lines=True)
     if isinstance(obj, GraphDiff):
-        return diff_summary(obj)
+        return visible(diff_summary(obj), lines=True)
     raise TypeError(f"summarize takes a BackwardGraph or a GraphDiff, got {type(obj).__name__}")
