@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import re
 import shutil
 import signal
 import subprocess
@@ -149,8 +150,10 @@ class DrawingProcess:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
         if not _PYTHON:
             raise OSError("no Python interpreter is known (sys.executable is empty)")
-        # the worker's (and its engines') temporary files, removed when it ends however it ends
-        temp_dir = env["TMPDIR"] = tempfile.mkdtemp(prefix=TEMP_PREFIX)
+        # the worker's (and its engines') temporary files, removed when it ends however it ends;
+        # named by this process, so a later one removes them if this one is killed first
+        _remove_stale_folders()
+        temp_dir = env["TMPDIR"] = tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{os.getpid()}-")
         log: Any = subprocess.DEVNULL
         try:
             if self._log_path and os.path.isdir(os.path.dirname(self._log_path)):
@@ -218,6 +221,30 @@ class DrawingProcess:
             if self._proc is proc:
                 self._proc = None
         self._end(proc, 0.0)
+
+
+_STALE = re.compile(re.escape(TEMP_PREFIX) + r"(\d+)-")
+
+
+def _remove_stale_folders() -> None:
+    """Remove the drawing folders of training processes that are gone (killed, or crashed,
+    before they could remove their own), in the temporary folder this process uses."""
+    root = tempfile.gettempdir()
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return
+    for name in names:
+        m = _STALE.match(name)
+        if m is None or int(m.group(1)) == os.getpid():
+            continue
+        try:
+            os.kill(int(m.group(1)), 0)
+            continue  # alive (or another user's: PermissionError below)
+        except ProcessLookupError:
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        except (OSError, OverflowError, ValueError):
+            continue
 
 
 def _read_lines(stream: Any, answers: queue.Queue) -> None:

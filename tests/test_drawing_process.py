@@ -153,7 +153,9 @@ while rec.pipeline.drawing.pid is None and time.monotonic() < deadline:
 print(rec.pipeline.drawing.pid, flush=True)
 {end}
 """
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    env = {**os.environ, "TMPDIR": str(temp), "PYTHONPATH": os.pathsep.join(
         [os.path.dirname(os.path.dirname(os.path.abspath(__import__("paddleviz_hooks").__file__))),
          os.environ.get("PYTHONPATH", "")])}
     r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
@@ -163,6 +165,14 @@ print(rec.pipeline.drawing.pid, flush=True)
     while _state(pid) not in (None, "Z") and time.monotonic() < deadline:
         time.sleep(0.02)
     assert _state(pid) in (None, "Z")
+    if how == "is killed":
+        # no code of the killed process ran to remove its drawing folder: the next training
+        # process that draws removes it (they were left in /tmp for good)
+        assert [d for d in os.listdir(temp) if d.startswith("paddleviz-draw-")], os.listdir(temp)
+        r = subprocess.run([sys.executable, "-c", script.replace(end, "rec.close()")], env=env,
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr[-2000:]
+    assert [d for d in os.listdir(temp) if d.startswith("paddleviz-draw-")] == []
 
 
 def test_an_engine_run_ends_with_its_killed_drawing_process(tmp_path, dot_shim):
