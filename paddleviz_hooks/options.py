@@ -153,6 +153,10 @@ class RecorderOptions:
         run_name, ranks, on_nonfinite, on_grad_spike = o["run_name"], o["ranks"], o["on_nonfinite"], o["on_grad_spike"]
         on_structure_change, cooldown, queue_size = o["on_structure_change"], o["cooldown"], o["queue_size"]
         render_timeout, close_timeout, verbose = o["render_timeout"], o["close_timeout"], o["verbose"]
+        if _is_layer(every):  # BackwardGraphCallback(log_dir, model): the second place is every's
+            raise TypeError(f"every must be an int >= 1 or None, got a {type(every).__name__} layer: "
+                            "BackwardGraphCallback takes no model (Model.fit hands it the network); "
+                            "the recorder takes it second: BackwardGraphRecorder(log_dir, model, every=...)")
         log_dir = check_path("log_dir", log_dir)
         if every is not None and steps is not None:
             raise ValueError(f"pass either every= or steps=, not both (got every={every!r}, steps={steps!r})")
@@ -245,3 +249,8 @@ class RecorderOptions:
         if self.steps is not None:
             return step in self.steps
         return self.every is not None and step % self.every == 0
+
+
+def _is_layer(value: Any) -> bool:
+    """Whether ``value`` is a ``paddle.nn.Layer`` (without importing paddle here)."""
+    return any(c.__module__.startswith("paddle.") and c.__name__ == "Layer" for c in type(value).__mro__)

@@ -220,7 +220,9 @@ class BackwardGraphRecorder:
         if unknown:  # a typo: name this class and the closest option
             reject_unknown(type(self).__name__, unknown, option_names())
         if model is not None and not isinstance(model, paddle.nn.Layer):
-            raise TypeError(f"model must be a paddle.nn.Layer or None, got {type(model).__name__}")
+            order = (" (the log directory comes first: BackwardGraphRecorder(log_dir, model))"
+                     if isinstance(log_dir, paddle.nn.Layer) else "")
+            raise TypeError(f"model must be a paddle.nn.Layer or None, got {type(model).__name__}{order}")
         self.options = RecorderOptions.check(
             log_dir, every, steps, capture_first=capture_first, max_captures=max_captures,
             grad_stats=grad_stats, saved_memory=saved_memory, sources=sources, color_by=color_by, view_max_nodes=view_max_nodes,

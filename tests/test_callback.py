@@ -10,7 +10,7 @@ import numpy as np
 import paddle
 import pytest
 
-from paddleviz_hooks import BackwardGraph, BackwardGraphCallback
+from paddleviz_hooks import BackwardGraph, BackwardGraphCallback, BackwardGraphRecorder
 from paddleviz_hooks.capture import dispatcher_installed
 from paddleviz_hooks.render import png_size
 
@@ -238,3 +238,13 @@ def test_viewer_px_none_logs_the_png_file(tmp_path):
     assert [r.id for r in images] == [1, 4]
     for r in images:
         assert r.image.encoded_image_string == (tmp_path / "backward_graph" / f"step_{r.id:06d}.png").read_bytes()
+
+
+def test_a_model_in_the_wrong_place_is_named(tmp_path):
+    """Arguments in the wrong order say which order is right (they said only 'every must be an
+    int ... got Linear' and 'model must be a paddle.nn.Layer ... got str')."""
+    net = paddle.nn.Linear(2, 2)
+    with pytest.raises(TypeError, match=r"BackwardGraphCallback takes no model .*BackwardGraphRecorder\(log_dir, model"):
+        BackwardGraphCallback(str(tmp_path), net)
+    with pytest.raises(TypeError, match=r"log directory comes first: BackwardGraphRecorder\(log_dir, model\)"):
+        BackwardGraphRecorder(net, str(tmp_path))
