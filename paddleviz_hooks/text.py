@@ -962,12 +962,18 @@ def lost_line(steps: dict[int, str]) -> str:
 
 def undrawn_line(steps: dict[int, str], first: str) -> str:
     """The steps whose data is saved but whose pictures are not, each with why, and
-    how to draw them (``first``: :func:`redraw_command` for the first one)."""
+    how to draw them (``first``: :func:`redraw_command` for the first one).
+
+    Examples:
+        >>> undrawn_line({4: "closed", 8: "closed"}, "draw it with `paddleviz-hooks render a.json -o a.png`")
+        '2 captured steps not drawn (steps 4, 8: closed); their data is saved: each is drawn from its own step_*.json the same way; the first: draw it with `paddleviz-hooks render a.json -o a.png`'
+    """
     by_reason: dict[str, list[int]] = {}
     for step, why in sorted(steps.items()):
         by_reason.setdefault(why, []).append(step)
     parts = [f"{'steps' if len(s) > 1 else 'step'} {step_list(s)}: {why}" for why, s in by_reason.items()]
-    return f"{plural(len(steps), 'captured step')} not drawn ({'; '.join(parts)}); their data is saved: {first}"
+    how = first if len(steps) == 1 else f"each is drawn from its own step_*.json the same way; the first: {first}"
+    return f"{plural(len(steps), 'captured step')} not drawn ({'; '.join(parts)}); their data is saved: {how}"
 
 
 def closing_line(timeout: float) -> str:

@@ -535,6 +535,7 @@ def test_no_layout_engine_counts_no_drawing_and_names_the_redraw_command(tmp_pat
     msg = [m for m in ours(got) if "not drawn (" in m]
     assert len(msg) == 1 and "steps 1, 2, 3: no layout engine is installed" in msg[0], ours(got)
     assert f"paddleviz-hooks render {os.path.join(rec.run_dir, 'step_000001.json')} -o" in msg[0]
+    assert "each is drawn from its own step_*.json the same way" in msg[0]  # not only the first
 
 
 def _hung_engine(tmp_path, marker: str) -> str:
