@@ -995,12 +995,12 @@ def end_line(captured: int, graphs: int, written: int, lost: dict[int, str], dra
 
     Examples:
         >>> end_line(13, 13, 6, {7: "the run folder was deleted"}, 6, 0, "/gone")
-        '13 steps captured: 6 written, 1 lost (step 7 lost: the run folder was deleted); 6 drawn, 0 left undrawn (the run folder /gone no longer exists)'
+        '13 steps captured: 6 written, 1 lost (step 7 lost: the run folder was deleted); 6 drawn, 0 left undrawn (the run folder /gone does not exist any more)'
     """
     more = f" ({graphs} graphs)" if graphs != captured else ""
     lost_part = f"{len(lost)} lost ({lost_line(lost)})" if lost else "0 lost"
     where = (f"data saved in {folder}" if os.path.isdir(folder)
-             else f"the run folder {folder} no longer exists")
+             else f"the run folder {folder} does not exist" + (" any more" if written else ""))
     return (f"{plural(captured, 'step')} captured{more}: {written} written, {lost_part}; "
             f"{drawn} drawn, {undrawn} left undrawn ({where})")
 

@@ -515,7 +515,7 @@ def test_log_dir_deleted_mid_run_names_the_lost_steps(tmp_path):
     c = _counts(line)
     assert c["captured"] == 5 and c["written"] == 2 and c["lost"] == 3, line
     assert c["drawn"] + c["left undrawn"] == c["written"], line
-    assert "steps 3, 4, 5 lost: the run folder was deleted" in line and "no longer exists" in line, line
+    assert "steps 3, 4, 5 lost: the run folder was deleted" in line and "does not exist any more" in line, line
     assert rec.lost_steps == {3: "the run folder was deleted", 4: "the run folder was deleted",
                               5: "the run folder was deleted"}
     assert any("step 3 could not be written (the run folder was deleted)" in m for m in ours(got))
