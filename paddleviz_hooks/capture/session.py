@@ -136,6 +136,11 @@ class _Session:
         self.stacks: dict[int, Any] | None = None  # node address -> stack, set by the dispatcher
 
 
+def _version(t: Any) -> int | None:
+    """A gradient's in-place version (None for sparse rows, which keep none: Paddle warns)."""
+    return None if t.is_selected_rows() else t._inplace_version()
+
+
 _RETURNED = threading.local()
 
 
@@ -528,7 +533,7 @@ class BackwardCapture:
             prev = totals.tensors.get(ptr)
             total = grad if prev is None else prev + grad  # before Paddle adds grad to param.grad
             got = sent.get(nid) if prev is None else None
-            if got is not None and got[0] == grad.data_ptr() and got[1] == grad._inplace_version():
+            if got is not None and got[0] == grad.data_ptr() and got[1] == _version(grad):
                 totals.metas[ptr] = got[2]  # the very tensor its one producer sent, unchanged: same numbers
             else:
                 totals.metas[ptr] = stats.grad_meta(total, with_stats, s.stats)
@@ -611,7 +616,7 @@ class BackwardCapture:
                     for i, (e, g) in enumerate(zip(out_edges, produced)):
                         e.grad = stats.grad_meta(g, with_stats, queue)
                         if i in once:
-                            sent[e.dst] = (g.data_ptr(), g._inplace_version(), e.grad)
+                            sent[e.dst] = (g.data_ptr(), _version(g), e.grad)
                         if e.dst in cuts:
                             cuts[e.dst][1] = g  # cut into its inputs' parts when the backward is over
                 else:  # holes or extra slots: no gradient is put on an edge it may not belong to

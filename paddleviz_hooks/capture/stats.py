@@ -221,6 +221,8 @@ def grad_meta(t: Any, stats: bool, queue: StatsQueue | None = None) -> GradMeta:
     With ``queue``, statistics of a gradient on an accelerator are filled
     when the queue is resolved; without, at once.
     """
+    if t.is_selected_rows():
+        return _sparse_rows_meta(t, stats)
     shape = tuple(t.shape)
     meta = GradMeta(shape=shape, dtype=dtype_name(t.dtype))
     if is_dist(t):  # auto-parallel: statistics of this rank's shard; the whole would need communication
@@ -237,6 +239,32 @@ def grad_meta(t: Any, stats: bool, queue: StatsQueue | None = None) -> GradMeta:
     own = StatsQueue()
     own.add(meta, f, numel)
     own.resolve()
+    return meta
+
+
+def _sparse_rows_meta(t: Any, stats: bool) -> GradMeta:
+    """Metadata of a sparse-rows gradient (``Embedding(sparse=True)``): the numbers of the
+    dense gradient it stands for, ``[height, ...]``, whose row ``r`` is the sum of the values
+    listed for ``r`` (an index used several times is listed once per use) and zero where no
+    value is listed. Read on the host, in float64."""
+    sr = t.get_selected_rows()
+    values = np.asarray(t.numpy())
+    rows = np.asarray(sr.rows(), dtype=np.int64)
+    height = int(sr.height())
+    meta = GradMeta(shape=(height, *values.shape[1:]), dtype=dtype_name(t.dtype))
+    if not stats or meta.dtype not in _FLOAT_DTYPES or values.size == 0:
+        return meta
+    listed, where = np.unique(rows, return_inverse=True)
+    dense = np.zeros((len(listed), *values.shape[1:]), dtype=np.float64)
+    np.add.at(dense, where, values.astype(np.float64))  # the rows as the dense gradient has them
+    flat = dense.reshape(-1)
+    with np.errstate(all="ignore"):
+        sq = float(np.dot(flat, flat))
+    lo, hi = float(np.min(flat)), float(np.max(flat))
+    if len(listed) < height:  # rows listed nowhere are zeros of the dense gradient
+        lo, hi = (lo if math.isnan(lo) else min(lo, 0.0)), (hi if math.isnan(hi) else max(hi, 0.0))
+    meta.min, meta.max = lo, hi
+    _fill_norm(meta, flat, sq)
     return meta
 
 
