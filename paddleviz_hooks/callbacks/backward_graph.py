@@ -8,6 +8,7 @@ the files and the VisualDL records are the recorder's.
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any, Iterable
 
 import paddle
@@ -64,6 +65,7 @@ class BackwardGraphCallback(paddle.callbacks.Callback):
         self.recorder = BackwardGraphRecorder(log_dir, every=every, steps=steps, **options)
         self._guard: _StepGuard | None = None
         self._batch: int | None = None  # the batch Model.fit announced, begun when its train_batch runs
+        self._guarded = False  # this batch is begun and ended by the guard (Model.fit drives it)
 
     # results, as the recorder keeps them
     @property
@@ -118,15 +120,18 @@ class BackwardGraphCallback(paddle.callbacks.Callback):
         return (step + 1) % k == 0 or (isinstance(steps, int) and step + 1 == steps)
 
     def on_train_batch_begin(self, step: int, logs: dict | None = None) -> None:
-        # Armed when the batch's train_batch runs (the guard): an exception in another
-        # callback between now and then (a Ctrl-C) would leave it armed, with no callback
-        # of ours called again to disarm it
-        self._batch = step
-        if self._guard is None:
+        # Under Model.fit the batch is armed when its train_batch runs (the guard): an
+        # exception in another callback between now and then (a Ctrl-C) would leave it
+        # armed, with no callback of ours called again to disarm it. A loop of one's own
+        # that calls the callback's methods (a custom trainer) is armed now.
+        self._guarded = self._guard is not None and _called_by_fit()
+        if self._guarded:
+            self._batch = step
+        else:
             self._begin_batch(step)
 
     def on_train_batch_end(self, step: int, logs: dict | None = None) -> None:
-        if self._guard is None:
+        if not self._guarded:
             self._end_batch(step)
 
     def _batch_starts(self) -> None:
@@ -182,6 +187,19 @@ class BackwardGraphCallback(paddle.callbacks.Callback):
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _called_by_fit(depth: int = 8) -> bool:
+    """Whether ``paddle.Model.fit``'s batch loop is among the nearest callers (it calls the
+    model's ``train_batch`` next, which the guard wraps)."""
+    f = sys._getframe(1)
+    for _ in range(depth):
+        if f is None:
+            return False
+        if f.f_code.co_name == "_run_one_epoch" and f.f_globals.get("__name__") == "paddle.hapi.model":
+            return True
+        f = f.f_back
+    return False
 
 
 class _StepGuard:
