@@ -131,6 +131,10 @@ class _Session:
         # parameter used once -> (address, in-place version, statistics) of what its one producer sent it
         self.sent: dict[int, tuple[int, int, GradMeta]] = {}
         self.wants_stacks = False  # its forward ran with call stacks recorded (source.py)
+        # node address -> the frames the wrapped op calls noted (source.noted), and whether
+        # every node that gets a source has one (then the backward needs no dump)
+        self.made: dict[int, Any] | None = None
+        self.whole = False
         self.stacks: dict[int, Any] | None = None  # node address -> stack, set by the dispatcher
 
 
@@ -386,6 +390,10 @@ class BackwardCapture:
             s.roots, s.inputs = list(roots), inputs
             s.trigger = trigger
             s.wants_stacks = stacks
+            if stacks and entry != "grad":  # before the flag goes: the last holder drops the notes
+                # (paddle.grad: Paddle writes no dump for it, so its ops have never had a
+                # source; the notes are not used there either, to keep its graphs as they were)
+                s.made, s.whole = sources_.noted(s.walk.nodes, s.ptrs, PROGRAM_OP_NOTE)
             keep_stacks = stacks and any(n.name.startswith("GradNodePyLayer_") for n in s.walk.nodes)
             self._snapshot_calls(s)
             s.index = self.backwards_seen
@@ -430,6 +438,8 @@ class BackwardCapture:
         s = _Session(self, self._walk(roots), entry, t0, parent=parent)
         s.roots = list(roots)
         s.wants_stacks = parent.wants_stacks and self._sources_held  # the recomputed forward ran with them
+        if s.wants_stacks:
+            s.made, s.whole = sources_.noted(s.walk.nodes, s.ptrs, PROGRAM_OP_NOTE)
         for node in s.walk.nodes:  # its roots are activations (recompute's block outputs), not a loss
             if node.kind == "root":
                 node.name = node.op = "activation" if len(roots) == 1 else node.name
