@@ -1,0 +1,98 @@
+"""Source lines from the wrapped op calls' notes, without Paddle's dump when they cover the graph.
+
+While sources are armed every op entry point is wrapped (``capture/opcalls.py``)
+and each call notes its caller's frames for the grad nodes it made
+(``source._after``). A captured backward whose op nodes all have a note reads
+its sources from them and gives Paddle no dump folder; otherwise the dump is
+read as before and the notes fill the nodes it leaves empty. Either way every
+``Node.source`` and ``source_note`` must be what the dump gives.
+"""
+
+from __future__ import annotations
+
+import tempfile
+
+import paddle
+import pytest
+
+import _source_cases as C
+from paddleviz_hooks import capture_backward
+from paddleviz_hooks.capture import opcalls, source
+
+
+@pytest.fixture()
+def dumps(monkeypatch, tmp_path):
+    """The dump folders made (``pvh-stacks-*``), in a folder of this test's own."""
+    made = []
+    real = tempfile.mkdtemp
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+
+    def mkdtemp(*a, **k):
+        d = real(*a, **k)
+        if "pvh-stacks-" in str(k.get("prefix", a[1] if len(a) > 1 else "")):
+            made.append(d)
+        return d
+
+    monkeypatch.setattr(tempfile, "mkdtemp", mkdtemp)
+    return made
+
+
+@pytest.mark.parametrize("case", sorted(C.CASES))
+def test_the_notes_give_every_node_the_source_the_dump_gives(case, monkeypatch, dumps):
+    runs = []
+    for force in (False, True):  # one line makes both: their outermost frame is the same
+        monkeypatch.setattr(source, "_FORCE_DUMP", force)
+        runs.append(C.sources(C.CASES[case]({})))
+    noted, dumped = runs
+    assert dumps  # the forced run read a dump
+    assert [list(g) for g in noted] == [list(g) for g in dumped]  # the same nodes, in the same order
+    for g_noted, g_dumped in zip(noted, dumped):
+        for key, got in g_noted.items():
+            assert got == g_dumped[key], (case, key)
+    ops = [v for g in noted for v in g.values()]
+    assert ops and any(src for src, _ in ops)
+    assert not source._RECORDS and not opcalls.listening()  # nothing held or wrapped after the block
+
+
+@pytest.mark.parametrize("case", ["mlp", "conv", "encoder", "pylayer", "recompute", "recompute_nonreentrant",
+                                  "to_static"])
+def test_a_model_the_wrapped_calls_cover_gets_no_dump(case, dumps):
+    graphs = C.CASES[case]({})
+    assert dumps == []
+    ops = [n for g in graphs for n in g.nodes if n.kind == "op"]
+    assert ops and all(n.source or n.source_note == "static" for n in ops)
+
+
+def test_indexing_made_inside_paddle_falls_back_to_the_dump(dumps):
+    """``x[...]`` is Paddle's Python ``__getitem__`` calling the C method
+    ``_getitem_dygraph``, which makes Slice nodes with no wrapped entry point:
+    the dump is read, and the indexing line is each Slice's source."""
+    (g,) = C.CASES["tensors"]({})
+    assert len(dumps) == 1
+    slices = [n for n in g.nodes if n.op in ("Slice", "MaskedSelect")]
+    assert len(slices) == 5
+    lines = {n.source[-1].code for n in slices}
+    assert lines == {"a = h[:, 1:4] * 2 + h[:, :3]  # slices, __mul__, __add__", "c = 1 - b[0]  # __rsub__ of a row",
+                     "e = paddle.concat([a, b[:, :3]], axis=1)",
+                     "d = h[h > 0].sum() + paddle.add_n([a.sum(), b.mean(), c.max()])  # a mask, add_n"}
+
+
+def test_saved_memory_and_sources_share_one_wrapping():
+    """Both on at once: one wrapper per op site, the same saved bytes and sources as each alone."""
+    def run(**kw):
+        paddle.seed(0)
+        net = C.MLP()
+        x = paddle.randn([3, 6])
+        with capture_backward(net, **kw) as cap:
+            y = net(x).mean()
+            wrapped = [f for o, n, f in opcalls._PATCHED]
+            assert len(wrapped) == len({(id(o), n) for o, n, _ in opcalls._PATCHED})  # no site wrapped twice
+            y.backward()
+        return cap.graph
+
+    both, saved, srcs = run(saved_memory=True), run(saved_memory=True, sources=False), run()
+    assert [n.saved_bytes for n in both.nodes] == [n.saved_bytes for n in saved.nodes]
+    drop = lambda meta: {k: v for k, v in meta.items() if k != "allocated_growth"}  # the allocator's, run to run
+    assert drop(both.meta["saved_memory"]) == drop(saved.meta["saved_memory"])
+    assert [(n.source, n.source_note) for n in both.nodes] == [(n.source, n.source_note) for n in srcs.nodes]
+    assert not opcalls.listening() and not source._RECORDS
