@@ -98,7 +98,7 @@ class Recomputed(nn.Layer):
 
 
 class Tensors(nn.Layer):
-    """Indexing, Tensor dunders, an in-place op, add_n, a concat and a split."""
+    """Indexing (x[...] and x[...] = v), Tensor dunders, an in-place op, add_n, a concat and a split."""
 
     def __init__(self):
         super().__init__()
@@ -110,11 +110,23 @@ class Tensors(nn.Layer):
         a = h[:, 1:4] * 2 + h[:, :3]  # slices, __mul__, __add__
         b = -(h @ self.w) ** 2 / 3 - 1  # __matmul__, __pow__, __neg__, __truediv__, __sub__
         c = 1 - b[0]  # __rsub__ of a row
+        a[0] = b[1, :3] * 0.5  # set in place
         d = h[h > 0].sum() + paddle.add_n([a.sum(), b.mean(), c.max()])  # a mask, add_n
         e = paddle.concat([a, b[:, :3]], axis=1)
         e.add_(paddle.ones_like(e))  # in place
         p, q = paddle.split(e, 2, axis=1)
         return (p * q).sum() + d
+
+
+class Cloned(nn.Layer):
+    """``x.clone()``: Tensor's C method makes an Assign node with no wrapped entry point."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(6, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.fc2(self.fc1(x).clone())
 
 
 class Inner(nn.Layer):
@@ -189,6 +201,7 @@ CASES: dict[str, Callable[[dict], list[Any]]] = {
     "recompute_nonreentrant": _simple(lambda: Recomputed(False), [2, 4]),
     "to_static": _static_sub,
     "tensors": _simple(Tensors, [3, 6]),
+    "clone": _simple(Cloned, [3, 6]),
 }
 
 

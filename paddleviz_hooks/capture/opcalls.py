@@ -36,6 +36,10 @@ __all__ = ["listen", "unlisten", "listening", "is_wrapper"]
 # Tensor's C arithmetic methods that make grad nodes (the ones in Python call _C_ops)
 _TENSOR_METHODS = ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__",
                    "__rtruediv__", "__matmul__", "__pow__", "__rpow__", "__neg__", "__div__", "__rdiv__")
+# Tensor's C methods behind x[...] and x[...] = v (Paddle's Python __getitem__ and
+# __setitem__ call them): they make Slice, MaskedSelect, SetValue... nodes in C++.
+# Wrapped for sources only: saved memory has never claimed the saves made in them.
+_INDEXING = {"_getitem_dygraph": 2, "_setitem_dygraph": 2 | 1}  # _NO_CLAIM, | _INPLACE
 _INHERITED = object()  # a patched class attribute that was inherited: delete it again
 
 _LOCK = threading.Lock()
@@ -91,24 +95,25 @@ def listening() -> bool:
     return bool(_PATCHED)
 
 
-def _call(f: Any, args: tuple, kwargs: dict, inplace: bool) -> Any:
+def _call(f: Any, args: tuple, kwargs: dict, kind: int) -> Any:
     """Call an op, then tell the listeners. Paddle, formatting a call stack inside
-    ``f``, finds this function's frame innermost (``source.py`` reads that)."""
+    ``f``, finds this function's frame innermost (``source.py`` reads that).
+    ``kind``: :data:`_INPLACE` and :data:`_NO_CLAIM` bits."""
     saved = _saved
     after = _after
     if saved is None:
         if after is None:  # a wrapper kept by someone past the last unlisten
             return f(*args, **kwargs)
-        known = _before(args, kwargs) if inplace else None
+        known = _before(args, kwargs) if kind & _INPLACE else None
         pending[0] = None
         out = f(*args, **kwargs)
         after(out, args, kwargs, known, sys._getframe(2))
         return out
-    known = _before(args, kwargs) if inplace and after is not None else None
+    known = _before(args, kwargs) if kind & _INPLACE and after is not None else None
     pending[0] = None
     n = len(saved.saves)
     out = f(*args, **kwargs)
-    if len(saved.saves) > n:
+    if len(saved.saves) > n and not kind & _NO_CLAIM:
         saved._claim(n, out, (args, kwargs))
     if after is not None:
         after(out, args, kwargs, known, sys._getframe(2))
@@ -122,14 +127,19 @@ _PLAN: list[tuple[Any, str, Any, Any]] | None = None
 _WRAPPERS: dict[int, Any] = {}  # id(op) -> its wrapper, made once: arming only sets attributes
 
 
-def _wrapper(f: Any) -> Any:
+_INPLACE = 1  # the op gives its first input a new grad node (add_, relu_, x[i] = v)
+_NO_CLAIM = 2  # saved memory does not claim the saves made in it (only sources listen)
+
+
+def _wrapper(f: Any, kind: int = 0) -> Any:
     op = _WRAPPERS.get(id(f))
     if op is None:
         name = getattr(f, "__name__", "op")
-        inplace = name.endswith("_") and not name.endswith("__")  # add_, relu_: the input's node is replaced
+        if name.endswith("_") and not name.endswith("__"):
+            kind |= _INPLACE
 
         def op(*args, **kwargs):
-            return _call(f, args, kwargs, inplace)
+            return _call(f, args, kwargs, kind)
 
         op.__name__ = name
         op.__doc__ = getattr(f, "__doc__", None)
@@ -158,6 +168,10 @@ def _wrap() -> None:
         f = paddle.Tensor.__dict__.get(name)
         if f is not None and type(f).__name__ == "method_descriptor":
             _patch(paddle.Tensor, name, _wrapper(f))
+    for name, kind in _INDEXING.items():
+        f = paddle.Tensor.__dict__.get(name)
+        if f is not None and type(f).__name__ == "method_descriptor":
+            _patch(paddle.Tensor, name, _wrapper(f, kind))
     base = paddle.autograd.PyLayer.__mro__[1]  # core.eager.PyLayer, whose apply is C
     raw = base.__dict__.get("apply")
     if raw is not None and "apply" not in paddle.autograd.PyLayer.__dict__:

@@ -229,30 +229,40 @@ def _after(out: Any, args: tuple, kwargs: dict, known: dict[int, Any] | None, fr
     before the call. ``known``: the inputs' nodes before an in-place call (which
     gives its input a new node). Never raises (the forward goes on)."""
     try:
-        if type(out) is _TENSOR:
+        records = _RECORDS
+        if out is None and known is not None and args:  # x[i] = v: the new node is x's
+            out = args[0]
+        if type(out) is _TENSOR:  # most ops: one output
             gn = grad_fn(out)
             if gn is None:
                 return
-            outs = (out,)
-            made = (gn,)
-        else:
-            outs = tensors_in(out)
-            made = [grad_fn(t) for t in outs]
-        records = _RECORDS
-        new = []
-        seen = set()
-        for t, gn in zip(outs, made):
-            if gn is None:
-                continue
             p = gn.node_ptr()
-            if p in seen or p in records or p in (known or ()):
-                continue
-            if known is None and any(t is a for a in args):  # an input given back as it is
-                continue
-            seen.add(p)
-            new.append((p, gn))
-        if not new:
-            return
+            if p in records:
+                return
+            if known is None:
+                for a in args:
+                    if a is out:  # an input given back as it is
+                        return
+            elif p in known:
+                return
+            new = [(p, gn)]
+            seen = {p}
+        else:
+            new = []
+            seen = set()
+            for t in tensors_in(out):
+                gn = grad_fn(t)
+                if gn is None:
+                    continue
+                p = gn.node_ptr()
+                if p in seen or p in records or p in (known or ()):
+                    continue
+                if known is None and any(t is a for a in args):
+                    continue
+                seen.add(p)
+                new.append((p, gn))
+            if not new:
+                return
         head = 0
         while head < len(new) and len(new) < _MAX_MADE:
             for nxt in new[head][1].next_functions:
