@@ -74,8 +74,8 @@ def test_an_op_made_outside_the_wrapped_calls_falls_back_to_the_dump(dumps):
 
 
 def test_paddle_grad_keeps_its_graphs_as_they_were(dumps):
-    """Paddle writes no dump for ``paddle.grad`` (its ops have never had a source): the
-    notes are not used there either. The backward after it, whose graph holds the
+    """Paddle's dump of a ``paddle.grad`` names copies of the grad nodes, with no stack
+    (its ops have never had a source): the notes are not used there either. The backward after it, whose graph holds the
     double-grad nodes that backward made, reads the dump."""
     g1, g2 = C.CASES["grad_penalty"]({})
     assert len(dumps) == 2

@@ -391,8 +391,9 @@ class BackwardCapture:
             s.trigger = trigger
             s.wants_stacks = stacks
             if stacks and entry != "grad":  # before the flag goes: the last holder drops the notes
-                # (paddle.grad: Paddle writes no dump for it, so its ops have never had a
-                # source; the notes are not used there either, to keep its graphs as they were)
+                # (paddle.grad: Paddle's dump of it names copies of the grad nodes, with no
+                # stack, so its ops have never had a source; the notes are not used there
+                # either, which keeps its graphs as they were)
                 s.made, s.whole = sources_.noted(s.walk.nodes, s.ptrs, PROGRAM_OP_NOTE)
             keep_stacks = stacks and any(n.name.startswith("GradNodePyLayer_") for n in s.walk.nodes)
             self._snapshot_calls(s)

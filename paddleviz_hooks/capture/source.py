@@ -20,12 +20,24 @@ by the node's address (``grad_fn.node_ptr()``), when a backward is given a
   as one string (:func:`_kept_text`); a Python caller still gets every frame.
   Paddle only prints the text it stores (in its NaN/Inf and backward error
   messages) and writes it in the dump: nothing there parses it.
-* A few ops are made by hand-written Paddle code that keeps no stack on
-  their grad node (``Conv2dGradNodeFinal``, ``AddNGradNodeFinal``). While
-  armed, their ``paddle._C_ops`` entry points are wrapped to note the
-  caller's frames by the node's address (:data:`UNTRACED_OPS`).
-* :class:`StackDump` gives the backward a temporary dump folder, reads the
-  stacks of the nodes the capture walked and removes the folder.
+* While armed, every op entry point is wrapped (``opcalls.py``, the wrapping
+  saved-memory observing uses too): each call that made grad nodes notes,
+  for every node it made (its outputs' and those between them and its
+  inputs' nodes), the stack Paddle was given inside the call
+  (:func:`_after`; the frames are walked once, in :func:`_format_stack`),
+  by the node's address. The notes hold the grad nodes, so no address is
+  reused while one can be read, until the next backward starts
+  (:func:`forget`) or the last holder disarms.
+* When a captured backward starts, :func:`noted` tells whether every op
+  node that gets a source has a note. Then the sources come from the notes
+  and the backward gets no dump (Paddle's DOT files are most of what sources
+  cost). Otherwise (a node made with no wrapped entry point: ``x.clone()``,
+  the double-grad nodes of ``create_graph``) :class:`StackDump` gives the
+  backward a temporary dump folder, reads the stacks of the nodes the capture
+  walked and removes the folder; the notes fill the nodes Paddle keeps no
+  stack for (``Conv2dGradNodeFinal``, ``AddNGradNodeFinal``: hand-written
+  Paddle code), :func:`with_notes`. Paddle still keeps each node's stack: a
+  later backward over a retained graph reads it from the dump.
 * :func:`user_frames` keeps the frames of the user's code, outermost first:
   frames inside Paddle, the standard library and this package are left out,
   and so are the launcher frames (pytest, a notebook kernel, ``paddle.distributed.launch``)
