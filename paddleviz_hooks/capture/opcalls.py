@@ -97,7 +97,8 @@ def listening() -> bool:
 
 def _call(f: Any, args: tuple, kwargs: dict, kind: int) -> Any:
     """Call an op, then tell the listeners. Paddle, formatting a call stack inside
-    ``f``, finds this function's frame innermost (``source.py`` reads that).
+    ``f``, finds this function's frame (or the op wrapper's, which does the same
+    when only sources listen) innermost (``source.py`` reads that).
     ``kind``: :data:`_INPLACE` and :data:`_NO_CLAIM` bits."""
     saved = _saved
     after = _after
@@ -120,7 +121,6 @@ def _call(f: Any, args: tuple, kwargs: dict, kind: int) -> Any:
     return out
 
 
-CALL_CODE = _call.__code__
 
 _SITES: list[tuple[Any, str]] | None = None
 _PLAN: list[tuple[Any, str, Any, Any]] | None = None
@@ -139,13 +139,27 @@ def _wrapper(f: Any, kind: int = 0) -> Any:
             kind |= _INPLACE
 
         def op(*args, **kwargs):
-            return _call(f, args, kwargs, kind)
+            after = _after
+            if after is None or _saved is not None:
+                return _call(f, args, kwargs, kind)
+            # sources alone (most captured steps): _call's work here, one call less per op
+            known = _before(args, kwargs) if kind & _INPLACE else None
+            pending[0] = None
+            out = f(*args, **kwargs)
+            after(out, args, kwargs, known, sys._getframe(1))
+            return out
 
         op.__name__ = name
         op.__doc__ = getattr(f, "__doc__", None)
         op._paddleviz_op = f  # keeps f alive, so its id is never reused
         _WRAPPERS[id(f)] = op
     return op
+
+
+#: the code of the functions that call an op: Paddle, formatting a call stack from inside
+#: the op, finds one of them innermost
+CALL_CODES = (_call.__code__, _wrapper(len).__code__)
+_WRAPPERS.pop(id(len))
 
 
 def is_wrapper(f: Any) -> bool:

@@ -101,7 +101,7 @@ def _format_stack(f: Any = None, limit: int | None = None) -> list[str]:
         if f is None and limit is None:
             caller = sys._getframe(1)
             co = caller.f_code
-            if co is _CALL_CODE:  # an op called through opcalls' wrapper: _after notes the same frames
+            if co is _CALL_CODE or co is _OP_CODE:  # an op called through opcalls' wrapper: _after notes them
                 text, frames = _kept(caller)
                 _PENDING[0] = (id(caller), frames)
                 return text
@@ -179,7 +179,6 @@ def _kept(f: Any) -> tuple[list[str], tuple[SourceFrame, ...]]:
     reads them back from the dump; one walk."""
     texts = _FRAME_TEXT
     out = []
-    frames = []
     g = f
     while g is not None:
         co = g.f_code
@@ -187,21 +186,18 @@ def _kept(f: Any) -> tuple[list[str], tuple[SourceFrame, ...]]:
         if hit is None or hit[0] is not co:
             hit = _text(g)
         if hit[2]:
-            out.append(hit[1])
-            frames.append(hit[3])
+            out.append(hit)
         g = g.f_back
     if not out:
-        hit = _text(f)
-        return [hit[1]], (hit[3],)
+        out.append(_text(f))
     out.reverse()
-    frames.reverse()
-    return ["".join(out)], tuple(frames)
+    return ["".join([h[1] for h in out])], tuple([h[3] for h in out])
 
 
 #: True: the dump is read on every captured backward, what :func:`_after` noted
 #: filling only the nodes it leaves without a stack (for tests)
 _FORCE_DUMP = False
-_CALL_CODE = opcalls.CALL_CODE
+_CALL_CODE, _OP_CODE = opcalls.CALL_CODES
 # (id of the wrapper's frame, the frames) of the last stack Paddle asked for from inside a
 # wrapped op call; the wrapper empties it before each call, _after reads it
 _PENDING = opcalls.pending
