@@ -73,6 +73,41 @@ def test_an_op_made_outside_the_wrapped_calls_falls_back_to_the_dump(dumps):
     assert all(n.source for n in g.nodes if n.kind == "op")
 
 
+class _ConvCloned(paddle.nn.Layer):
+    def __init__(self):
+        super().__init__()
+        self.conv = paddle.nn.Conv2D(3, 4, 3)
+
+    def forward(self, x):
+        return self.conv(x).clone() * 2.0
+
+
+def test_a_capture_whose_notes_missed_a_node_notes_only_what_the_dump_lacks(dumps):
+    """After a backward that needed the dump, the forwards of the model's captures note
+    only the ops Paddle keeps no stack for (conv2d): the sources stay the same."""
+    paddle.seed(0)
+    net = _ConvCloned()
+    x = paddle.randn([1, 3, 6, 6])
+    noted = []
+    with capture_backward(net) as cap:
+        for _ in range(3):
+            y = net(x).mean()
+            noted.append(sum(1 for _, frames in source._RECORDS.values() if frames is not None))
+            y.backward()
+    assert len(dumps) == 3
+    assert noted[0] >= 3 and noted[1] == noted[2] == 1  # every op's node; then the conv's alone
+    first = [(n.key, n.source, n.source_note) for n in cap.graphs[0].nodes]
+    assert all(n.source for n in cap.graphs[0].nodes if n.kind == "op")
+    assert [(n.key, n.source, n.source_note) for n in cap.graphs[2].nodes] == first
+    assert not opcalls._narrow and not opcalls.listening()
+    with capture_backward(net) as cap2:  # a later capture of the same model: the same
+        y = net(x).mean()
+        noted.append(sum(1 for _, frames in source._RECORDS.values() if frames is not None))
+        y.backward()
+    inner = lambda nodes: [(n.key, n.source and n.source[1:], n.source_note) for n in nodes]  # line 1 differs
+    assert noted[3] == 1 and inner(cap2.graph.nodes) == inner(cap.graphs[0].nodes)
+
+
 def test_paddle_grad_keeps_its_graphs_as_they_were(dumps):
     """Paddle's dump of a ``paddle.grad`` names copies of the grad nodes, with no stack
     (its ops have never had a source): the notes are not used there either. The backward after it, whose graph holds the

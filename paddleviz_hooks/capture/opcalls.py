@@ -53,6 +53,8 @@ _before: Callable[..., Any] | None = None
 _after: Callable[..., None] | None = None
 # what source.py's format_stack noted inside the call under way; emptied before each call
 pending: list[Any] = [None]
+# sources note only the calls of ops whose grad node Paddle keeps no stack on (set_narrow)
+_narrow = False
 
 FILE = __file__  # this file's frames are wrapper frames: never a source line
 
@@ -90,6 +92,12 @@ def unlisten(saved: bool = False, sources: bool = False) -> None:
             _unwrap()
 
 
+def set_narrow(on: bool) -> None:
+    """Sources note only ``conv2d`` and ``add_n`` calls (True), or every call."""
+    global _narrow
+    _narrow = on
+
+
 def listening() -> bool:
     """Whether the op entry points are wrapped now."""
     return bool(_PATCHED)
@@ -103,7 +111,7 @@ def _call(f: Any, args: tuple, kwargs: dict, kind: int) -> Any:
     saved = _saved
     after = _after
     if saved is None:
-        if after is None:  # a wrapper kept by someone past the last unlisten
+        if after is None or _narrow and not kind & _UNTRACED:  # no listener for this call
             return f(*args, **kwargs)
         known = _before(args, kwargs) if kind & _INPLACE else None
         pending[0] = None
@@ -116,7 +124,7 @@ def _call(f: Any, args: tuple, kwargs: dict, kind: int) -> Any:
     out = f(*args, **kwargs)
     if len(saved.saves) > n and not kind & _NO_CLAIM:
         saved._claim(n, out, (args, kwargs))
-    if after is not None:
+    if after is not None and (not _narrow or kind & _UNTRACED):
         after(out, args, kwargs, known, sys._getframe(2))
     return out
 
@@ -129,6 +137,7 @@ _WRAPPERS: dict[int, Any] = {}  # id(op) -> its wrapper, made once: arming only 
 
 _INPLACE = 1  # the op gives its first input a new grad node (add_, relu_, x[i] = v)
 _NO_CLAIM = 2  # saved memory does not claim the saves made in it (only sources listen)
+_UNTRACED = 4  # Paddle keeps no stack on the grad node it makes: noted even when narrow
 
 
 def _wrapper(f: Any, kind: int = 0) -> Any:
@@ -137,11 +146,15 @@ def _wrapper(f: Any, kind: int = 0) -> Any:
         name = getattr(f, "__name__", "op")
         if name.endswith("_") and not name.endswith("__"):
             kind |= _INPLACE
+        if name in ("conv2d", "add_n"):  # Conv2dGradNodeFinal, AddNGradNodeFinal
+            kind |= _UNTRACED
 
         def op(*args, **kwargs):
             after = _after
             if after is None or _saved is not None:
                 return _call(f, args, kwargs, kind)
+            if _narrow and not kind & _UNTRACED:
+                return f(*args, **kwargs)
             # sources alone (most captured steps): _call's work here, one call less per op
             known = _before(args, kwargs) if kind & _INPLACE else None
             pending[0] = None

@@ -35,6 +35,7 @@
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import replace
 from typing import Any, Callable
 
@@ -55,6 +56,11 @@ from .saved import SavedMemory
 from . import source as sources_
 from .sync import AppliedGrads, data_parallel_world, local_scalar
 from . import gcpause, stats
+
+# Models whose captured forward had an op node no wrapped op call noted (source.py): a
+# model's forward is much the same every step, so their later captures read the dump
+# without noting every op call first (only conv2d and add_n calls, which the dump lacks).
+_NOTES_MISSED: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 __all__ = ["BackwardCapture", "capture_backward"]
 
@@ -234,6 +240,11 @@ class BackwardCapture:
         self.sources_from_enter = True
         self._sources_on = False  # arm the forwards of this block (again after each backward)
         self._sources_held = False  # this capture holds Paddle's call-stack flag on now
+        # a backward of this capture (or of another capture of its layer, _NOTES_MISSED) had an
+        # op node no wrapped call noted: its later forwards note only what the dump lacks
+        # (conv2d, add_n), the dump being read anyway (source.py)
+        self._notes_missed = False
+        self._held_notes = True  # what this capture's arm asked for, said again by its disarm
 
     # -- context protocol ---------------------------------------------------
     def __enter__(self) -> "BackwardCapture":
@@ -320,16 +331,31 @@ class BackwardCapture:
         self._sources_on = on and self._active
         self._hold_sources(self._sources_on)
 
+    def _layer_missed(self) -> bool:
+        try:
+            return self.layer is not None and self.layer in _NOTES_MISSED
+        except TypeError:  # a layer that cannot be weakly referenced
+            return False
+
+    def _missed_notes(self) -> None:
+        self._notes_missed = True
+        try:
+            if self.layer is not None:
+                _NOTES_MISSED.add(self.layer)
+        except TypeError:
+            pass
+
     def _hold_sources(self, on: bool) -> None:
         """Hold (or let go of) Paddle's call-stack flag for this capture."""
         if on and not self._sources_held:
             self._sources_held = True  # before: an arm cut short is still disarmed by the teardown
-            self._sources_held = sources_.arm()
+            self._held_notes = not (self._notes_missed or self._layer_missed())
+            self._sources_held = sources_.arm(notes=self._held_notes)
             if not self._sources_held:
                 self._warn("sources", "forward source lines are not recorded: Paddle's call-stack flag "
                                       "could not be set")
         elif not on and self._sources_held:
-            sources_.disarm()
+            sources_.disarm(notes=self._held_notes)
             self._sources_held = False  # after: a second call finishes an interrupted one
 
     @property
@@ -395,6 +421,8 @@ class BackwardCapture:
                 # stack, so its ops have never had a source; the notes are not used there
                 # either, which keeps its graphs as they were)
                 s.made, s.whole = sources_.noted(s.walk.nodes, s.ptrs, PROGRAM_OP_NOTE)
+                if not (s.whole or sources_._FORCE_DUMP):
+                    self._missed_notes()
             keep_stacks = stacks and any(n.name.startswith("GradNodePyLayer_") for n in s.walk.nodes)
             self._snapshot_calls(s)
             s.index = self.backwards_seen

@@ -74,6 +74,7 @@ __all__ = ["arm", "disarm", "armed", "StackDump", "parse_call_stacks", "user_fra
 FLAG = "FLAGS_call_stack_level"
 _LOCK = threading.Lock()
 _ARMED = 0  # captures holding the flag on
+_NOTERS = 0  # those of them that want every op call noted
 _PREVIOUS: int | None = None  # the user's value, put back when the last one disarms
 _ORIGINAL_FORMAT = traceback.format_stack
 # (id of the code object, instruction) -> (the code object, its frame's text, whether
@@ -335,14 +336,23 @@ def with_notes(stacks: dict[int, list[SourceFrame]] | None,
     return stacks
 
 
-def arm() -> bool:
+def arm(notes: bool = True) -> bool:
     """Record forward call stacks from now on (one more holder); False when it could not.
+
+    ``notes``: this holder wants every op call noted (:func:`_after`); with no
+    such holder only ``conv2d`` and ``add_n`` calls are (a capture whose notes
+    missed a node reads the dump anyway). Its :func:`disarm` says the same.
 
     Whatever raises on the way (a Ctrl-C included), nothing stays patched
     unless the holder was counted (its :func:`disarm` then puts it back).
     """
+    global _NOTERS
     with _LOCK, held_interrupts():
         ok = _arm_locked()
+        if ok and notes:
+            _NOTERS += 1
+        if ok:
+            opcalls.set_narrow(_NOTERS == 0)
     return ok
 
 
@@ -367,26 +377,32 @@ def _arm_locked() -> bool:
         raise
 
 
-def disarm() -> None:
-    """One holder less; the last one puts the user's flag value back.
+def disarm(notes: bool = True) -> None:
+    """One holder less (``notes`` as it was armed); the last one puts the user's flag
+    value back.
 
     Safe to call again after an interrupt cut it short: what is still
     patched when no holder is left is put back then.
     """
-    global _ARMED
+    global _ARMED, _NOTERS
     with _LOCK, held_interrupts():
         if _ARMED > 0:
             _ARMED -= 1
+            if notes and _NOTERS > 0:
+                _NOTERS -= 1
+            opcalls.set_narrow(_NOTERS == 0)
         if _ARMED == 0:
             _release()
 
 
 def _release() -> None:
     """No holder is left: put back everything :func:`arm` changed (idempotent)."""
-    global _PREVIOUS
+    global _PREVIOUS, _NOTERS
     if traceback.format_stack is _format_stack:
         traceback.format_stack = _ORIGINAL_FORMAT
+    _NOTERS = 0
     opcalls.unlisten(sources=True)
+    opcalls.set_narrow(False)
     _RECORDS.clear()
     _FRAME_TEXT.clear()
     _CALLERS.clear()
