@@ -3,6 +3,7 @@
 
     .venv/bin/python benchmarks/sources_split.py enc   # 224-layer TransformerEncoder (10,082 nodes)
     .venv/bin/python benchmarks/sources_split.py mb    # mobilenet_v3_small, batch 2, 224x224
+    .venv/bin/python benchmarks/sources_split.py enc-clone  # the encoder, its output cloned
 
 Rows, each the median CPU time (``time.process_time``) of interleaved runs:
 ``plain`` (no capture), ``nosrc`` (``capture_backward(model, sources=False)``),
@@ -24,11 +25,15 @@ from paddleviz_hooks import capture_backward  # noqa: E402
 from paddleviz_hooks.capture import source as SRC  # noqa: E402
 
 which = sys.argv[1] if len(sys.argv) > 1 else "enc"
-if which == "enc":
+if which in ("enc", "enc-clone"):
     paddle.seed(0)
     model = paddle.nn.TransformerEncoder(paddle.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0), 224)
     x = paddle.randn([2, 4, 16])
-    loss_fn, R = (lambda: model(x).mean()), 5
+    R = 5
+    if which == "enc":
+        loss_fn = lambda: model(x).mean()  # noqa: E731
+    else:  # x.clone(): a node no wrapped op call sees, so the dump is read
+        loss_fn = lambda: model(x).clone().mean()  # noqa: E731
 else:
     from benchmarks.run import paddle_vision
 

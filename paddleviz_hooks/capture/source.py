@@ -37,7 +37,9 @@ by the node's address (``grad_fn.node_ptr()``), when a backward is given a
   walked and removes the folder; the notes fill the nodes Paddle keeps no
   stack for (``Conv2dGradNodeFinal``, ``AddNGradNodeFinal``: hand-written
   Paddle code), :func:`with_notes`. Paddle still keeps each node's stack: a
-  later backward over a retained graph reads it from the dump.
+  later backward over a retained graph reads it from the dump. A model whose
+  notes missed a node is noted no more than the dump needs (``conv2d`` and
+  ``add_n`` calls): ``arm(notes=False)``, ``session._NOTES_MISSED``.
 * :func:`user_frames` keeps the frames of the user's code, outermost first:
   frames inside Paddle, the standard library and this package are left out,
   and so are the launcher frames (pytest, a notebook kernel, ``paddle.distributed.launch``)
