@@ -94,14 +94,21 @@ def _held_state() -> dict:
 
 
 def _source_state():
-    """Paddle's call-stack flag and the patches forward source lines use (none on older versions)."""
+    """Paddle's call-stack flag and the patches forward source lines use (none on older versions):
+    the op wrappers (``opcalls.py``; before it, source.py's own) and the notes they keep."""
     import traceback
 
     try:
         from paddleviz_hooks.capture import source
     except ImportError:
         return None
-    return paddle.get_flags([source.FLAG]), traceback.format_stack, dict(source._WRAPPED), source._ARMED
+    try:
+        from paddleviz_hooks.capture import opcalls
+    except ImportError:
+        wrapped = dict(source._WRAPPED)
+    else:
+        wrapped = (list(opcalls._PATCHED), opcalls._saved, opcalls._after, len(source._RECORDS))
+    return paddle.get_flags([source.FLAG]), traceback.format_stack, wrapped, source._ARMED
 
 
 def _recompute_forward():

@@ -12,9 +12,12 @@ dispatcher keeps, per thread, the sessions of the backwards under way, so
 each capture learns that a backward is nested and inside which of its own
 sessions (``BackwardCapture._begin(..., nested=True, parent=...)``).
 
-When a session's forward ran with call stacks recorded, the backward is
-given a temporary dump folder, whose stacks the sessions read when it is over
-(``source.py``); the folder is removed on every exit path.
+When a session's forward ran with call stacks recorded, its op nodes get
+the frames the wrapped op calls noted (``source.py``); only when some node
+that needs a source has no such note is the backward given a temporary dump
+folder, whose stacks the sessions read when it is over. The folder is removed
+on every exit path. The notes (and the grad nodes they hold) are dropped once
+the sessions have read them, when the backward starts.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from paddle.base import core
 
 from .._interrupts import as_interrupt, held_interrupts, is_wrapped_interrupt, run_all
 from . import gcpause
+from . import source
 from .source import StackDump
 
 __all__ = ["DISPATCHER", "dispatcher_installed"]
@@ -132,9 +136,12 @@ class Dispatcher:
                 frame.sessions[cap] = s
             if all(s is None for _, s in sessions):
                 collections.end()  # nothing is captured: collections as usual
-            if any(s is not None and s.wants_stacks for _, s in sessions):
+            wanting = [s for _, s in sessions if s is not None and s.wants_stacks]
+            source.forget()  # each session has what it needs of the notes (s.made)
+            if wanting:
                 dump = StackDump()
-                args = dump.inject(entry, args)
+                if not all(s.whole for s in wanting):  # some node no wrapped op call noted
+                    args = dump.inject(entry, args)
             frames.append(frame)
             pushed = True
             result = original(*args)
@@ -171,6 +178,9 @@ class Dispatcher:
 def _hand_stacks(dump: Any, sessions: list) -> None:
     """The forward call stacks of the backward's nodes, to every session that observed it."""
     stacks = dump.collect()
+    for _, s in sessions:
+        if s is not None:
+            stacks = source.with_notes(stacks, s.made)
     for _, s in sessions:
         if s is not None:
             s.stacks = stacks

@@ -54,7 +54,7 @@ from .._interrupts import held_interrupts, pop_each, run_all
 from ..graph import ORIGIN_KINDS, BackwardGraph, NonfiniteOrigin, op_display_name
 from .attribution import tensors_in
 from .gradnode import grad_fn, strip_wrapper_prefix
-from .saved import _TENSOR_METHODS, _op_sites
+from .opcalls import _TENSOR_METHODS, _op_sites, is_wrapper
 
 __all__ = ["KINDS", "ORIGIN_KEYS", "StepInputs", "find_nonfinite_origin", "has_nonfinite", "locate",
            "replay_step"]
@@ -609,12 +609,13 @@ def _entry_key(layer: paddle.nn.Layer, args: tuple, kwargs: dict, rng: Any, grap
     try:
         for owner, name in _op_sites():
             f = owner.__dict__.get(name)
-            if type(f).__name__ == "builtin_function_or_method":
+            # an op, or a capture's wrapper of one (opcalls.py: armed for the next forward)
+            if type(f).__name__ == "builtin_function_or_method" or is_wrapper(f):
                 patched.append((owner, name, f))
                 setattr(owner, name, wrap(f))
         for name in _TENSOR_METHODS:
             f = paddle.Tensor.__dict__.get(name)
-            if f is not None and type(f).__name__ == "method_descriptor":
+            if f is not None and (type(f).__name__ == "method_descriptor" or is_wrapper(f)):
                 patched.append((paddle.Tensor, name, f))
                 setattr(paddle.Tensor, name, wrap(f))
 

@@ -9,9 +9,10 @@ layer call running, and the grad node holding it:
 
 * The pack hook cannot see the grad node (Paddle creates it after the
   kernel), so while armed every ``paddle._C_ops`` function, Tensor's C
-  arithmetic methods and ``PyLayer.apply`` are wrapped: the saves made during
-  one such call belong to the grad nodes that call made (a saved output to
-  the node producing it, anything else to the node next to the inputs).
+  arithmetic methods and ``PyLayer.apply`` are wrapped (``opcalls.py``, the
+  wrapping shared with forward source lines): the saves made during one such
+  call belong to the grad nodes that call made (a saved output to the node
+  producing it, anything else to the node next to the inputs).
   ``no_node_bytes`` counts saves whose node is not in the captured graph
   (a branch the backward does not reach) or that no wrapped call made.
 * Parameters and buffers are not activations: their saves are listed apart
@@ -32,7 +33,6 @@ Everything is removed by :meth:`SavedMemory.disarm`, which is idempotent.
 
 from __future__ import annotations
 
-import sys
 import threading
 import weakref
 from typing import Any, Callable
@@ -41,15 +41,13 @@ import paddle
 from paddle.base import core
 
 from ..graph import op_display_name
+from . import opcalls
 from .attribution import tensors_in
 from .gradnode import dtype_name, forget_saved, grad_fn, note_saved
+from .opcalls import _TENSOR_METHODS, _op_sites  # noqa: F401  (where they were first defined)
 
 __all__ = ["SavedMemory", "allocated_bytes", "storage_key"]
 
-# Tensor's C arithmetic methods that make grad nodes (the ones in Python call _C_ops)
-_TENSOR_METHODS = ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__",
-                   "__rtruediv__", "__matmul__", "__pow__", "__rpow__", "__neg__", "__div__", "__rdiv__")
-_INHERITED = object()  # a patched class attribute that was inherited: delete it again
 _ARMED_LOCK = threading.Lock()
 _ARMED: list["SavedMemory"] = []  # at most one tracker observes at a time
 
@@ -116,7 +114,7 @@ class SavedMemory:
         self._param_keys: set[int] = set()
         self._alloc0: int | None = None
         self._alloc1: int | None = None
-        self._patched: list[tuple[Any, str, Any]] = []
+        self._listening = False  # the op calls are told to us (opcalls.py)
         # one record per layer call: [frame, saves before it ended, {input storage: (bytes, weakref)}]
         self._inputs: list[list[Any]] = []
         self._open: list[list[Any]] = []  # records of the calls under way
@@ -151,7 +149,8 @@ class SavedMemory:
                 self.unobserved.append({"what": "saved_tensors_hooks active when the forward began", "bytes": None})
             core.eager.register_saved_tensors_hooks = self._their_register
             core.eager.reset_saved_tensors_hooks = self._their_reset
-            self._wrap_ops()
+            self._listening = True  # before: a listen cut short is still undone by disarm
+            opcalls.listen(saved=self)
             if self.layer is not None and self._current_call is not None:
                 for sub in self.layer.sublayers(include_self=True):  # after attribution's: its frame is on top
                     if type(sub).__name__ != "DataParallel":  # attribution gives it no frame either
@@ -170,15 +169,9 @@ class SavedMemory:
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        for owner, name, orig in reversed(self._patched):
-            try:
-                if orig is _INHERITED:
-                    delattr(owner, name)
-                else:
-                    setattr(owner, name, orig)
-            except Exception:
-                pass
-        self._patched.clear()
+        if self._listening:
+            opcalls.unlisten(saved=True)
+            self._listening = False
         if self._orig_register is not None:
             core.eager.register_saved_tensors_hooks = self._orig_register
             core.eager.reset_saved_tensors_hooks = self._orig_reset
@@ -279,34 +272,6 @@ class SavedMemory:
         self._theirs = None
 
     # ------------------------------------------------------ op attribution
-    def _wrap_ops(self) -> None:
-        patched = self._patched
-        for owner, name, op, wrapper in _op_plan():  # thousands of sites: kept lean
-            d = owner.__dict__
-            f = d.get(name)
-            if f is not op:  # changed since the scan: wrap what is there now if it is still an op
-                if type(f).__name__ != "builtin_function_or_method":
-                    continue
-                wrapper = _wrapper(f)
-            d[name] = wrapper
-            patched.append((owner, name, f))
-        for name in _TENSOR_METHODS:
-            f = paddle.Tensor.__dict__.get(name)
-            if f is not None and type(f).__name__ == "method_descriptor":
-                self._patch(paddle.Tensor, name, _wrapper(f))
-        base = paddle.autograd.PyLayer.__mro__[1]  # core.eager.PyLayer, whose apply is C
-        raw = base.__dict__.get("apply")
-        if raw is not None and "apply" not in paddle.autograd.PyLayer.__dict__:
-            def apply(cls, *args, **kwargs):
-                return _tracked(raw.__get__(None, cls), args, kwargs)
-
-            self._patch(paddle.autograd.PyLayer, "apply", classmethod(apply))
-
-    def _patch(self, owner: Any, name: str, new: Any) -> None:
-        orig = owner.__dict__.get(name, _INHERITED) if isinstance(owner, type) else getattr(owner, name)
-        setattr(owner, name, new)
-        self._patched.append((owner, name, orig))
-
     def _claim(self, start: int, out: Any, args: Any) -> None:
         """The saves from ``start`` on were made by the op call that returned ``out``.
 
@@ -467,66 +432,6 @@ class SavedMemory:
             meta["unobserved"].append({"what": f"{self.failed} saves that could not be read", "bytes": None})
         meta["unobserved"].extend({"what": what, "bytes": None} for what in _blind_spots(op_names.values()))
         return node_bytes, meta
-
-
-_SITES: list[tuple[Any, str]] | None = None
-_PLAN: list[tuple[Any, str, Any, Any]] | None = None
-_WRAPPERS: dict[int, Any] = {}  # id(op) -> its wrapper, made once: arming only sets attributes
-
-
-def _tracked(f: Any, args: tuple, kwargs: dict) -> Any:
-    """Call an op; the saves it made go to the armed tracker's grad node of its output."""
-    tracker = _ARMED[0] if _ARMED else None
-    if tracker is None:  # a wrapper kept by someone past disarm
-        return f(*args, **kwargs)
-    n = len(tracker.saves)
-    out = f(*args, **kwargs)
-    if len(tracker.saves) > n:
-        tracker._claim(n, out, (args, kwargs))
-    return out
-
-
-def _wrapper(f: Any) -> Any:
-    op = _WRAPPERS.get(id(f))
-    if op is None:
-        def op(*args, **kwargs):
-            return _tracked(f, args, kwargs)
-
-        op.__name__ = getattr(f, "__name__", "op")
-        op.__doc__ = getattr(f, "__doc__", None)
-        op._paddleviz_op = f  # keeps f alive, so its id is never reused
-        _WRAPPERS[id(f)] = op
-    return op
-
-
-def _op_plan() -> list[tuple[Any, str, Any, Any]]:
-    """(module, name, op, its wrapper) for every site of :func:`_op_sites`, made once."""
-    global _PLAN
-    if _PLAN is None:
-        _PLAN = [(owner, name, f, _wrapper(f)) for owner, name in _op_sites()
-                 for f in [vars(owner).get(name)] if type(f).__name__ == "builtin_function_or_method"]
-    return _PLAN
-
-
-def _op_sites() -> list[tuple[Any, str]]:
-    """(owner, name) of every ``paddle._C_ops`` function and of its copies
-    imported by name elsewhere in paddle (``paddle.matmul`` is
-    ``paddle._C_ops.matmul``). Scanned once."""
-    global _SITES
-    if _SITES is None:
-        ops = {id(f): f for name, f in vars(paddle._C_ops).items()
-               if not name.startswith("_") and type(f).__name__ == "builtin_function_or_method"}
-        sites = []
-        for mod in list(sys.modules.values()):
-            if not (getattr(mod, "__name__", "") or "").startswith("paddle"):
-                continue
-            try:
-                items = list(vars(mod).items())
-            except TypeError:
-                continue
-            sites.extend((mod, name) for name, v in items if id(v) in ops and ops[id(v)] is v)
-        _SITES = sites
-    return _SITES
 
 
 def _blind_spots(ops: Any) -> list[str]:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from dataclasses import replace
 from typing import Any, Callable
 
@@ -56,6 +57,11 @@ from .saved import SavedMemory
 from . import source as sources_
 from .sync import AppliedGrads, data_parallel_world, local_scalar
 from . import gcpause, stats
+
+# Models whose captured forward had an op node no wrapped op call noted (source.py): a
+# model's forward is much the same every step, so their later captures read the dump
+# without noting every op call first (only conv2d and add_n calls, which the dump lacks).
+_NOTES_MISSED: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 __all__ = ["BackwardCapture", "capture_backward"]
 
@@ -133,6 +139,10 @@ class _Session:
         # parameter used once -> (address, in-place version, statistics) of what its one producer sent it
         self.sent: dict[int, tuple[int, int, GradMeta]] = {}
         self.wants_stacks = False  # its forward ran with call stacks recorded (source.py)
+        # node address -> the frames the wrapped op calls noted (source.noted), and whether
+        # every node that gets a source has one (then the backward needs no dump)
+        self.made: dict[int, Any] | None = None
+        self.whole = False
         self.stacks: dict[int, Any] | None = None  # node address -> stack, set by the dispatcher
 
 
@@ -253,6 +263,11 @@ class BackwardCapture:
         # update in between (an optimizer's ops) runs without it (see _end)
         self._sources_at_forward = False
         self._forward_hooks: list[Any] = []  # the layer's pre-hook that sees its forward begin
+        # a backward of this capture (or of another capture of its layer, _NOTES_MISSED) had an
+        # op node no wrapped call noted: its later forwards note only what the dump lacks
+        # (conv2d, add_n), the dump being read anyway (source.py)
+        self._notes_missed = False
+        self._held_notes = True  # what this capture's arm asked for, said again by its disarm
 
     # -- context protocol ---------------------------------------------------
     def __enter__(self) -> "BackwardCapture":
@@ -352,16 +367,31 @@ class BackwardCapture:
         self._sources_at_forward = False
         self._hold_sources(self._sources_on)
 
+    def _layer_missed(self) -> bool:
+        try:
+            return self.layer is not None and self.layer in _NOTES_MISSED
+        except TypeError:  # a layer that cannot be weakly referenced
+            return False
+
+    def _missed_notes(self) -> None:
+        self._notes_missed = True
+        try:
+            if self.layer is not None:
+                _NOTES_MISSED.add(self.layer)
+        except TypeError:
+            pass
+
     def _hold_sources(self, on: bool) -> None:
         """Hold (or let go of) Paddle's call-stack flag for this capture."""
         if on and not self._sources_held:
             self._sources_held = True  # before: an arm cut short is still disarmed by the teardown
-            self._sources_held = sources_.arm()
+            self._held_notes = not (self._notes_missed or self._layer_missed())
+            self._sources_held = sources_.arm(notes=self._held_notes)
             if not self._sources_held:
                 self._warn("sources", "forward source lines are not recorded: Paddle's call-stack flag "
                                       "could not be set")
         elif not on and self._sources_held:
-            sources_.disarm()
+            sources_.disarm(notes=self._held_notes)
             self._sources_held = False  # after: a second call finishes an interrupted one
 
     @property
@@ -422,6 +452,13 @@ class BackwardCapture:
             s.roots, s.inputs = list(roots), inputs
             s.trigger = trigger
             s.wants_stacks = stacks
+            if stacks and entry != "grad":  # before the flag goes: the last holder drops the notes
+                # (paddle.grad: Paddle's dump of it names copies of the grad nodes, with no
+                # stack, so its ops have never had a source; the notes are not used there
+                # either, which keeps its graphs as they were)
+                s.made, s.whole = sources_.noted(s.walk.nodes, s.ptrs, PROGRAM_OP_NOTE)
+                if not (s.whole or sources_._FORCE_DUMP):
+                    self._missed_notes()
             keep_stacks = stacks and any(n.name.startswith("GradNodePyLayer_") for n in s.walk.nodes)
             self._snapshot_calls(s)
             s.index = self.backwards_seen
@@ -467,6 +504,8 @@ class BackwardCapture:
         s = _Session(self, self._walk(roots), entry, t0, parent=parent)
         s.roots = list(roots)
         s.wants_stacks = parent.wants_stacks and self._sources_held  # the recomputed forward ran with them
+        if s.wants_stacks:
+            s.made, s.whole = sources_.noted(s.walk.nodes, s.ptrs, PROGRAM_OP_NOTE)
         for node in s.walk.nodes:  # its roots are activations (recompute's block outputs), not a loss
             if node.kind == "root":
                 node.name = node.op = "activation" if len(roots) == 1 else node.name

@@ -22,12 +22,26 @@ by the node's address (``grad_fn.node_ptr()``), when a backward is given a
   as one string (:func:`_kept_text`); a Python caller still gets every frame.
   Paddle only prints the text it stores (in its NaN/Inf and backward error
   messages) and writes it in the dump: nothing there parses it.
-* A few ops are made by hand-written Paddle code that keeps no stack on
-  their grad node (``Conv2dGradNodeFinal``, ``AddNGradNodeFinal``). While
-  armed, their ``paddle._C_ops`` entry points are wrapped to note the
-  caller's frames by the node's address (:data:`UNTRACED_OPS`).
-* :class:`StackDump` gives the backward a temporary dump folder, reads the
-  stacks of the nodes the capture walked and removes the folder.
+* While armed, every op entry point is wrapped (``opcalls.py``, the wrapping
+  saved-memory observing uses too): each call that made grad nodes notes,
+  for every node it made (its outputs' and those between them and its
+  inputs' nodes), the stack Paddle was given inside the call
+  (:func:`_after`; the frames are walked once, in :func:`_format_stack`),
+  by the node's address. The notes hold the grad nodes, so no address is
+  reused while one can be read, until the next backward starts
+  (:func:`forget`) or the last holder disarms.
+* When a captured backward starts, :func:`noted` tells whether every op
+  node that gets a source has a note. Then the sources come from the notes
+  and the backward gets no dump (Paddle's DOT files are most of what sources
+  cost). Otherwise (a node made with no wrapped entry point: ``x.clone()``,
+  the double-grad nodes of ``create_graph``) :class:`StackDump` gives the
+  backward a temporary dump folder, reads the stacks of the nodes the capture
+  walked and removes the folder; the notes fill the nodes Paddle keeps no
+  stack for (``Conv2dGradNodeFinal``, ``AddNGradNodeFinal``: hand-written
+  Paddle code), :func:`with_notes`. Paddle still keeps each node's stack: a
+  later backward over a retained graph reads it from the dump. A model whose
+  notes missed a node is noted no more than the dump needs (``conv2d`` and
+  ``add_n`` calls): ``arm(notes=False)``, ``session._NOTES_MISSED``.
 * :func:`user_frames` keeps the frames of the user's code, outermost first:
   frames inside Paddle, the standard library and this package are left out,
   and so are the launcher frames (pytest, a notebook kernel, ``paddle.distributed.launch``)
@@ -55,6 +69,8 @@ import paddle
 
 from .._interrupts import held_interrupts
 from ..graph import Node, SourceFrame
+from . import opcalls
+from .attribution import tensors_in
 from .gradnode import grad_fn, made_by_backward
 
 __all__ = ["arm", "disarm", "armed", "StackDump", "parse_call_stacks", "user_frames", "apply_stacks", "prefix_recomputed"]
@@ -62,6 +78,7 @@ __all__ = ["arm", "disarm", "armed", "StackDump", "parse_call_stacks", "user_fra
 FLAG = "FLAGS_call_stack_level"
 _LOCK = threading.Lock()
 _ARMED = 0  # captures holding the flag on
+_NOTERS = 0  # those of them that want every op call noted
 _PREVIOUS: int | None = None  # the user's value, put back when the last one disarms
 _ORIGINAL_FORMAT = traceback.format_stack
 # (id of the code object, instruction) -> (the code object, its frame's text, whether
@@ -76,6 +93,7 @@ _CALLERS: dict[int, tuple[Any, bool]] = {}
 _SHARED: dict[str, list[str]] = {}
 _SHARED_MAX = 20000
 _NOTHING: list[str] = []  # what Paddle gets when a stack could not be formatted
+_TENSOR = paddle.Tensor
 
 
 def _format_stack(f: Any = None, limit: int | None = None) -> list[str]:
@@ -95,6 +113,10 @@ def _format_stack(f: Any = None, limit: int | None = None) -> list[str]:
         if f is None and limit is None:
             caller = sys._getframe(1)
             co = caller.f_code
+            if co is _CALL_CODE or co is _OP_CODE:  # an op called through opcalls' wrapper: _after notes them
+                text, frames = _kept(caller)
+                _PENDING[0] = (id(caller), frames)
+                return text
             named = _CALLERS.get(id(co))
             if named is None or named[0] is not co:
                 named = _CALLERS[id(co)] = (co, "format_stack" in co.co_names)
@@ -110,15 +132,18 @@ def _format_stack(f: Any = None, limit: int | None = None) -> list[str]:
         return _NOTHING
 
 
-def _text(f: Any) -> tuple[Any, str, bool]:
-    """(code object, text, kept) of frame ``f``, each code object and instruction worked out once."""
+def _text(f: Any) -> tuple[Any, str, bool, SourceFrame]:
+    """(code object, text, kept, the frame as :func:`parse_call_stacks` reads that text)
+    of frame ``f``, each code object and instruction worked out once. Kept: a frame
+    :func:`user_frames` can keep, other than an op wrapper's (``opcalls.py``)."""
     co = f.f_code
     key = (id(co), f.f_lasti)  # f_lineno is worked out from the line table on each read: slower
     hit = _FRAME_TEXT.get(key)
     if hit is None or hit[0] is not co:
-        line = linecache.getline(co.co_filename, f.f_lineno).strip()
-        hit = _FRAME_TEXT[key] = (co, f'  File "{co.co_filename}", line {f.f_lineno}, in {co.co_name}\n' + (
-            f"    {line}\n" if line else ""), _kind(co.co_filename) != _NOT_USER)
+        file, line = co.co_filename, linecache.getline(co.co_filename, f.f_lineno).strip()
+        hit = _FRAME_TEXT[key] = (co, f'  File "{file}", line {f.f_lineno}, in {co.co_name}\n' + (
+            f"    {line}\n" if line else ""), _kind(file) != _NOT_USER and file != opcalls.FILE,
+            SourceFrame(file, f.f_lineno, co.co_name, "" if _CARETS.match(line) else line))
     return hit
 
 
@@ -139,9 +164,19 @@ def _kept_text(f: Any) -> list[str]:
     (the user's, installed packages', this package's), Paddle's, the standard library's
     and frozen modules' left out; the innermost frame alone when none is kept
     (user_frames then finds it internal, as it would the whole stack).
+    """
+    return _shared("".join([h[1] for h in _kept_frames(f)]))
 
-    The same stack is handed over as the same list object every time (:data:`_SHARED`):
-    Paddle keeps a reference to each list it is given.
+
+def _kept(f: Any) -> tuple[list[str], tuple[SourceFrame, ...]]:
+    """:func:`_kept_text` of ``f``, and the same frames as :func:`parse_call_stacks`
+    reads them back from the dump; one walk."""
+    hits = _kept_frames(f)
+    return _shared("".join([h[1] for h in hits])), tuple([h[3] for h in hits])
+
+
+def _kept_frames(f: Any) -> list[tuple[Any, str, bool, SourceFrame]]:
+    """:func:`_text` of the frames from ``f`` outwards that a stack keeps, outermost first.
 
     Every frame is walked on every call: keeping the previous call's frames to stop
     the walk where the stacks meet would keep the locals of the frames that have
@@ -156,9 +191,16 @@ def _kept_text(f: Any) -> list[str]:
         if hit is None or hit[0] is not co:
             hit = _text(g)
         if hit[2]:
-            out.append(hit[1])
+            out.append(hit)
         g = g.f_back
-    text = "".join(reversed(out)) if out else _text(f)[1]
+    if not out:
+        out.append(_text(f))
+    out.reverse()
+    return out
+
+
+def _shared(text: str) -> list[str]:
+    """The one list holding ``text`` that Paddle is handed (see :data:`_SHARED`)."""
     shared = _SHARED.get(text)
     if shared is None:
         shared = [text]
@@ -167,79 +209,164 @@ def _kept_text(f: Any) -> list[str]:
     return shared
 
 
-#: ``paddle._C_ops`` functions whose grad node Paddle 3.3 leaves without a call stack
-UNTRACED_OPS = ("conv2d", "add_n")
-_WRAPPED: dict[str, tuple[Any, Any]] = {}  # name -> (what was there, our wrapper), while armed
-_MADE: dict[int, list[SourceFrame]] = {}  # node address -> the frames that made it
-_FRAMES: dict[tuple[Any, int], SourceFrame] = {}
+#: True: the dump is read on every captured backward, what :func:`_after` noted
+#: filling only the nodes it leaves without a stack (for tests)
+_FORCE_DUMP = False
+_CALL_CODE, _OP_CODE = opcalls.CALL_CODES
+# (id of the wrapper's frame, the frames) of the last stack Paddle asked for from inside a
+# wrapped op call; the wrapper empties it before each call, _after reads it
+_PENDING = opcalls.pending
+# node address -> (its grad node, the frames that made it; None: a node that was there
+# before the call that met it, a parameter's or an input's). Noted by the wrapped op
+# calls while armed; the grad nodes are held (so no address is reused while a note can
+# be read) until the next backward starts (forget) or the last holder disarms.
+_RECORDS: dict[int, tuple[Any, tuple[SourceFrame, ...] | None]] = {}
+_ACCUMULATION = "GradNodeAccumulation"
+_MAX_MADE = 64  # grad nodes one op call may be found to make (linear: 2; amp casts a few more)
 
 
-def _frames_of(f: Any) -> list[SourceFrame]:
-    """The stack from frame ``f`` outwards, outermost first."""
-    out = []
-    while f is not None:
-        key = (f.f_code, f.f_lineno)
-        fr = _FRAMES.get(key)
-        if fr is None:
-            co = f.f_code
-            fr = _FRAMES[key] = SourceFrame(co.co_filename, f.f_lineno, co.co_name,
-                                            linecache.getline(co.co_filename, f.f_lineno).strip())
-        out.append(fr)
-        f = f.f_back
-    out.reverse()
+def _input_nodes(args: tuple, kwargs: dict) -> dict[int, Any]:
+    """Address -> grad node of the tensors among an op call's arguments."""
+    out = {}
+    for t in tensors_in((args, kwargs)):
+        gn = grad_fn(t)
+        if gn is not None:
+            out[gn.node_ptr()] = gn
     return out
 
 
-def _traced(name: str, original: Any) -> Any:
-    def op(*args: Any, **kwargs: Any) -> Any:
-        out = original(*args, **kwargs)
-        try:
-            gf = grad_fn(out)
-            if gf is not None:
-                _MADE[gf.node_ptr()] = _frames_of(sys._getframe(1))
-        except Exception:  # never break the forward
-            pass
-        return out
-
-    op.__name__ = op.__qualname__ = name
-    op.__wrapped__ = original
-    return op
+def _before(args: tuple, kwargs: dict) -> dict[int, Any]:
+    """Before an in-place op: its inputs' nodes, which the call replaces on them."""
+    try:
+        return _input_nodes(args, kwargs)
+    except Exception:
+        return {}
 
 
-def _wrap_untraced(on: bool) -> None:
-    from paddle import _C_ops
+def _after(out: Any, args: tuple, kwargs: dict, known: dict[int, Any] | None, frame: Any) -> None:
+    """An op call returned ``out``: note the stack from ``frame`` (its caller) outwards,
+    as :func:`_kept` gives it, for every grad node the call made. Those are its
+    outputs' nodes and the nodes between them and its inputs' nodes (``linear``
+    makes Matmul and Add; amp adds casts), a parameter's accumulation node excluded.
+    A node noted already, or met before as an input or a parameter's, was there
+    before the call. ``known``: the inputs' nodes before an in-place call (which
+    gives its input a new node). Never raises (the forward goes on)."""
+    try:
+        records = _RECORDS
+        if out is None and known is not None and args:  # x[i] = v: the new node is x's
+            out = args[0]
+        if type(out) is _TENSOR:  # most ops: one output
+            gn = grad_fn(out)
+            if gn is None:
+                return
+            p = gn.node_ptr()
+            if p in records:
+                return
+            if known is None:
+                for a in args:
+                    if a is out:  # an input given back as it is
+                        return
+            elif p in known:
+                return
+            new = [(p, gn)]
+            seen = {p}
+        else:
+            new = []
+            seen = set()
+            for t in tensors_in(out):
+                gn = grad_fn(t)
+                if gn is None:
+                    continue
+                p = gn.node_ptr()
+                if p in seen or p in records or p in (known or ()):
+                    continue
+                if known is None and any(t is a for a in args):
+                    continue
+                seen.add(p)
+                new.append((p, gn))
+            if not new:
+                return
+        head = 0
+        while head < len(new) and len(new) < _MAX_MADE:
+            for nxt in new[head][1].next_functions:
+                if nxt is None:
+                    continue
+                p = nxt.node_ptr()
+                if p in seen or p in records:
+                    continue
+                if known is None:
+                    known = _input_nodes(args, kwargs)
+                if p in known or nxt.name() == _ACCUMULATION:
+                    records[p] = (nxt, None)  # there before the call: looked at once
+                    continue
+                seen.add(p)
+                new.append((p, nxt))
+            head += 1
+        pending = _PENDING[0]
+        if pending is not None and pending[0] == id(sys._getframe(1)):
+            frames = pending[1]  # what Paddle was given inside the call
+        else:
+            frames = _kept(frame)[1]
+        for p, gn in new:
+            records[p] = (gn, frames)
+    except Exception:  # never break the forward
+        pass
 
-    if on:
-        for name in UNTRACED_OPS:
-            original = getattr(_C_ops, name, None)
-            if original is not None and name not in _WRAPPED:
-                _WRAPPED[name] = (original, _traced(name, original))
-                setattr(_C_ops, name, _WRAPPED[name][1])
-        return
-    for name, (original, ours) in list(_WRAPPED.items()):
-        # saved-memory observing (saved.py) wraps every _C_ops function too and puts
-        # Paddle's own back when it stops: only our own wrapper is replaced here
-        if getattr(_C_ops, name, None) is ours:
-            setattr(_C_ops, name, original)
-        del _WRAPPED[name]
+
+def noted(nodes: list[Node], ptrs: list[int | None], program_note: str) -> tuple[dict[int, tuple], bool]:
+    """What the wrapped op calls noted for the op nodes of a walk (address -> frames),
+    and whether every node :func:`apply_stacks` would look up has a note (then no
+    dump is needed). False as well with :data:`_FORCE_DUMP`."""
+    records = _RECORDS
+    made: dict[int, tuple] = {}
+    whole = not _FORCE_DUMP
+    for n, p in zip(nodes, ptrs):
+        if n.kind != "op" or n.source is not None:
+            continue
+        r = records.get(p) if p is not None else None
+        if r is not None and r[1] is not None:
+            made[p] = r[1]
+        elif not (n.note == program_note or n.op == "Dy2St"):
+            whole = False
+    return made, whole
 
 
-def fill_untraced(stacks: dict[int, list[SourceFrame]]) -> None:
-    """Give the nodes of ``stacks`` that Paddle left without a stack what the wrapped
-    ops noted for them (each note is used once; the rest wait for another backward,
-    such as the one that made a recomputed block run inside this one)."""
-    for ptr in [p for p in _MADE if p in stacks and not stacks[p]]:
-        stacks[ptr] = _MADE.pop(ptr)
+def forget() -> None:
+    """A backward starts: the notes (and the grad nodes they hold) go."""
+    _RECORDS.clear()
 
 
-def arm() -> bool:
+def with_notes(stacks: dict[int, list[SourceFrame]] | None,
+               made: dict[int, tuple] | None) -> dict[int, Any] | None:
+    """The dump's stacks (None: no dump read), the nodes it left without one given
+    what the wrapped op calls noted for them."""
+    if not made:
+        return stacks
+    if stacks is None:
+        return dict(made)
+    for p, frames in made.items():
+        if not stacks.get(p):
+            stacks[p] = frames
+    return stacks
+
+
+def arm(notes: bool = True) -> bool:
     """Record forward call stacks from now on (one more holder); False when it could not.
+
+    ``notes``: this holder wants every op call noted (:func:`_after`); with no
+    such holder only ``conv2d`` and ``add_n`` calls are (a capture whose notes
+    missed a node reads the dump anyway). Its :func:`disarm` says the same.
 
     Whatever raises on the way (a Ctrl-C included), nothing stays patched
     unless the holder was counted (its :func:`disarm` then puts it back).
     """
+    global _NOTERS
     with _LOCK, held_interrupts():
         ok = _arm_locked()
+        if ok and notes:
+            _NOTERS += 1
+        if ok:
+            opcalls.set_narrow(_NOTERS == 0)
     return ok
 
 
@@ -252,8 +379,8 @@ def _arm_locked() -> bool:
                 paddle.set_flags({FLAG: 3})
             if traceback.format_stack is _ORIGINAL_FORMAT:
                 traceback.format_stack = _format_stack
-            _MADE.clear()
-            _wrap_untraced(True)
+            _RECORDS.clear()
+            opcalls.listen(sources=(_before, _after))
         _ARMED += 1
         return True
     except BaseException as exc:
@@ -264,29 +391,35 @@ def _arm_locked() -> bool:
         raise
 
 
-def disarm() -> None:
-    """One holder less; the last one puts the user's flag value back.
+def disarm(notes: bool = True) -> None:
+    """One holder less (``notes`` as it was armed); the last one puts the user's flag
+    value back.
 
     Safe to call again after an interrupt cut it short: what is still
     patched when no holder is left is put back then.
     """
-    global _ARMED
+    global _ARMED, _NOTERS
     with _LOCK, held_interrupts():
         if _ARMED > 0:
             _ARMED -= 1
+            if notes and _NOTERS > 0:
+                _NOTERS -= 1
+            opcalls.set_narrow(_NOTERS == 0)
         if _ARMED == 0:
             _release()
 
 
 def _release() -> None:
     """No holder is left: put back everything :func:`arm` changed (idempotent)."""
-    global _PREVIOUS
+    global _PREVIOUS, _NOTERS
     if traceback.format_stack is _format_stack:
         traceback.format_stack = _ORIGINAL_FORMAT
-    _wrap_untraced(False)
+    _NOTERS = 0
+    opcalls.unlisten(sources=True)
+    opcalls.set_narrow(False)
+    _RECORDS.clear()
     _FRAME_TEXT.clear()
     _CALLERS.clear()
-    _FRAMES.clear()
     if _PREVIOUS is not None:
         if _PREVIOUS < 3:
             paddle.set_flags({FLAG: _PREVIOUS})
@@ -335,13 +468,10 @@ class StackDump:
         return stacks
 
     def collect(self) -> dict[int, list[SourceFrame]] | None:
-        """:meth:`read` with what the wrapped ops noted (:data:`UNTRACED_OPS`), then the
-        folder removed; None (never an error) when nothing could be read."""
+        """:meth:`read`, then the folder removed; None (never an error) when nothing
+        could be read (or no dump was made)."""
         try:
-            stacks = self.read()
-            if stacks is not None:
-                fill_untraced(stacks)
-            return stacks
+            return self.read()
         except Exception:
             return None
         finally:
