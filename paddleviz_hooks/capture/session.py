@@ -452,10 +452,9 @@ class BackwardCapture:
             s.roots, s.inputs = list(roots), inputs
             s.trigger = trigger
             s.wants_stacks = stacks
-            if stacks and entry != "grad":  # before the flag goes: the last holder drops the notes
+            if stacks:  # before the flag goes: the last holder drops the notes
                 # (paddle.grad: Paddle's dump of it names copies of the grad nodes, with no
-                # stack, so its ops have never had a source; the notes are not used there
-                # either, which keeps its graphs as they were)
+                # stack: only the notes give its ops their lines)
                 s.made, s.whole = sources_.noted(s.walk.nodes, s.ptrs, PROGRAM_OP_NOTE)
                 if not (s.whole or sources_._FORCE_DUMP):
                     self._missed_notes()
