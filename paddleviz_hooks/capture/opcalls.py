@@ -109,22 +109,16 @@ def _call(f: Any, args: tuple, kwargs: dict, kind: int) -> Any:
     when only sources listen) innermost (``source.py`` reads that).
     ``kind``: :data:`_INPLACE` and :data:`_NO_CLAIM` bits."""
     saved = _saved
-    after = _after
-    if saved is None:
-        if after is None or _narrow and not kind & _UNTRACED:  # no listener for this call
-            return f(*args, **kwargs)
-        known = _before(args, kwargs) if kind & _INPLACE else None
-        pending[0] = None
-        out = f(*args, **kwargs)
-        after(out, args, kwargs, known, sys._getframe(2))
-        return out
+    after = _after if not _narrow or kind & _UNTRACED else None  # sources note this call
+    if saved is None and after is None:  # no listener for this call
+        return f(*args, **kwargs)
     known = _before(args, kwargs) if kind & _INPLACE and after is not None else None
     pending[0] = None
-    n = len(saved.saves)
+    n = len(saved.saves) if saved is not None else 0
     out = f(*args, **kwargs)
-    if len(saved.saves) > n and not kind & _NO_CLAIM:
+    if saved is not None and len(saved.saves) > n and not kind & _NO_CLAIM:
         saved._claim(n, out, (args, kwargs))
-    if after is not None and (not _narrow or kind & _UNTRACED):
+    if after is not None:
         after(out, args, kwargs, known, sys._getframe(2))
     return out
 
