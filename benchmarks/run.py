@@ -32,7 +32,12 @@ Rows (medians over repeats, every ratio taken from numbers of this same run):
   shufflenet_v2_x1_0, batch 2, 224x224; section ``cnn``); for those two and
   the 10k-node encoder also each part of a capture added one at a time
   (walk and hooks, gradient statistics, layer attribution, source lines),
-  in CPU time.
+  in CPU time, and the floor under them (``:floor``): the same step with only
+  Paddle's mechanisms a capture needs, doing nothing in them (a walk and a
+  no-op post-hook on every op node, every layer call seen through
+  ``Layer.__call__``, a no-op listener on every op call) plus the numpy reductions of the exact
+  statistics of that step's gradients with nothing around them. No capture
+  with the default parts can cost less than that on the machine measured.
 * dp2: under 2-process data parallel (``paddle.distributed.launch``, gloo on
   CPU), rank 0's uncaptured and captured steps with
   ``BackwardGraphRecorder(every=10, ranks="all")`` divided by plain steps.
@@ -249,6 +254,130 @@ def bench_parts(table: Table, name: str, model, loss_fn, repeats: int) -> None:
                   f"{fmt_s(c)} per step, this part {1000 * (c - before):+.1f} ms; plain {fmt_s(base)}; "
                   f"{repeats} repeats", cpu_ratio=c / base, part_seconds=c - before)
         before = c
+
+
+# a post-hook of these would have to return holes Paddle refuses back (capture/session.py
+# hooks around them); an accumulation node takes a tensor hook instead: leaving them
+# out keeps the floor a floor
+_UNHOOKED = ("GradNodeAccumulation", "ConcatGradNode", "StackGradNode", "AddNGradNodeFinal")
+
+
+def _floor_step(model, loss_fn, *, layers: bool, ops: bool, grads: list | None = None) -> None:
+    """One forward+backward with only Paddle's mechanisms a capture needs, doing nothing in
+    them (:func:`bench_floor`): a walk over ``next_functions``, a no-op post-hook on every op
+    node; with ``layers`` each call of a sublayer seen through ``Layer.__call__``; with ``ops``
+    every op entry point wrapped (``capture/opcalls.py``) with listeners that do nothing.
+    ``grads``: a list that gets a float copy of every gradient the hooks see."""
+    from paddleviz_hooks.capture import opcalls
+    from paddleviz_hooks.capture.gradnode import grad_fn
+    from paddleviz_hooks.capture.stats import flat_tensors
+
+    original = paddle.nn.Layer.__dict__["__call__"]
+    if layers:
+        known = {id(sub): path for path, sub in model.named_sublayers(include_self=True)}
+
+        def call(layer, *inputs, **kwargs):
+            known.get(id(layer))  # the lookup attribution.py makes: a layer of the model's?
+            return original(layer, *inputs, **kwargs)
+
+        paddle.nn.Layer.__call__ = call
+    if ops:
+        opcalls.listen(sources=(lambda args, kwargs: None, lambda out, args, kwargs, known, frame: None))
+    try:
+        loss = loss_fn()
+    finally:
+        if ops:
+            opcalls.unlisten(sources=True)
+        paddle.nn.Layer.__call__ = original
+    if grads is None:
+        def hook(outs, ins):
+            return outs
+    else:
+        def hook(outs, ins):
+            grads.extend(np.array(t.numpy(), dtype=np.float64 if t.dtype == paddle.float64 else np.float32)
+                         for t in flat_tensors(outs))
+            return outs
+    seen, todo, post = set(), [grad_fn(loss)], []
+    while todo:
+        gn = todo.pop()
+        if gn is None or gn.node_ptr() in seen:
+            continue
+        seen.add(gn.node_ptr())
+        if gn.name() not in _UNHOOKED:
+            post.append(gn._register_post_hook(hook))
+        todo.extend(gn.next_functions)
+    del todo, gn
+    loss.backward()
+    for h in post:
+        h.remove()
+    model.clear_gradients()
+
+
+def _exact_stats_seconds(grads: list) -> float:
+    """CPU time of the exact statistics of ``grads`` (numpy arrays) alone, as ``stats.py``
+    takes them (float64 sums of squares, minimum, maximum), each array read right after a
+    copy has put it in the cache, as a gradient is when its kernel has just written it."""
+    from paddleviz_hooks.capture.stats import _VIEW_MIN, _sum_squares
+
+    total, small = 0.0, []
+    for a in grads:
+        if a.size < _VIEW_MIN:
+            small.append(a.reshape(-1))
+            continue
+        a = a.copy()
+        t0 = time.process_time()
+        _sum_squares(a), np.minimum.reduce(a, axis=None), np.maximum.reduce(a, axis=None)
+        total += time.process_time() - t0
+    if small:
+        t0 = time.process_time()
+        sizes = [a.size for a in small]
+        starts = np.zeros(len(sizes), dtype=np.intp)
+        np.cumsum(sizes[:-1], out=starts[1:])
+        flat = np.concatenate(small).astype(np.float64, copy=False)
+        np.add.reduceat(flat * flat, starts), np.minimum.reduceat(flat, starts), np.maximum.reduceat(flat, starts)
+        total += time.process_time() - t0
+    return total
+
+
+def bench_floor(table: Table, name: str, model, loss_fn, repeats: int) -> None:
+    """What no capture with the default parts can go below, on this machine, measured in
+    Paddle alone: a walk and a no-op post-hook on every op node (seeing every gradient),
+    each layer call seen and nothing done (attribution), a no-op listener on
+    every op call (the call sites: source lines), and the exact statistics' numpy
+    reductions of the step's gradients with nothing around them; CPU time against a plain
+    step, alternating runs (``:parts`` rows show what the capture itself costs)."""
+
+    def plain():
+        loss_fn().backward()
+        model.clear_gradients()
+
+    kinds = {"plain": plain,
+             "hooks": lambda: _floor_step(model, loss_fn, layers=False, ops=False),
+             "layers": lambda: _floor_step(model, loss_fn, layers=True, ops=False),
+             "ops": lambda: _floor_step(model, loss_fn, layers=True, ops=True)}
+    for fn in kinds.values():
+        fn()
+    cpu: dict[str, list[float]] = {k: [] for k in kinds}
+    for _ in range(repeats):
+        for k, fn in kinds.items():
+            gc.collect()
+            c0 = time.process_time()
+            fn()
+            cpu[k].append(time.process_time() - c0)
+    grads: list = []
+    _floor_step(model, loss_fn, layers=False, ops=False, grads=grads)
+    stats_s = med([_exact_stats_seconds(grads) for _ in range(3)])
+    base = med(cpu["plain"])
+    rows = (("walk + a no-op hook on every node", med(cpu["hooks"])),
+            ("+ every layer call seen, nothing done", med(cpu["layers"])),
+            ("+ a no-op listener on every op call", med(cpu["ops"])),
+            ("+ exact statistics, numpy's reductions alone", med(cpu["ops"]) + stats_s))
+    for label, c in rows:
+        table.add(name + ":floor", f"floor: {label} / plain (CPU time)", f"{c / base:.2f}x",
+                  f"{fmt_s(c)} per step; plain {fmt_s(base)}; {repeats} repeats"
+                  + (f"; {len(grads)} gradients, {sum(a.size for a in grads) / 1e6:.1f} M elements, "
+                     f"their statistics {1000 * stats_s:.1f} ms" if label.startswith("+ exact") else ""),
+                  cpu_ratio=c / base)
 
 
 # --------------------------------------------------------------------------
@@ -550,6 +679,7 @@ def bench_huge(table: Table, explorer: bool = True) -> None:
               f"{fmt_s(dt)} vs {fmt_s(plain)}; CPU time {med(cpus) / med(plain_cpus):.2f}x",
               seconds=dt, ratio=dt / plain, cpu_ratio=med(cpus) / med(plain_cpus))
     bench_parts(table, "10k nodes", enc, lambda: enc(x).mean(), 3)
+    bench_floor(table, "10k nodes", enc, lambda: enc(x).mean(), 3)
     clear_plan_cache()
     for what in ("first drawing", "same structure again"):
         info: dict = {}
@@ -1140,6 +1270,7 @@ def main(argv: list[str] | None = None) -> int:
             table.add(name, "graph captured (grad_stats=True)", f"{len(g.nodes)} nodes",
                       f"{sum(1 for e in g.edges if e.grad is not None and e.grad.norm is not None)} gradients measured")
             bench_parts(table, name, model, loss_fn, reps["tr_steps"] + 2)
+            bench_floor(table, name, model, loss_fn, reps["tr_steps"] + 2)
             del model, g
     for group, bench in (("saved", bench_saved), ("sources", bench_sources)):  # captured step with / without
         if group in args.skip:
