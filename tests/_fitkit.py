@@ -231,8 +231,11 @@ def thread_names() -> list[str]:
 
 
 def no_leftover_hooks(net: nn.Layer) -> bool:
-    return all(not sub._forward_pre_hooks and not sub._forward_post_hooks
-               for _, sub in net.named_sublayers(include_self=True))
+    """No forward hook on any sublayer of ``net``, and ``Layer.__call__`` not wrapped."""
+    from paddleviz_hooks.capture.attribution import _LAYER_CALLS
+
+    return not _LAYER_CALLS.installed() and all(not sub._forward_pre_hooks and not sub._forward_post_hooks
+                                                for _, sub in net.named_sublayers(include_self=True))
 
 
 def children(pid: int) -> dict[int, str]:

@@ -1,8 +1,9 @@
 """Shared pytest set-up.
 
 * ``--runslow`` runs the tests marked ``@pytest.mark.slow`` (skipped otherwise).
-* Every test is checked for leaking Paddle state: a backward patch still
-  installed after the test, or Paddle's call-stack flag left changed, is a
+* Every test is checked for leaking Paddle state: a backward patch or the
+  layer-call patch still installed after the test, an op entry point still
+  wrapped, or Paddle's call-stack flag left changed, is a
   capture that did not clean up, which fails the test; grad mode left off (what a raising node hook does to Paddle) is
   restored so one broken test cannot break every later one, with a warning.
 """
@@ -32,6 +33,7 @@ def _paddle_state_guard():
     import paddle
 
     stack_flag = paddle.get_flags("FLAGS_call_stack_level")["FLAGS_call_stack_level"]
+    layer_call = paddle.nn.Layer.__dict__["__call__"]
     yield
     from paddleviz_hooks.capture import dispatcher_installed
     from paddleviz_hooks.capture.dispatch import DISPATCHER
@@ -44,6 +46,14 @@ def _paddle_state_guard():
         warnings.warn("a test left Paddle's grad mode disabled; re-enabled", RuntimeWarning)
     if leaked:
         pytest.fail("the backward patch was still installed after the test: a capture leaked")
+    if paddle.nn.Layer.__dict__["__call__"] is not layer_call:
+        paddle.nn.Layer.__call__ = layer_call
+        pytest.fail("Layer.__call__ was still wrapped after the test: a layer attribution leaked")
+    from paddleviz_hooks.capture import opcalls
+
+    if opcalls.listening():
+        opcalls.unlisten(saved=True, sources=True)
+        pytest.fail("Paddle's op entry points were still wrapped after the test: a capture leaked them")
     now = paddle.get_flags("FLAGS_call_stack_level")["FLAGS_call_stack_level"]
     if now != stack_flag:  # source lines are recorded with it on, for captured forwards only
         paddle.set_flags({"FLAGS_call_stack_level": stack_flag})

@@ -174,6 +174,29 @@ def test_mlp_exact_op_counts_and_frozen_params_unreached():
     assert not [n for n in g.nodes if n.kind == "input"]
 
 
+@pytest.mark.parametrize("registered", ["before the capture", "inside the capture"])
+def test_ops_of_a_layers_own_forward_hooks_belong_to_that_layer_whenever_registered(registered):
+    """A layer's forward pre-hook (changing its input) and post-hook (changing its output)
+    run inside the layer's call: their ops are the layer's, as weight_norm's are, whether
+    the hooks were registered before the capture was armed or inside it (with hooks on
+    every sublayer, the order of registration decided it)."""
+    paddle.seed(0)
+    net = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+
+    def register():
+        net[2].register_forward_pre_hook(lambda layer, args: (args[0] * 2.0,))
+        net[0].register_forward_post_hook(lambda layer, args, out: out * 3.0)
+
+    if registered == "before the capture":
+        register()
+    with capture_backward(net) as cap:
+        if registered == "inside the capture":
+            register()
+        net(paddle.randn([2, 3])).sum().backward()
+    scales = sorted(n.layer for n in cap.graph.nodes if n.op == "Scale")
+    assert scales == ["0", "2"]
+
+
 def test_resnet18_structure_and_conv_attribution():
     c = _get("resnet18")
     g = c.graph

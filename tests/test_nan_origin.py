@@ -353,27 +353,32 @@ def test_nan_in_the_loss_function_is_outside_the_model(tmp_path):
 
 
 def test_on_nonfinite_alone_keeps_two_hooks_on_the_model_and_scheduled_steps_still_name_layers(tmp_path):
-    """The per-step cost of on_nonfinite: two hooks on the top layer (no layer hooks on every
-    sublayer); a scheduled capture still attributes ops to layers; an exception removes it all."""
+    """The per-step cost of on_nonfinite: two hooks on the top layer (no layer-call patch);
+    a scheduled capture still attributes ops to layers; an exception removes it all."""
+    from paddleviz_hooks.capture.attribution import _LAYER_CALLS
+
     paddle.seed(0)
     net = SqrtNet()
     data = SignedData(8, bad=99)
     rec = BackwardGraphRecorder(str(tmp_path / "vdl"), net, every=2, capture_first=False, on_nonfinite=True,
                                 verbose=0, visualdl=False, formats=("json",))
-    hooks = []
+    hooks, patched = [], []
     for step in (1, 2):
         with rec.step(step):
             hooks.append({path: len(sub._forward_pre_hooks) + len(sub._forward_post_hooks)
                           for path, sub in net.named_sublayers(include_self=True)})
+            patched.append(_LAYER_CALLS.installed())
             net(paddle.to_tensor(data.x[:2])).mean().backward()
         net.clear_gradients()
     assert hooks[0] == {path: (2 if path == "" else 0) for path in hooks[0]}  # step 1: not scheduled
-    assert hooks[1]["block.lin"] == 2  # step 2 is scheduled: its capture names layers
+    assert patched == [False, True]  # step 2 is scheduled: its capture sees the layer calls
+    assert all(n == 0 for path, n in hooks[1].items() if path)  # ... with no hook on any sublayer
     with pytest.raises(ZeroDivisionError):
         with rec.step(3):
             net(paddle.to_tensor(data.x[:2]))
             1 / 0
     assert no_leftover_hooks(net) and not dispatcher_installed()  # the exception removed every hook
+    assert not _LAYER_CALLS.installed()
     rec.close()  # ... and left the recorder open for the next step: its files are written by close()
     g = BackwardGraph.from_json((tmp_path / "vdl" / "backward_graph" / "step_000002.json").read_text())
     assert {n.layer for n in g.nodes if n.kind == "op"} >= {"block", "block.lin", "head", "bn"}

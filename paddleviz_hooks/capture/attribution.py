@@ -1,4 +1,4 @@
-"""Layer attribution: forward hooks that tell which layer call made each op."""
+"""Layer attribution: the layer calls of a forward, and which of them made each op."""
 
 from __future__ import annotations
 
@@ -13,15 +13,17 @@ __all__ = ["LayerAttribution", "frame_name", "tensors_in", "mark_layer_notes"]
 
 
 class LayerAttribution:
-    """Forward hooks on every sublayer that attribute op nodes to layers.
+    """Attribute op nodes to layers, from the calls of every sublayer.
 
-    The hooks only record, per layer call, the grad nodes of its outputs and
+    Every call of a sublayer is seen around Paddle's ``Layer.__call__``
+    (:class:`_LayerCallPatch`, one class attribute rather than a hook pair on
+    each sublayer). What is seen only records, per layer call, the grad nodes of its outputs and
     of its inputs (cheap enough to run on every step); the walk that claims
     nodes for layers runs lazily, when a backward is actually captured.
     Inner layers finish first, so processing records in order lets the
     innermost layer claim a node before its parents.
 
-    The hooks also keep a stack of the layer calls under way, so each call
+    It also keeps a stack of the layer calls under way, so each call
     knows the call it ran inside: ``parents`` maps ``"path#call"`` to the
     parent's ``"path#call"`` (the layer-call tree of the forward). A call's
     index is given when it ends (only calls whose outputs carry gradient are
@@ -44,34 +46,33 @@ class LayerAttribution:
         self._calls: dict[str, int] = {}
         self._links: list[tuple[str, list[Any] | None]] = []  # ("path#call", parent frame)
         self.parents: dict[str, str] = {}
-        self._handles: list[Any] = []
+        # id(sublayer) -> its path, for the layer calls :data:`_LAYER_CALLS` reports
+        self.paths: dict[int, str] = {}
+        self._layers: list[Any] = []
 
     def install(self) -> None:
         compiled: list[str] = []  # to_static layers: their sublayers run inside a program
         static_function = _static_function()
+        paths = self.paths
         for path, sub in self.layer.named_sublayers(include_self=True):
             if type(sub).__name__ == "DataParallel":
                 continue
             path = strip_wrapper_prefix(path) if path != "_layers" else ""
             self.types[path] = type(sub).__name__
             if compiled and any(path.startswith(c + ".") or (c == "" and path) for c in compiled):
-                # A hook inside a to_static layer would make SOT fall back to
+                # A call seen inside a to_static layer would make SOT fall back to
                 # running it eagerly: the capture would change how it runs.
                 continue
             if static_function is not None and isinstance(getattr(sub, "forward", None), static_function):
                 compiled.append(path)
-            # with_kwargs: tensors passed by keyword are seen too
-            # one line each: a hook is registered and kept for removal with nothing in between
-            self._handles.append(sub.register_forward_pre_hook(self._pre, with_kwargs=True))
-            post = self._make_post(path)
-            self._handles.append(sub.register_forward_post_hook(post, with_kwargs=True))
-
-        _RECOMPUTED.add(self)
+            paths.setdefault(id(sub), path)  # a layer reached by two paths: its first, as Paddle names it
+            self._layers.append(sub)  # alive while its id is a key: no other layer gets its id
+        run_all(lambda: _RECOMPUTED.add(self), lambda: _LAYER_CALLS.add(self))
 
     def remove(self) -> None:
-        """Remove every hook (all of them, whatever one removal raises) and forget the records."""
-        run_all(lambda: _RECOMPUTED.discard(self), lambda: pop_each(self._handles, lambda h: h.remove()),
-                self.reset)
+        """Stop seeing layer calls and forget the records (all of it, whatever one step raises)."""
+        run_all(lambda: _RECOMPUTED.discard(self), lambda: _LAYER_CALLS.discard(self),
+                self.paths.clear, self._layers.clear, self.reset)
 
     def recomputed(self, fn: Any) -> Any:
         """``fn`` (a function that reentrant recompute re-runs in the backward, outside
@@ -89,7 +90,7 @@ class LayerAttribution:
                     stops.add(gf.node_ptr())
             out = fn(*args, **kwargs)
             name = frame_name(frame)
-            if self._handles and name is not None:  # still installed; the call has its index
+            if self.paths and name is not None:  # still installed; the call has its index
                 try:
                     outs = [g for g in (grad_fn(t) for t in tensors_in(out)) if g is not None]
                     path, call = name.rsplit("#", 1)
@@ -156,7 +157,8 @@ class LayerAttribution:
         """The innermost layer call under way (name it later with :func:`frame_name`)."""
         return self._stack[-1] if self._stack else None
 
-    def _pre(self, layer, args, kwargs):
+    def _pre(self, args: tuple, kwargs: dict) -> None:
+        """A layer call begins: its frame, with its inputs' grad nodes (where claims stop)."""
         frame: list[Any] = [set(), None, self._stack[-1] if self._stack else None]
         self._stack.append(frame)
         try:
@@ -166,29 +168,30 @@ class LayerAttribution:
                     frame[0].add(gf.node_ptr())
         except Exception:  # never break the forward
             frame[0] = set()
-        return None
 
-    def _make_post(self, path: str):
-        def post(layer, args, kwargs, outputs):
-            frame = self._stack.pop() if self._stack else [set(), None, None]
-            try:
-                outs = [grad_fn(t) for t in tensors_in(outputs)]
-                outs = [g for g in outs if g is not None]
-                if outs:
-                    call = self._calls.get(path, 0)
-                    self._calls[path] = call + 1
-                    frame[1] = f"{path}#{call}"
-                    if len(self._records) >= self.MAX_RECORDS:
-                        del self._records[: self.MAX_RECORDS // 2]
-                    if len(self._links) >= self.MAX_RECORDS:
-                        del self._links[: self.MAX_RECORDS // 2]
-                    self._records.append((path, call, outs, frame[0]))
-                    self._links.append((frame[1], frame[2]))
-            except Exception:
-                pass
-            return None
+    def _post(self, path: str, outputs: Any) -> None:
+        """The layer call at ``path`` returned ``outputs``: recorded when they carry gradient."""
+        frame = self._stack.pop() if self._stack else [set(), None, None]
+        try:
+            outs = [grad_fn(t) for t in tensors_in(outputs)]
+            outs = [g for g in outs if g is not None]
+            if outs:
+                call = self._calls.get(path, 0)
+                self._calls[path] = call + 1
+                frame[1] = f"{path}#{call}"
+                if len(self._records) >= self.MAX_RECORDS:
+                    del self._records[: self.MAX_RECORDS // 2]
+                if len(self._links) >= self.MAX_RECORDS:
+                    del self._links[: self.MAX_RECORDS // 2]
+                self._records.append((path, call, outs, frame[0]))
+                self._links.append((frame[1], frame[2]))
+        except Exception:
+            pass
 
-        return post
+    def _failed(self) -> None:
+        """The layer call under way raised: its frame is dropped, nothing recorded."""
+        if self._stack:
+            self._stack.pop()
 
     def _resolve(self) -> None:
         for path, call, outs, stops in self._records:
@@ -327,6 +330,68 @@ class _RecomputePatch:
 
 
 _RECOMPUTED = _RecomputePatch()
+
+
+class _LayerCallPatch:
+    """While any attribution is installed, ``paddle.nn.Layer.__call__`` is wrapped (once,
+    whatever the number of attributions): a call of a layer an attribution holds is
+    reported to it around Paddle's own ``__call__`` (:meth:`LayerAttribution._pre` before,
+    :meth:`LayerAttribution._post` after, :meth:`LayerAttribution._failed` when it raises).
+
+    One class attribute stands for a pre- and a post-hook on every sublayer: registering
+    and removing thousands of hooks per capture is gone, and a layer with no hooks of its
+    own keeps Paddle's short call path (a layer with forward hooks takes the long one).
+    The layer's own forward hooks, if any, run inside Paddle's ``__call__``: the inputs a
+    call records are those it was given.
+    """
+
+    def __init__(self) -> None:
+        self.active: list[LayerAttribution] = []
+        self._original: Any = None
+
+    def add(self, attribution: LayerAttribution) -> None:
+        if attribution in self.active:
+            return
+        self.active.append(attribution)
+        if self._original is not None:
+            return
+        original = paddle.nn.Layer.__dict__["__call__"]
+        active = self.active
+
+        def __call__(layer: Any, *inputs: Any, **kwargs: Any) -> Any:
+            key = id(layer)
+            seen = [(a, p) for a in active for p in (a.paths.get(key),) if p is not None]
+            if not seen:
+                return original(layer, *inputs, **kwargs)
+            for a, _ in seen:
+                a._pre(inputs, kwargs)
+            try:
+                outputs = original(layer, *inputs, **kwargs)
+            except BaseException:
+                for a, _ in seen:
+                    a._failed()
+                raise
+            for a, path in seen:
+                a._post(path, outputs)
+            return outputs
+
+        __call__.__wrapped__ = original
+        self._original = original
+        paddle.nn.Layer.__call__ = __call__
+
+    def discard(self, attribution: LayerAttribution) -> None:
+        if attribution in self.active:
+            self.active.remove(attribution)
+        if not self.active and self._original is not None:
+            paddle.nn.Layer.__call__ = self._original
+            self._original = None  # after: a second call finishes an interrupted one
+
+    def installed(self) -> bool:
+        """Whether ``Layer.__call__`` is wrapped now."""
+        return self._original is not None
+
+
+_LAYER_CALLS = _LayerCallPatch()
 
 
 def _static_function() -> type | None:

@@ -70,6 +70,7 @@ import paddle
 from .._interrupts import held_interrupts
 from ..graph import Node, SourceFrame
 from . import opcalls
+from . import attribution
 from .attribution import tensors_in
 from .gradnode import grad_fn, made_by_backward
 
@@ -135,14 +136,16 @@ def _format_stack(f: Any = None, limit: int | None = None) -> list[str]:
 def _text(f: Any) -> tuple[Any, str, bool, SourceFrame]:
     """(code object, text, kept, the frame as :func:`parse_call_stacks` reads that text)
     of frame ``f``, each code object and instruction worked out once. Kept: a frame
-    :func:`user_frames` can keep, other than an op wrapper's (``opcalls.py``)."""
+    :func:`user_frames` can keep, other than an op wrapper's (``opcalls.py``) or a layer
+    call's (``attribution.py``): this package's frames inside the user's forward are never
+    a source line, nor where a recomputed forward's stack begins (:func:`user_frames`)."""
     co = f.f_code
     key = (id(co), f.f_lasti)  # f_lineno is worked out from the line table on each read: slower
     hit = _FRAME_TEXT.get(key)
     if hit is None or hit[0] is not co:
         file, line = co.co_filename, linecache.getline(co.co_filename, f.f_lineno).strip()
         hit = _FRAME_TEXT[key] = (co, f'  File "{file}", line {f.f_lineno}, in {co.co_name}\n' + (
-            f"    {line}\n" if line else ""), _kind(file) != _NOT_USER and file != opcalls.FILE,
+            f"    {line}\n" if line else ""), _kind(file) != _NOT_USER and file not in _INSIDE_FILES,
             SourceFrame(file, f.f_lineno, co.co_name, "" if _CARETS.match(line) else line))
     return hit
 
@@ -535,6 +538,8 @@ def _frame(chunk: str) -> SourceFrame | None:
     return SourceFrame(m.group(1), int(m.group(2)), m.group(3), code)
 
 
+#: this package's files whose frames run inside the user's forward (op calls, layer calls)
+_INSIDE_FILES = (opcalls.FILE, attribution.__file__)
 _OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
