@@ -96,7 +96,7 @@ def _host_stats(meta: GradMeta, f: Any) -> None:
 
 
 def _small_stats(items: list[tuple[GradMeta, np.ndarray]]) -> None:
-    """Fill the metadata of many small gradients (flat host copies) with a few numpy calls.
+    """Fill the metadata of many small gradients (host copies) with a few numpy calls.
 
     The copies are joined into one float64 array (a float32 element's square is
     exact there, and cannot overflow), and each gradient's sum of squares, min
@@ -107,7 +107,7 @@ def _small_stats(items: list[tuple[GradMeta, np.ndarray]]) -> None:
     sizes = [a.size for _, a in items]
     starts = np.zeros(len(sizes), dtype=np.intp)
     np.cumsum(sizes[:-1], out=starts[1:])
-    flat = np.concatenate([a for _, a in items]).astype(np.float64, copy=False)
+    flat = np.concatenate([a for _, a in items], axis=None).astype(np.float64, copy=False)
     with np.errstate(all="ignore"):  # NaN and Inf pass through quietly
         sqs = np.add.reduceat(flat * flat, starts).tolist()
     mins = np.minimum.reduceat(flat, starts).tolist()
@@ -131,6 +131,22 @@ def _fill_norm(meta: GradMeta, a: np.ndarray, sq: float) -> None:
             meta.norm = top * math.sqrt(float(np.square(a / top, dtype=np.float64).sum()))
 
 
+_HOST_ONLY: list[bool] = []
+
+
+def _host_only() -> bool:
+    """Whether this Paddle was built for the host alone (no CUDA, XPU or custom
+    device): every tensor is then a host tensor, and none needs its place asked."""
+    if not _HOST_ONLY:
+        try:
+            devices = (paddle.is_compiled_with_cuda() or paddle.is_compiled_with_xpu()
+                       or paddle.is_compiled_with_rocm() or bool(paddle.device.get_all_custom_device_type()))
+        except Exception:
+            devices = True  # cannot tell: ask each tensor
+        _HOST_ONLY.append(not devices)
+    return _HOST_ONLY[0]
+
+
 class StatsQueue:
     """The statistics of one backward's gradients, read with at most one device synchronisation.
 
@@ -152,8 +168,11 @@ class StatsQueue:
     """
 
     def __init__(self, *, on_device: bool | None = None) -> None:
-        # on_device: None decides by each tensor's place; True queues every
-        # gradient (the accelerator's way, testable on the CPU wheel).
+        # on_device: None decides by each tensor's place (a Paddle built for the
+        # host alone has only host tensors); True queues every gradient (the
+        # accelerator's way, testable on the CPU wheel).
+        if on_device is None and _host_only():
+            on_device = False
         self._on_device = on_device
         self._metas: list[tuple[GradMeta, str, int, int]] = []  # meta, float group, its index, count index
         self._groups: dict[str, list[Any]] = {"float32": [], "float64": [], "int64": []}  # 0-d tensors by dtype
@@ -169,7 +188,7 @@ class StatsQueue:
             if numel >= _VIEW_MIN:
                 _host_stats(meta, f)
                 return
-            self._small.append((meta, f.numpy().reshape(-1)))  # a copy: the buffer may be reused
+            self._small.append((meta, f.numpy()))  # a copy: the buffer may be reused
             self._small_size += numel
             if self._small_size >= _SMALL_BATCH:
                 self._reduce_small()
