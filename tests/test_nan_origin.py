@@ -286,6 +286,19 @@ def test_find_nonfinite_origin_names_op_layer_and_line(net_cls, op, layer, layer
     assert capfd.readouterr().out == ""
 
 
+def test_an_origin_in_paddles_own_layers_names_no_standard_library_line():
+    """A Sequential of Paddle's layers fed a batch holding Inf: BatchNorm makes the NaN. No
+    frame of the user's code runs the op (the batch's Inf is located in a fresh thread):
+    no line is named, rather than threading.py's bootstrap line."""
+    paddle.seed(0)
+    net = nn.Sequential(nn.Linear(4, 16), nn.BatchNorm1D(16), nn.ReLU(), nn.Linear(16, 2))
+    x = np.random.RandomState(0).randn(8, 4).astype("float32")
+    x[0, 0] = np.inf
+    o = find_nonfinite_origin(net, paddle.to_tensor(x))
+    assert (o["op"], o["layer"]) == ("batch_norm", "1")
+    assert o["file"] is None and o["line"] is None, o
+
+
 def test_find_nonfinite_origin_restores_rng_batchnorm_and_the_users_flags(capfd):
     paddle.seed(3)
     net = SqrtNet()

@@ -55,6 +55,7 @@ from ..graph import ORIGIN_KINDS, BackwardGraph, NonfiniteOrigin, op_display_nam
 from .attribution import tensors_in
 from .gradnode import grad_fn, strip_wrapper_prefix
 from .opcalls import _TENSOR_METHODS, _op_sites, is_wrapper
+from .source import users_file
 
 __all__ = ["KINDS", "ORIGIN_KEYS", "StepInputs", "find_nonfinite_origin", "has_nonfinite", "locate",
            "replay_step"]
@@ -68,7 +69,6 @@ KINDS = ORIGIN_KINDS
 _FLAGS = ("FLAGS_check_nan_inf", "FLAGS_check_nan_inf_level")
 _PADDLE_DIR = os.path.dirname(os.path.abspath(paddle.__file__)) + os.sep
 _PADDLE_JIT_DIR = os.path.join(_PADDLE_DIR, "jit") + os.sep
-_OUR_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _OP_RE = re.compile(r"op=([A-Za-z0-9_.]+)")
 _COUNT_RE = re.compile(r"num_(nan|inf)=(\d+)")
 _DTYPE_RE = re.compile(r"dtype=([A-Za-z0-9_]+)")
@@ -309,7 +309,7 @@ def _from_stack(text: str, stack: list[tuple[Any, int]], layer: paddle.nn.Layer)
         if owner is not None and id(owner) in paths:
             where = paths[id(owner)]  # the innermost layer call wins
         name = os.path.abspath(frame.f_code.co_filename)
-        if not name.startswith((_PADDLE_DIR, _OUR_DIR)):
+        if users_file(frame.f_code.co_filename):
             file, line = frame.f_code.co_filename, lineno  # the innermost line of the user's code
         if name.startswith(_PADDLE_JIT_DIR):
             in_program = True  # a to_static program: its inputs do not say what its ops need

@@ -585,6 +585,12 @@ def _kind(file: str) -> int:
     return k
 
 
+def users_file(file: str) -> bool:
+    """Whether a frame of ``file`` can be a source line: the user's code or an installed
+    package's (a model library), not Paddle's, this package's or the standard library's."""
+    return _kind(file) in (_USER, _INSTALLED_PKG)
+
+
 def user_frames(frames: list[SourceFrame], after_own: bool = False) -> tuple[SourceFrame, ...]:
     """The frames of the user's code among ``frames`` (outermost first).
 
