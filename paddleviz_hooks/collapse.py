@@ -58,7 +58,7 @@ from dataclasses import replace
 from typing import Iterable, Sequence
 
 from .findings import record_of
-from .graph import BackwardGraph, Edge, Node, merge_grad_metas
+from .graph import BackwardGraph, Edge, GradMeta, Node, merge_grad_metas
 
 __all__ = ["collapse_graph", "collapse_with_map", "collapse_alike", "layer_depths", "call_paths", "CONTAINER_TYPES"]
 
@@ -561,7 +561,7 @@ def _collapse_once(
         if grad is not None:
             grad = replace(grad)  # never share a GradMeta with the input graph
         new_edges.append(Edge(s, d, min(e.slot for e in es), grad,
-                              next((e.note for e in es if e.note is not None), None)))
+                              next((e.note for e in es if e.note is not None), None), _merged_after_hook(es)))
 
     # box summaries
     param_meta = graph.params()
@@ -594,6 +594,18 @@ def _collapse_once(
         calls=dict(graph.calls),
         nonfinite=record_of(graph),  # the full graph's facts; views find their boxes (findings.marks)
     ), new_id, opened
+
+
+def _merged_after_hook(es: list[Edge]) -> GradMeta | None:
+    """What the receivers got along the real edges ``es`` when a gradient hook changed
+    one of them (``Edge.after_hook``): that edge's; of several, combined as their
+    gradients are (a hook-changed part counting as what it became)."""
+    if all(e.after_hook is None for e in es):
+        return None
+    got = [e.after_hook if e.after_hook is not None else e.grad for e in es]
+    if any(m is None for m in got):
+        return None
+    return replace(got[0]) if len(got) == 1 else merge_grad_metas(got)
 
 
 def _merged_grad(graph: BackwardGraph, es: list[Edge], into: dict[int, list[Edge]]):

@@ -521,7 +521,7 @@ def from_model_output(graph: BackwardGraph) -> tuple[BackwardGraph, list[Node]]:
         if e.src in above and (src, e.dst) in seen:  # two loss ops fed the same model op
             continue
         seen.add((src, e.dst))
-        edges.append(Edge(ids[src], ids[e.dst], e.slot, e.grad))
+        edges.append(Edge(ids[src], ids[e.dst], e.slot, e.grad, e.note, e.after_hook))
     nodes = [replace(n, id=ids[n.id]) for n in kept]
     trimmed = BackwardGraph(nodes, edges, dict(graph.layers), dict(graph.meta), dict(graph.calls))
     order = graph.topo_order()

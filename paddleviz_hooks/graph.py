@@ -362,6 +362,12 @@ class Edge:
     ``grad`` is None when the gradient could not be observed (the producing
     node cannot be hooked safely, see ``paddleviz_hooks.hazards``); ``note``
     then says why, when known.
+
+    ``grad`` is what ``src`` passed on. When a gradient hook (a
+    ``Tensor.register_hook`` of the user's, or a library's) changed it before
+    ``dst`` received it, ``after_hook`` is what ``dst`` received instead; None
+    when nothing changed it, or when that could not be told (an edge into a
+    node that receives over several edges).
     """
 
     src: int
@@ -369,6 +375,7 @@ class Edge:
     slot: int = 0
     grad: GradMeta | None = None
     note: str | None = None
+    after_hook: GradMeta | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = {
@@ -379,13 +386,16 @@ class Edge:
         }
         if self.note is not None:  # written only when there is one
             d["note"] = self.note
+        if self.after_hook is not None:
+            d["after_hook"] = self.after_hook.to_dict()
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Edge":
-        g = d.get("grad")
+        g, h = d.get("grad"), d.get("after_hook")
         return cls(d["src"], d["dst"], d.get("slot", 0), GradMeta.from_dict(g) if g else None,
-                   d.get("note") if isinstance(d.get("note"), str) else None)
+                   d.get("note") if isinstance(d.get("note"), str) else None,
+                   GradMeta.from_dict(h) if isinstance(h, dict) else None)
 
 
 #: What made a capture's NaN/Inf (``NonfiniteOrigin.kind``):

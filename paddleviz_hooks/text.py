@@ -83,6 +83,7 @@ __all__ = [
     "origin_badge",
     "diff_summary",
     "edge_lines",
+    "AFTER_HOOK",
     "fmt_bytes",
     "fmt_num",
     "fmt_ratio",
@@ -127,6 +128,9 @@ MODEL_OUTPUT = "model output"
 REPLAYED_FROM_OUTPUT = "replayed from the model output"
 #: A gradient that flowed but could not be seen (its producer takes no hook).
 NOT_OBSERVED = "not observed"
+#: an edge whose gradient a gradient hook (``Tensor.register_hook``) changed before
+#: its receiver got it: the line saying what the receiver got (``Edge.after_hook``)
+AFTER_HOOK = "a hook changed it"
 #: Legend row of the red nodes (``BackwardGraph.nonfinite_nodes``).
 NONFINITE_LEGEND = "NaN/Inf gradient (passed on, or a parameter's)"
 #: Legend row of dashed edges.
@@ -604,7 +608,8 @@ def origin_node_lines(origin: NonfiniteOrigin | dict[str, Any], linked: bool = T
 # --------------------------------------------------------------------------
 # drawing labels
 # --------------------------------------------------------------------------
-def edge_lines(meta: GradMeta | None, stats: bool, observed: bool = True, why: str | None = None) -> list[str]:
+def edge_lines(meta: GradMeta | None, stats: bool, observed: bool = True, why: str | None = None,
+               after_hook: GradMeta | None = None) -> list[str]:
     """Label lines for one gradient: shape and dtype, then norm (and NaN/Inf).
 
     Args:
@@ -613,12 +618,16 @@ def edge_lines(meta: GradMeta | None, stats: bool, observed: bool = True, why: s
         observed: False for a gradient whose shape is known but whose
             values could not be seen (inside a compiled program).
         why: why it was not observed (``Edge.note``), shown under "not observed".
+        after_hook: what the receiving node got instead, a gradient hook having
+            changed it (``Edge.after_hook``): its own line, :data:`AFTER_HOOK`.
 
     Examples:
         >>> edge_lines(GradMeta((2, 16), "float32"), True, observed=False)
         ['[2, 16] f32', 'not observed']
         >>> edge_lines(None, True, why="Einsum takes no hook")
         ['not observed', '(Einsum takes no hook)']
+        >>> edge_lines(GradMeta((3, 6), "float32", norm=1.331), True, after_hook=GradMeta((3, 6), norm=13.31))
+        ['[3, 6] f32', '|g| 1.33', 'a hook changed it: |g| 13.3']
     """
     unseen = [NOT_OBSERVED] + ([f"({why})"] if why else [])
     if meta is None:
@@ -635,6 +644,11 @@ def edge_lines(meta: GradMeta | None, stats: bool, observed: bool = True, why: s
         if meta.nonfinite:
             extra += f" NaN:{meta.nan} Inf:{meta.inf}"
         lines.append(extra)
+    if stats and after_hook is not None and after_hook.norm is not None:
+        changed = f"{AFTER_HOOK}: |g| {fmt_num(after_hook.norm)}"
+        if after_hook.nonfinite:
+            changed += f" NaN:{after_hook.nan} Inf:{after_hook.inf}"
+        lines.append(changed)
     return lines
 
 

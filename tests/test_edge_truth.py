@@ -391,3 +391,54 @@ def test_a_parameter_row_follows_the_users_own_hook():
     with capture_backward(lin) as cap:
         lin(paddle.randn([2, 4])).sum().backward()
     assert cap.graph.params()["weight"].norm == pytest.approx(norm64(lin.weight.grad), rel=1e-7)
+
+
+# --------------------------------------------------------------------------
+# gradient hooks that change a gradient between its producer and its receiver
+# --------------------------------------------------------------------------
+def test_an_edge_a_users_gradient_hook_changed_shows_both_what_was_sent_and_what_arrived():
+    """``h.register_hook(lambda g: g * 10)`` on an intermediate and ``weight.register_hook(lambda g: g * 0.5)``
+    on a parameter: the edge into h's node carries what its producer sent and, marked, what the
+    node received after the hook (the node's own outputs follow from that); the edge into the
+    parameter likewise, its row being param.grad. Before, the edges showed only what was sent, so
+    a bias Add seemed to multiply its gradient by 10 and nothing said a hook was there."""
+    paddle.seed(4)
+    l1, l2, l3 = nn.Linear(4, 6), nn.Linear(6, 6), nn.Linear(6, 2)
+    model = nn.LayerList([l1, l2, l3])
+    seen: dict[str, float] = {}
+    l1.weight.register_hook(lambda g: seen.__setitem__("w sent", norm64(g)))  # the oracle's, first
+    l1.weight.register_hook(lambda g: g * 0.5)
+    x = paddle.randn([3, 4])
+    with capture_backward(model) as cap:
+        h = l2(F.relu(l1(x)))
+        h.register_hook(lambda g: seen.__setitem__("h sent", norm64(g)))
+        h.register_hook(lambda g: g * 10.0)
+        h.register_hook(lambda g: seen.__setitem__("h received", norm64(g)))
+        (l3(F.sigmoid(h)) ** 2).sum().backward()
+    g = cap.graph
+    into_h = edge(g, "Sigmoid", "Add")
+    assert into_h.grad.norm == pytest.approx(seen["h sent"], rel=1e-6)
+    assert into_h.after_hook.norm == pytest.approx(seen["h received"], rel=1e-6)
+    assert seen["h received"] == pytest.approx(10 * seen["h sent"], rel=1e-6)
+    w = next(n for n in g.nodes if n.param == "0.weight")
+    into_w = next(e for e in g.edges if e.dst == w.id)
+    assert into_w.grad.norm == pytest.approx(seen["w sent"], rel=1e-6)
+    assert into_w.after_hook.norm == pytest.approx(norm64(l1.weight.grad), rel=1e-6)
+    assert g.params()["0.weight"].norm == pytest.approx(norm64(l1.weight.grad), rel=1e-6)
+    assert [e for e in g.edges if e.after_hook is not None] == [into_h, into_w]  # nowhere else
+    dot = to_dot(g)
+    assert dot.count("a hook changed it") == 2
+    back = BackwardGraph.from_json(g.to_json())
+    assert [e.after_hook for e in back.edges] == [e.after_hook for e in g.edges]
+
+
+def test_no_edge_is_marked_changed_where_paddle_only_copied_the_gradient():
+    """A transposed gradient is made contiguous before a Reshape receives it (another tensor,
+    the same numbers): no hook changed it, and no edge says one did."""
+    paddle.seed(0)
+    enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0), 2)
+    with capture_backward(enc) as cap:
+        enc(paddle.randn([2, 3, 8])).mean().backward()
+    g = cap.graph
+    assert any(g.nodes[e.src].op == "Transpose" and g.nodes[e.dst].op == "Reshape" for e in g.edges)
+    assert all(e.after_hook is None for e in g.edges)

@@ -156,7 +156,7 @@ def stitch(nodes: list[Node], edges: list[Edge], ptrs: list[int | None], at: int
         slot = first_slot + roots[e.src] if e.src in roots else e.slot
         if (src, dst, slot) in have:
             continue
-        edge = Edge(src, dst, slot, e.grad, e.note)
+        edge = Edge(src, dst, slot, e.grad, e.note, e.after_hook)
         edges.append(edge)
         into.setdefault(dst, []).append(edge)
     _place_in_layer(nodes[at], [n for n in inner_nodes if n.kind == "op"])

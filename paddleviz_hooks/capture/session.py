@@ -124,6 +124,7 @@ class _Session:
         self.interrupt: BaseException | None = None
         self.kept: list[Any] = []  # gradients a later hook reads what they became (see _make_hook)
         self.readers: set[int] = set()  # nodes whose hooks read what they received
+        self.watched: set[int] = set()  # nodes whose hooks tell whether a gradient hook changed their input
         self.hook_seconds = 0.0
         self.prepare_seconds = time.perf_counter() - t0
         self.loss: float | None = None
@@ -138,12 +139,25 @@ class _Session:
         self.in_count: dict[int, int] = {}  # incoming edges per node
         # parameter used once -> (address, in-place version, statistics) of what its one producer sent it
         self.sent: dict[int, tuple[int, int, GradMeta]] = {}
+        # op node with one incoming edge, from a hooked op -> the address of what that op sent it:
+        # a different tensor received means a gradient hook changed it on the way (see _make_hook)
+        self.sent_to: dict[int, int] = {}
+        self.after_hook: dict[int, GradMeta] = {}  # node id -> what it received instead (Edge.after_hook)
         self.wants_stacks = False  # its forward ran with call stacks recorded (source.py)
         # node address -> the frames the wrapped op calls noted (source.noted), and whether
         # every node that gets a source has one (then the backward needs no dump)
         self.made: dict[int, Any] | None = None
         self.whole = False
         self.stacks: dict[int, Any] | None = None  # node address -> stack, set by the dispatcher
+
+
+def _changed(sent: GradMeta | None, received: GradMeta) -> bool:
+    """Whether the gradient a node received differs from the one sent to it, as far as
+    the numbers of both tell (a copy has the very same numbers; without numbers: not known)."""
+    if sent is None or sent.norm is None or received.norm is None:
+        return False
+    return (sent.shape, sent.norm, sent.min, sent.max, sent.nan, sent.inf) != (
+        received.shape, received.norm, received.min, received.max, received.nan, received.inf)
 
 
 def _version(t: Any) -> int | None:
@@ -533,6 +547,9 @@ class BackwardCapture:
         for e in w.edges:
             into[e.dst] = into.get(e.dst, 0) + 1
         s.in_count = into
+        hooked_op = [n.kind == "op" and n.note is None for n in w.nodes]
+        # one incoming edge, both ends hooked: the receiver tells whether it got what was sent
+        s.watched = {e.dst for e in w.edges if into[e.dst] == 1 and hooked_op[e.dst] and hooked_op[e.src]}
         read_sum = self._sum_readers(s, into)
         s.readers = needs_in | read_sum
         for nid, node in enumerate(w.nodes):
@@ -575,6 +592,8 @@ class BackwardCapture:
                 totals.metas[ptr] = got[2]  # the very tensor its one producer sent, unchanged: same numbers
             else:
                 totals.metas[ptr] = stats.grad_meta(total, with_stats, s.stats)
+                if got is not None and got[0] != grad.data_ptr():  # a gradient hook on it replaced it
+                    s.after_hook[nid] = totals.metas[ptr]
             if totals.applied is not None:
                 totals.applied.note(ptr, named[1], total)
             if totals.keep:
@@ -642,6 +661,11 @@ class BackwardCapture:
         to_join = [i for i, e in enumerate(out_edges) if joins.wants(e.dst)] if joins is not None else []
         keep = [i for i, e in enumerate(out_edges) if e.dst in s.readers]
         kept = s.kept
+        watched = s.watched
+        send_to = [i for i, e in enumerate(out_edges) if e.dst in watched]
+        sent_to = s.sent_to
+        check_in = nid in watched
+        after_hook = s.after_hook
 
         def hook(outs, ins):
             t = time.perf_counter()
@@ -657,9 +681,18 @@ class BackwardCapture:
                             sent[e.dst] = (g.data_ptr(), _version(g), e.grad)
                         if e.dst in cuts:
                             cuts[e.dst][1] = g  # cut into its inputs' parts when the backward is over
+                    for i in send_to:
+                        sent_to[out_edges[i].dst] = produced[i].data_ptr()
                 else:  # holes or extra slots: no gradient is put on an edge it may not belong to
                     for e in out_edges:
                         e.grad = GradMeta(note="unpaired")
+                if check_in:  # not the tensor its one producer sent: a copy (made contiguous) or a hook's
+                    at = sent_to.pop(nid, None)
+                    received = stats.flat_tensors(ins) if at is not None else ()
+                    if len(received) == 1 and received[0].data_ptr() != at:
+                        r = received[0]  # read unless this kernel already wrote into it: then it cannot tell
+                        if keeps_values or not r.size or all(r.data_ptr() != g.data_ptr() for g in produced):
+                            after_hook[nid] = stats.grad_meta(r, with_stats, queue)
                 for i in to_leaf:  # before Paddle accumulates it into the leaf (see _ParamTotals)
                     if i < len(produced):
                         prev = sums.get(out_edges[i].dst)
@@ -817,9 +850,12 @@ class BackwardCapture:
         for e in w.edges:
             in_count[e.dst] = in_count.get(e.dst, 0) + 1
         BackwardCapture._cut(s)
+        after_hook = s.after_hook
         for e in w.edges:
             if e.grad is None and in_count[e.dst] == 1 and e.dst in s.in_meta:
                 e.grad = s.in_meta[e.dst]
+            if after_hook and in_count[e.dst] == 1 and e.dst in after_hook:
+                e.after_hook = after_hook[e.dst]
 
     @staticmethod
     def _cut(s: _Session) -> None:
@@ -950,6 +986,9 @@ class BackwardCapture:
             elif nodes[e.dst].kind == "param":
                 leaf = nodes[e.dst]
                 e.grad = GradMeta(shape=leaf.shape, dtype=leaf.dtype)
+        for e in edges:  # a copy with the same numbers is no change; unknown numbers tell nothing
+            if e.after_hook is not None and not _changed(e.grad, e.after_hook):
+                e.after_hook = None
         applied = s.totals.applied_metas
         for n, p in zip(nodes, ptrs):  # edges keep what flowed: the local gradient
             if n.kind == "param" and p in applied:

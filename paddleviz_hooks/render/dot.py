@@ -205,7 +205,7 @@ def dot_parts(
     for e in graph.edges:
         attrs: dict[str, str] = {}
         seen = _observed(graph, e)
-        text = edge_lines(e.grad, stats, seen, e.note)
+        text = edge_lines(e.grad, stats, seen, e.note, e.after_hook)
         if text:
             attrs["label"] = "\n".join(text)
         if e.grad is None or not seen:

@@ -38,7 +38,7 @@ from ..diff import GraphDiff, diff_graphs, node_norms
 from ..escape import safe_filename, visible, visible_data
 from ..graph import BackwardGraph, GradMeta, Node, merge_grad_metas
 from ..findings import marks, record_of
-from ..text import (FIRST_GRADIENT, node_layer, NOT_OBSERVED, UNOBSERVED_WHY, backward_role, combined_norm, box_name, call_of, capture_title, describe_node,
+from ..text import (AFTER_HOOK, FIRST_GRADIENT, node_layer, NOT_OBSERVED, UNOBSERVED_WHY, backward_role, combined_norm, box_name, call_of, capture_title, describe_node,
                     describe_origin, fmt_shape, graph_summary, layer_name, origin_mark, origin_node_lines,
                     source_attrs)
 
@@ -195,7 +195,9 @@ def explorer_graph(graph: BackwardGraph, graph_id: str) -> dict[str, Any]:
                                "targetNodeInputId": str(k)} for k, e in enumerate(inn)],
             "outputsMetadata": [{"id": str(e.slot), "attrs": [_kv("to", describe_node(graph.nodes[e.dst]))]
                                  + _grad_attrs(e.grad)
-                                 + ([_kv("why not observed", e.note)] if e.note else [])} for e in out],
+                                 + ([_kv("why not observed", e.note)] if e.note else [])
+                                 + (_grad_attrs(e.after_hook, AFTER_HOOK + ": ") if e.after_hook else [])}
+                                for e in out],
         })
     if origin_node_id(graph) == ORIGIN_NODE:
         # the origin's op has no node in the graph: one is added where its output enters it

@@ -236,7 +236,7 @@ def vdl_graph(graph: BackwardGraph) -> dict[str, Any]:
         first = graph.nodes[e.src]
         var = names.child("/", i, first.name or "loss", "", leaf=True)[1:] if first.kind == "root" else f"grad_{i}"
         src, dst = leaf[e.src], leaf[e.dst]
-        label = " ".join(edge_lines(e.grad, stats, why=e.note))
+        label = " ".join(edge_lines(e.grad, stats, why=e.note, after_hook=e.after_hook))
         variables.append({
             "name": var, "shape": [label], "type": "gradient",
             "dtype": (e.grad.dtype if e.grad is not None else None) or "?", "value": [],
