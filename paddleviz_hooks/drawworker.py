@@ -43,9 +43,8 @@ from typing import Any, TextIO
 
 from ._fileio import atomic_write
 from .diff import diff_graphs
-from .findings import record_of
 from .graph import BackwardGraph
-from .text import backward_role, capture_title, every_op_elsewhere
+from .text import every_op_elsewhere, picture_title
 from .render.diff import render_diff_views
 from .render.dot import to_dot
 from .render.draw import render_png, render_svg, render_views
@@ -97,7 +96,7 @@ def viewer_png(graph: BackwardGraph, options: Any, title: str, *, timeout: float
 
 def capture_picture_title(step: int, trigger: str, graph: BackwardGraph) -> str:
     """The title line of a capture's pictures."""
-    return capture_title(step, trigger, backward_role(graph.meta.get("backward")), origin=record_of(graph).origin)
+    return picture_title(graph, step, trigger)
 
 
 def _shading(options: Any, graph: BackwardGraph) -> dict[str, Any]:

@@ -29,6 +29,7 @@ __all__ = [
     "NOT_OBSERVED",
     "UNOBSERVED_WHY",
     "DASHED_LEGEND",
+    "FLOW_LEGEND",
     "NONFINITE_LEGEND",
     "combined_norm",
     "MODEL_OUTPUT",
@@ -64,6 +65,9 @@ __all__ = [
     "capture_title",
     "closing_line",
     "graph_title",
+    "picture_title",
+    "picture_facts",
+    "global_norm_words",
     "origin_title",
     "collapse_note",
     "describe_node",
@@ -135,6 +139,8 @@ AFTER_HOOK = "a hook changed it"
 NONFINITE_LEGEND = "NaN/Inf gradient (passed on, or a parameter's)"
 #: Legend row of dashed edges.
 DASHED_LEGEND = f"dashed: gradient {NOT_OBSERVED} (the node takes no hook, or as its label says)"
+#: Legend row of the arrows' direction (a forward graph's arrows point the other way).
+FLOW_LEGEND = "arrows: the backward, from the loss toward the parameters"
 #: Why a gradient's values were not observed (``GradMeta.note`` codes, see ``graph.UNOBSERVED_REASONS``).
 UNOBSERVED_WHY = {
     "overwritten": "not observed: the receiving op's backward overwrote it in place",
@@ -1049,8 +1055,8 @@ def capture_title(step: Any, trigger: str | None = None, role: Any = None, index
 
 def graph_title(graph: BackwardGraph) -> str | None:
     """The title the recorder gave a recorded graph's picture, from the graph's meta (step,
-    trigger, which backward, NaN/Inf origin), for drawing a saved step again; None for a graph
-    without a step (captured by hand).
+    trigger, which backward, NaN/Inf origin, what was measured), for drawing a saved step
+    again; None for a graph without a step (captured by hand).
 
     Examples:
         >>> graph_title(BackwardGraph(meta={"step": 3, "trigger": "nonfinite_loss"}))
@@ -1061,9 +1067,70 @@ def graph_title(graph: BackwardGraph) -> str | None:
     meta = graph.meta
     if meta.get("step") is None:
         return None
-    role = meta.get("backward")
-    return capture_title(meta["step"], meta.get("trigger"), backward_role(role) if isinstance(role, dict) else None,
-                         origin=record_of(graph).origin)
+    return picture_title(graph, meta["step"], meta.get("trigger"))
+
+
+def picture_title(graph: BackwardGraph, step: Any, trigger: str | None) -> str:
+    """The title of a capture's pictures: its name (:func:`capture_title`), then what the
+    capture measured (:func:`picture_facts`), when it measured anything.
+
+    Examples:
+        >>> g = BackwardGraph([Node(0, "param", "GradNodeAccumulation", param="fc.weight",
+        ...                         grad=GradMeta(norm=3.0))], meta={"loss": 2.302585, "grad_stats": True})
+        >>> picture_title(g, 20, "scheduled")
+        'step 20 - loss 2.303, global grad norm 3'
+    """
+    role = graph.meta.get("backward")
+    title = capture_title(step, trigger, backward_role(role) if isinstance(role, dict) else None,
+                          origin=record_of(graph).origin)
+    facts = picture_facts(graph)
+    return f"{title} - {facts}" if facts else title
+
+
+def picture_facts(graph: BackwardGraph) -> str:
+    """What a capture measured, said under its picture's name: the loss, the global gradient
+    norm (as the summary words it) and, of several parameters, the one with the largest
+    gradient; empty when nothing was measured.
+
+    Examples:
+        >>> picture_facts(BackwardGraph(meta={"loss": 0.5}))
+        'loss 0.5'
+    """
+    parts = []
+    loss = graph.meta.get("loss")
+    if isinstance(loss, (int, float)) and not isinstance(loss, bool):
+        parts.append(f"loss {fmt_num(loss, 4)}")
+    norm = global_norm_words(graph)
+    if norm:
+        parts.append(norm)
+    measured = [(name, m.norm) for name, m in graph.params().items()
+                if m is not None and m.norm is not None and math.isfinite(m.norm)]
+    if len(measured) > 1:
+        name, value = max(measured, key=lambda kv: kv[1])
+        parts.append(f"largest: {name} {fmt_num(value)}")
+    return ", ".join(parts)
+
+
+def global_norm_words(graph: BackwardGraph) -> str:
+    """``"global grad norm N"``, with ``" (this backward)"`` when the step's accumulated
+    ``param.grad`` norm differs (micro-batches); empty when no parameter gradient was measured.
+
+    Examples:
+        >>> g = BackwardGraph([Node(0, "param", "GradNodeAccumulation", param="w", grad=GradMeta(norm=3.0))])
+        >>> global_norm_words(g), global_norm_words(BackwardGraph())
+        ('global grad norm 3', '')
+    """
+    gn = graph.global_grad_norm()
+    if gn is None:
+        return ""
+    return f"global grad norm {fmt_num(gn, 4)}" + (" (this backward)" if _backward_only(graph, gn) else "")
+
+
+def _backward_only(graph: BackwardGraph, gn: float | None) -> bool:
+    """Whether the global norm ``gn`` of this backward differs from the step's accumulated one."""
+    acc = graph.meta.get("accumulated_grad_norm")
+    return isinstance(acc, float) and (gn is None or not (
+        math.isclose(acc, gn, rel_tol=1e-6) or (math.isnan(acc) and math.isnan(gn))))
 
 
 def collapse_note(collapsed: BackwardGraph, full: BackwardGraph, full_detail: str = "the SVG has every op") -> str:
@@ -1303,10 +1370,9 @@ def graph_summary(graph: BackwardGraph, top: int = 5, previous: BackwardGraph | 
         lines.append(f"{plural(nested, 'backward')} run inside this one (recompute) drawn at the nodes that ran them;")
     gn = graph.global_grad_norm()
     acc = graph.meta.get("accumulated_grad_norm")
-    acc_differs = isinstance(acc, float) and (gn is None or not (
-        math.isclose(acc, gn, rel_tol=1e-6) or (math.isnan(acc) and math.isnan(gn))))
+    acc_differs = _backward_only(graph, gn)
     if gn is not None:
-        lines.append(f"global grad norm {fmt_num(gn, 4)}" + (" (this backward);" if acc_differs else ";"))
+        lines.append(global_norm_words(graph) + ";")
     # a step's number, shown on the graphs that reach parameters; param.grad is what the
     # optimizer starts from: its own clipping and weight decay come after (inside its step)
     if acc_differs and params and isinstance(graph.meta.get("applied_grad_norm"), float):

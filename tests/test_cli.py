@@ -201,7 +201,9 @@ def test_render_keeps_the_recorders_title(tmp_path, capsys):
                 model(x, 0).mean().backward()
     run = tmp_path / "backward_graph"
     recorded = (run / "step_000003_b2.dot").read_text()
-    assert 'label="step 3 - micro-batch 2 of 2"' in recorded  # the case this test is about
+    title = recorded.split("\n  label=", 1)[1].split("\n", 1)[0]
+    assert title.startswith('"step 3 - micro-batch 2 of 2')  # the case this test is about
+    assert "global grad norm" in title and "(this backward)" in title  # with what it measured
     status, _, err = run_main(["render", "step_000003_b2.json", "-o", "again.dot"], run, capsys)
     assert status == 0, err
     assert (run / "again.dot").read_text() == recorded

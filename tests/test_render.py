@@ -324,3 +324,40 @@ def test_the_legend_names_the_layer_box_colour_when_boxes_are_drawn():
     from paddleviz_hooks import collapse_graph
     assert LAYER_BOX_LEGEND.split(":")[0] in to_dot(collapse_graph(cap.graph, depth=0))  # one box: the model
     assert LAYER_BOX_LEGEND.split(":")[0] not in to_dot(cap.graph)  # every op: no box
+
+
+# --------------------------------------------------------------------------
+# the first look: a legend of what is drawn, no dashed node whose gradients are all known
+# --------------------------------------------------------------------------
+def _legend_of(dot: str) -> str:
+    return next(line for line in dot.splitlines() if line.strip().startswith("legend "))
+
+
+def test_the_legend_lists_only_what_the_drawing_shows(graph):
+    """A plain step of a small MLP: no input leaf, no NaN/Inf, nothing dashed; the legend used to
+    list all three anyway. A step with an input leaf and a NaN lists them. Both say which way
+    the arrows go."""
+    legend = _legend_of(to_dot(graph))
+    assert "parameter" in legend and "arrows: the backward" in legend
+    assert "input leaf" not in legend and "NaN/Inf" not in legend and "dashed" not in legend
+    x = paddle.to_tensor([[1.0, -1.0]], stop_gradient=False)
+    with capture_backward(None) as cap:
+        paddle.sqrt(x).sum().backward()  # sqrt(-1): a NaN gradient into the input leaf
+    legend = _legend_of(to_dot(cap.graph))
+    assert "input leaf" in legend and "NaN/Inf" in legend
+
+
+def test_an_op_without_a_hook_whose_gradients_are_all_known_is_not_drawn_dashed():
+    """add_n takes no hook; what it passes on is copied from what it received, exact on every
+    edge: the node was drawn dashed, under a legend saying dashed means 'gradient not observed'."""
+    paddle.seed(0)
+    m = nn.Linear(3, 3)
+    x = paddle.randn([2, 3])
+    with capture_backward(m) as cap:
+        paddle.add_n([m(x), m(x) * 2.0]).sum().backward()
+    g = cap.graph
+    add_n = next(n for n in g.nodes if n.op == "AddN")
+    assert not add_n.hooked and all(e.grad is not None and e.grad.norm is not None
+                                    for e in g.edges if e.src == add_n.id)
+    line = next(x for x in to_dot(g).splitlines() if x.strip().startswith(f"n{add_n.id} [label="))
+    assert "filled,dashed" not in line and "filled" in line

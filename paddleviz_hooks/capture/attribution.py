@@ -6,7 +6,7 @@ from typing import Any
 
 import paddle
 
-from .._interrupts import pop_each, run_all
+from .._interrupts import run_all
 from .gradnode import Walk, grad_fn, made_by_backward, strip_wrapper_prefix
 
 __all__ = ["LayerAttribution", "frame_name", "tensors_in", "mark_layer_notes"]

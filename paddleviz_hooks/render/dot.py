@@ -12,7 +12,7 @@ from ..escape import dot_attrs, dot_html_table, dot_label, dot_quote
 from ..findings import marks, record_of
 from ..graph import BackwardGraph, Edge, Node, is_communication
 from ..hazards import PROGRAM_OP_NOTE
-from ..text import (COMMUNICATION_LEGEND, DASHED_LEGEND, FIRST_GRADIENT, FOLD_LEGEND, FOLD_SHOWN_LEGEND, LAYER_BOX_LEGEND, NONFINITE_LEGEND,
+from ..text import (COMMUNICATION_LEGEND, DASHED_LEGEND, FIRST_GRADIENT, FLOW_LEGEND, FOLD_LEGEND, FOLD_SHOWN_LEGEND, LAYER_BOX_LEGEND, NONFINITE_LEGEND,
                     NOT_OBSERVED, ORIGIN_LEGEND, SAVED_SHADE_NONE, SAVED_SHADE_TITLE, box_name, call_of, edge_lines,
                     fold_alike_line, node_lines, node_tooltip, origin_mark, origin_node_lines, saved_shade_line,
                     shown_block_line)
@@ -154,10 +154,17 @@ def dot_parts(
     shown = {label: v[0] for label, v in folds.items()}
     shown_says = {v[0]: shown_block_line(v[1], label) for label, v in folds.items()}  # in its frame's label
 
+    # an op without a hook is drawn dashed when a gradient it passes on stays unknown; one
+    # whose gradients were all recovered exactly (an AddN's, copied from what it received)
+    # is drawn as any other: nothing of it is missing
+    seen_edges = {id(e): e.grad is not None and _observed(graph, e) for e in graph.edges}
+    sends = {e.src for e in graph.edges}
+    missing = {e.src for e in graph.edges if not seen_edges[id(e)]}
+
     def node_stmt(n: Node) -> str:
         attrs = dict(STYLE.get(n.kind, STYLE["op"]))
         lines = node_lines(n)
-        if n.kind == "op" and not n.hooked:
+        if n.kind == "op" and not n.hooked and (n.id in missing or n.id not in sends):
             attrs.update(STYLE["unhooked"])
         if n.kind == "op" and is_communication(n.op):
             attrs.update(STYLE["communication"])
@@ -204,7 +211,7 @@ def dot_parts(
     keys = {n.id: n.key for n in graph.nodes}
     for e in graph.edges:
         attrs: dict[str, str] = {}
-        seen = _observed(graph, e)
+        seen = seen_edges[id(e)] or e.grad is None
         text = edge_lines(e.grad, stats, seen, e.note, e.after_hook)
         if text:
             attrs["label"] = "\n".join(text)
@@ -225,12 +232,16 @@ def dot_parts(
     if extra_body:
         body.extend(extra_body)
     if legend:
+        drawn = {n.kind for n in graph.nodes}
         body.append(_legend(stats, any(n.note == PROGRAM_OP_NOTE for n in graph.nodes), drawn_origin,
                             any(n.kind == "op" and is_communication(n.op) for n in graph.nodes),
                             None if shades is None else _shade_rows(graph, shades),
                             FOLD_SHOWN_LEGEND if shown else FOLD_LEGEND if any(
                                 n.kind == "layer" and n.count > 1 for n in graph.nodes) else None,
-                            any(n.kind == "layer" for n in graph.nodes)))
+                            "layer" in drawn, drawn=drawn, nonfinite=bool(bad) or any(
+                                e.grad is not None and e.grad.nonfinite for e in graph.edges),
+                            dashed=bool(missing) or any(n.kind == "op" and not n.hooked and n.id not in sends
+                                                        for n in graph.nodes)))
     return graph_attr, body
 
 
@@ -346,24 +357,32 @@ def _shade_rows(graph: BackwardGraph, shades: dict[int, int]) -> list[tuple[dict
 
 def _legend(stats: bool, compiled: bool = False, origin: bool = False, communication: bool = False,
             shade_rows: list[tuple[dict[str, str], str]] | None = None, fold: str | None = None,
-            boxes: bool = False) -> str:
-    rows = [({"BGCOLOR": c}, t) for c, t in (
-        ("#ffd966", "loss / root"),
-        ("#dae8fc", "op (grad node)"),
-        ("#c9ecc4", "parameter"),
-        ("#e6e6e6", "input leaf"),
-        (STYLE["nonfinite"]["fillcolor"], NONFINITE_LEGEND),
-    ) if not (shade_rows and c == STYLE["op"]["fillcolor"])]  # shaded: ops are blue by bytes or white
+            boxes: bool = False, drawn: set[str] | None = None, nonfinite: bool = True,
+            dashed: bool = True) -> str:
+    """The legend's rows: only what the drawing shows (``drawn``: the node kinds in it, all when
+    None; ``nonfinite``: a NaN/Inf is drawn; ``dashed``: something is drawn dashed)."""
+    def shown(kind: str) -> bool:
+        return nonfinite if kind == "nonfinite" else drawn is None or kind in drawn
+
+    rows = [({"BGCOLOR": c}, t) for c, t, kind in (
+        ("#ffd966", "loss / root", "root"),
+        ("#dae8fc", "op (grad node)", "op"),
+        ("#c9ecc4", "parameter", "param"),
+        ("#e6e6e6", "input leaf", "input"),
+        (STYLE["nonfinite"]["fillcolor"], NONFINITE_LEGEND, "nonfinite"),
+    ) if shown(kind) and not (shade_rows and c == STYLE["op"]["fillcolor"])]  # shaded: ops by bytes or white
     if boxes:
         rows.append(({"BGCOLOR": STYLE["layer"]["fillcolor"]}, LAYER_BOX_LEGEND))
     if origin:
         rows.append(({"BGCOLOR": STYLE["origin"]["color"]}, ORIGIN_LEGEND))
     if communication:
         rows.append(({"BGCOLOR": STYLE["communication"]["fillcolor"]}, COMMUNICATION_LEGEND))
-    rows.append(({}, DASHED_LEGEND))
+    if dashed:
+        rows.append(({}, DASHED_LEGEND))
     if compiled:
         rows.append(({}, f"dashed *_grad op: {PROGRAM_OP_NOTE} (to_static)"))
     rows.append(({}, "edge: grad shape dtype" + (", |g| = L2 norm" if stats else "")))
+    rows.append(({}, FLOW_LEGEND))
     if fold:
         rows.append(({}, fold))
     rows.extend(shade_rows or ())
