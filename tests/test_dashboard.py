@@ -33,6 +33,7 @@ import paddle
 import pytest
 
 from paddleviz_hooks import BackwardGraph, BackwardGraphCallback
+from paddleviz_hooks.text import graph_title
 from paddleviz_hooks.options import RecorderOptions
 from paddleviz_hooks.drawworker import VIEWER_LABEL_PX, viewer_png
 from paddleviz_hooks.sinks.visualdl import encode_like_visualdl, png_to_array
@@ -289,7 +290,7 @@ def expected_viewer_png(run_dir: Path, step: int, info: dict | None = None) -> b
     """The picture the dashboard should serve for a scheduled capture: the viewer picture
     drawn again from the step's saved JSON, encoded as VisualDL stores it."""
     graph = BackwardGraph.from_json(step_file(run_dir, step, "json").read_text())
-    png = viewer_png(graph, RecorderOptions.check(), f"step {step}", info=info)
+    png = viewer_png(graph, RecorderOptions.check(), graph_title(graph), info=info)  # the recorder's title
     return encode_like_visualdl(png_to_array(png))
 
 

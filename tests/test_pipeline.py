@@ -193,7 +193,7 @@ def test_visualdl_never_gets_a_one_box_picture_of_a_real_model(tmp_path):
     from paddleviz_hooks.drawworker import viewer_png
     from paddleviz_hooks.render import png_size
     from paddleviz_hooks.sinks.visualdl import encode_like_visualdl, png_to_array
-    from paddleviz_hooks.text import every_op_elsewhere
+    from paddleviz_hooks.text import every_op_elsewhere, graph_title
 
     paddle.seed(0)
     net = paddle.vision.models.resnet18(num_classes=4)
@@ -207,7 +207,8 @@ def test_visualdl_never_gets_a_one_box_picture_of_a_real_model(tmp_path):
     graph = BackwardGraph.from_json((run / "step_000001.json").read_text())
     seen: dict = {}
     # formats without svg: the collapsed picture's title points to the explorer for every op
-    viewer = viewer_png(graph, RecorderOptions.check(), "step 1", info=seen, full_detail=every_op_elsewhere())
+    viewer = viewer_png(graph, RecorderOptions.check(), graph_title(graph), info=seen,
+                        full_detail=every_op_elsewhere())
     assert seen["collapsed_depth"] != 0 and seen["nodes"] > 5, seen  # the blocks, not one box
     w, h = png_size(viewer)
     assert w <= 1280 and h <= 720

@@ -28,7 +28,7 @@ from paddleviz_hooks import BackwardGraph, BackwardGraphRecorder
 from paddleviz_hooks.options import RecorderOptions
 from paddleviz_hooks.drawworker import VIEWER_LABEL_PX, viewer_png
 from paddleviz_hooks.sinks.visualdl import encode_like_visualdl, png_to_array
-from paddleviz_hooks.text import every_op_elsewhere
+from paddleviz_hooks.text import every_op_elsewhere, graph_title
 
 from _browser import CHROMIUM, launch_chromium
 from test_dashboard import (BLOB_BYTES_JS, TEST_OUTPUT, VisualDLServer, open_image_tab, png_size, viewer_state,
@@ -69,7 +69,8 @@ def _drawn_source(graph: BackwardGraph, info: dict) -> tuple[bytes, str]:
     plan.run_engine_formats = spy
     try:
         # formats without svg: a collapsed picture's title points to the explorer for every op
-        png = viewer_png(graph, RecorderOptions.check(), "step 1", info=info, full_detail=every_op_elsewhere())
+        png = viewer_png(graph, RecorderOptions.check(), graph_title(graph), info=info,
+                         full_detail=every_op_elsewhere())
     finally:
         plan.run_engine_formats = real
     return png, sources[-1]
