@@ -30,6 +30,7 @@ __all__ = [
     "UNOBSERVED_WHY",
     "DASHED_LEGEND",
     "FLOW_LEGEND",
+    "NAN_INSIDE",
     "NONFINITE_LEGEND",
     "combined_norm",
     "MODEL_OUTPUT",
@@ -139,6 +140,8 @@ AFTER_HOOK = "a hook changed it"
 NONFINITE_LEGEND = "NaN/Inf gradient (passed on, or a parameter's)"
 #: Legend row of dashed edges.
 DASHED_LEGEND = f"dashed: gradient {NOT_OBSERVED} (the node takes no hook, or as its label says)"
+#: A box (a layer) holding where a NaN/Inf starts, said in its header where only boxes show.
+NAN_INSIDE = "NaN/Inf starts inside"
 #: Legend row of the arrows' direction (a forward graph's arrows point the other way).
 FLOW_LEGEND = "arrows: the backward, from the loss toward the parameters"
 #: Why a gradient's values were not observed (``GradMeta.note`` codes, see ``graph.UNOBSERVED_REASONS``).

@@ -130,7 +130,7 @@ def test_every_node_edge_and_parameter_is_there(captured):
     matmuls = sorted(n["attrs"]["layer"] for n in data["nodes"]
                      if n["is_leaf_node"] and n["parent_node"].startswith("/shared/call"))
     assert "shared (call 1)" in matmuls and "shared (call 2)" in matmuls
-    node = next(n for n in data["nodes"] if n["is_leaf_node"] and n["type"] == "matmul_grad")
+    node = next(n for n in data["nodes"] if n["is_leaf_node"] and n["type"] == "Matmul")  # named as every view names it
     assert {"op", "paddle", "layer", "shape", "dtype", "norm", "min", "max", "NaN", "Inf"} <= set(node["attrs"])
     assert node["attrs"]["paddle"].endswith("GradNode") and set(node["attr_types"]) == set(node["attrs"])
 
@@ -167,6 +167,42 @@ def test_nan_origin_is_flagged(tmp_path):
     write_vdl_graph(str(tmp_path / "g"), graph)
     reader = GraphReader(str(tmp_path))
     reader.get_graph(reader.runs()[0], refresh=True)
+
+
+def test_the_boxes_holding_a_nan_origin_say_so_in_their_headers():
+    """The tab's first view shows only boxes: the ones on the way to the origin say 'NaN/Inf
+    starts inside' in their header (before, only an attribute, seen after opening them)."""
+    class Block(paddle.nn.Layer):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = paddle.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return paddle.sqrt(self.fc(x) - 100.0)
+
+    class Net(paddle.nn.Layer):
+        def __init__(self) -> None:
+            super().__init__()
+            self.block, self.other, self.out = Block(), paddle.nn.Linear(4, 4), paddle.nn.Linear(4, 1)
+
+        def forward(self, x):
+            return self.out(self.block(self.other(x)))
+
+    paddle.seed(0)
+    net = Net()
+    with capture_backward(net) as cap:
+        net(paddle.randn([2, 4])).mean().backward()
+    graph = cap.graph
+    sqrt = next(n for n in graph.nodes if n.op == "Sqrt")
+    graph.nonfinite = nonfinite_record(graph, NonfiniteOrigin(
+        "forward", op="sqrt", layer="block", layer_class="Block", file="model.py", line=9,
+        code="return paddle.sqrt(h)", key=sqrt.key, needs_grad=True))
+    boxes = {n["name"]: n for n in vdl_graph(graph)["nodes"] if not n["is_leaf_node"]}
+    assert boxes["/block"]["show_name"].endswith("NaN/Inf starts inside")
+    assert "NaN/Inf starts inside" in boxes["/block"]["type"]
+    assert not any("NaN/Inf" in b["show_name"] for name, b in boxes.items() if name != "/block")
+    ops = [n["type"] for n in vdl_graph(graph)["nodes"] if n["is_leaf_node"] and n["attrs"].get("op")]
+    assert "Matmul" in ops and "Sqrt" not in ops  # ops named as in every view (the origin's own: its mark)
 
 
 def test_recorder_writes_one_folder_per_capture(tmp_path):

@@ -36,7 +36,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import time
 from collections import defaultdict
 from typing import Any
@@ -46,18 +45,18 @@ from ..collapse import call_paths
 from ..escape import vdl_graph_name, visible_data
 from ..graph import BackwardGraph, GradMeta, Node
 from ..findings import marks, record_of
-from ..text import (FIRST_GRADIENT, node_layer, NOT_OBSERVED, describe_origin, edge_lines, fmt_num, layer_name, origin_short,
+from ..text import (FIRST_GRADIENT, NAN_INSIDE, node_layer, NOT_OBSERVED, describe_origin, edge_lines, fmt_num, layer_name, origin_short,
                     source_attrs)
 
 __all__ = ["vdl_graph", "write_vdl_graph", "VDL_GRAPH_VERSION"]
 
 VDL_GRAPH_VERSION = "1.0.0"  # the version string VisualDL's own add_graph writes
-_CAMEL = re.compile(r"(?<=[a-z0-9])(?=[A-Z])")
 
 
 def _op_type(op: str) -> str:
-    """``Matmul`` -> ``matmul_grad``: Paddle's op names, so VisualDL colours them like Paddle ops."""
-    return _CAMEL.sub("_", op.replace("PyLayer:", "pylayer_")).lower().replace(".", "_") + "_grad"
+    """The type an op node shows: its name as every other view writes it (``Matmul``,
+    ``CrossEntropyWithSoftmax``); the tab shows a type after its last dot, so none is kept."""
+    return op.replace(".", "_")
 
 
 def _exact(v: float | None) -> str:
@@ -296,8 +295,10 @@ def vdl_graph(graph: BackwardGraph) -> dict[str, Any]:
             node = tree.nodes[target]
             node["type"] = origin_short(rec.origin)  # the file is in the attribute (a type shows after its last dot)
             _set(node, "NaN/Inf origin", story)
-            for box in tree.ancestors(target):  # the boxes on the way there say so too
+            for box in tree.ancestors(target):  # the boxes on the way there say so too, in their headers
                 _set(tree.nodes[box], "NaN/Inf origin", "inside: " + story)
+                tree.nodes[box]["show_name"] += f" - {NAN_INSIDE}"
+                tree.nodes[box]["type"] += f" - {NAN_INSIDE}"
 
     return {"version": VDL_GRAPH_VERSION, "nodes": list(tree.nodes.values()), "vars": variables, "edges": edges}
 
