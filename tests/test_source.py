@@ -493,3 +493,25 @@ def test_the_call_stack_flag_is_off_between_a_backward_and_the_next_forward():
     for g in cap.graphs:
         ops = [n for n in g.nodes if n.kind == "op"]
         assert ops and all(n.source is not None for n in ops), [(n.op, n.source_note) for n in ops]
+
+
+def test_ops_of_paddles_own_models_get_the_models_lines():
+    """paddle.vision.models.LeNet and nn.TransformerEncoder are model code written by Paddle:
+    an op made in them gets its line there (``x = self.fc(x)`` in lenet.py), as a model
+    library's ops do, after the user's line that ran the model. Before, every op of such a model
+    had the same source, the user's call of the model (under Model.fit, the fit line)."""
+    paddle.seed(0)
+    lenet = paddle.vision.models.LeNet()
+    enc = paddle.nn.TransformerEncoder(paddle.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0), 1)
+    with capture_backward(lenet) as a:
+        lenet(paddle.randn([2, 1, 28, 28])).mean().backward()
+    with capture_backward(enc) as b:
+        enc(paddle.randn([2, 3, 8])).mean().backward()
+    for g, file in ((a.graph, "lenet.py"), (b.graph, "transformer.py")):
+        inside = [n for n in g.nodes if n.kind == "op" and n.layer]
+        assert inside
+        for n in inside:
+            assert os.path.basename(n.source[-1].file) == file and n.source[-1].code, n
+            assert os.path.abspath(n.source[0].file) == os.path.abspath(__file__)  # the user's line first
+    lines = {n.source[-1].code for n in a.graph.nodes if n.kind == "op" and n.layer}
+    assert len(lines) > 1  # not one line for every op

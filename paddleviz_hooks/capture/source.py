@@ -558,6 +558,10 @@ def _dirs() -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
 
 
 _NEVER, _STDLIB, _INSTALLED = _dirs()
+# Paddle's own model definitions (``paddle.vision.models``, the Transformer layers built of
+# other layers): their lines say where in a model an op was made, as a model library's do
+# (``Model.fit`` of ``paddle.vision.models.LeNet`` otherwise gave every op the ``fit`` line)
+_PADDLE_MODELS = tuple(os.path.join(_NEVER[0], *p) for p in (("vision", "models", ""), ("nn", "layer", "transformer.py")))
 
 
 _USER, _NOT_USER, _INSTALLED_PKG, _OWN = 0, 1, 2, 3
@@ -567,12 +571,15 @@ _KINDS: dict[str, int] = {}  # file -> one of the above (a few hundred files at 
 def _kind(file: str) -> int:
     """Whose a frame's file is: the user's, never the user's (Paddle, this package, the
     standard library: an installed package under its folder, as in a system Python, is no
-    part of it), an installed package's; this package is also told apart."""
+    part of it), an installed package's (Paddle's model definitions count as one); this
+    package is also told apart."""
     k = _KINDS.get(file)
     if k is None:
         path = file if file.startswith("<") else os.path.abspath(file)
         if path.startswith(_OWN_DIR):
             k = _OWN
+        elif path.startswith(_PADDLE_MODELS):
+            k = _INSTALLED_PKG
         elif path.startswith(("<frozen ", *_NEVER)) or (path.startswith(_STDLIB) and not path.startswith(_INSTALLED)):
             k = _NOT_USER
         elif path.startswith(_INSTALLED):
