@@ -24,12 +24,32 @@ hide or reorder it on a terminal is shown escaped (``escape.visible``):
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import warnings
 
 from .escape import visible
 
 __all__ = ["WarnOnce"]
+
+_OURS = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _users_level() -> int:
+    """The ``stacklevel`` of :meth:`WarnOnce.__call__`'s ``warnings.warn`` that names the
+    user's line that led to the warning (the first frame outside this package and Paddle:
+    the ``fit`` call, the ``with rec.step():`` block), not a line of this package; the
+    caller's caller when there is none (a background thread's warning)."""
+    paddle = sys.modules.get("paddle")
+    inside = (_OURS,) + ((os.path.dirname(os.path.abspath(paddle.__file__)) + os.sep,)
+                         if getattr(paddle, "__file__", None) else ())
+    f, level = sys._getframe(2), 2  # the caller of __call__: stacklevel 2 of its warnings.warn
+    while f is not None:
+        if not os.path.abspath(f.f_code.co_filename).startswith(inside):
+            return level
+        f, level = f.f_back, level + 1
+    return 3
 
 
 class WarnOnce:
@@ -50,7 +70,8 @@ class WarnOnce:
             if cause in self._seen:
                 return
             self._seen.add(cause)
-        warnings.warn(f"paddleviz_hooks: {visible(message, lines=True)}", RuntimeWarning, stacklevel=3)
+        warnings.warn(f"paddleviz_hooks: {visible(message, lines=True)}", RuntimeWarning,
+                      stacklevel=_users_level())
 
     def seen(self, cause: str) -> bool:
         """Whether ``cause`` has warned already."""

@@ -316,3 +316,22 @@ def test_a_step_whose_capture_failed_is_counted_as_lost(tmp_path, monkeypatch, c
     assert rec.captured_steps == [1, 3]
     assert list(rec.lost_steps) == [2] and "injected failure" in rec.lost_steps[2]
     assert "injected failure" in capsys.readouterr().out
+
+
+def test_a_warning_names_the_users_line_not_the_librarys(tmp_path):
+    """A warning about a step points at the user's line that led to it (here the backward of a
+    forward run outside the step), as Python shows it (``file:line:``); it named a line of
+    this package (``capture/session.py``), where the user can do nothing."""
+    import warnings
+
+    net = nn.Linear(3, 2)
+    rec = BackwardGraphRecorder(str(tmp_path), net, every=1, verbose=0, formats=("json",), visualdl=False)
+    loss = net(paddle.randn([2, 3])).mean()
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        with rec.step(1):
+            loss.backward()  # the forward ran before the step was armed
+        rec.close()
+    ours = [w for w in got if "paddleviz_hooks:" in str(w.message)]
+    assert ours and "forward ran before" in str(ours[0].message)
+    assert os.path.abspath(ours[0].filename) == os.path.abspath(__file__), ours[0].filename
