@@ -251,6 +251,12 @@ class BackwardGraphRecorder:
         #: the folder this rank writes to (set when the recorder opens)
         self.run_dir: str | None = None
         self._warn = WarnOnce()
+        if self.options.visualdl and self.options.visualdl_graphs:  # said now, not at the first capture
+            from .sinks.visualdl import GRAPHS_PATH_CAUSE, graphs_path_problem
+
+            problem = graphs_path_problem(os.path.abspath(self.options.log_dir))
+            if problem:
+                self._warn(GRAPHS_PATH_CAUSE, problem)
         self._open = False
         self._closed = False  # close() was called (a later step warns: use after close)
         self._installed = False  # the recorder's hooks are in place (removed after an exception)

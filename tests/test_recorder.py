@@ -335,3 +335,20 @@ def test_a_warning_names_the_users_line_not_the_librarys(tmp_path):
     ours = [w for w in got if "paddleviz_hooks:" in str(w.message)]
     assert ours and "forward ran before" in str(ours[0].message)
     assert os.path.abspath(ours[0].filename) == os.path.abspath(__file__), ours[0].filename
+
+
+def test_a_log_dir_the_graphs_tab_cannot_open_is_said_at_construction(tmp_path):
+    """VisualDL's Graphs tab cannot open a path with a space: said when the recorder is made,
+    once (it came at the first capture, from the background thread, seen at close())."""
+    import warnings
+
+    net = nn.Linear(3, 2)
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        rec = BackwardGraphRecorder(str(tmp_path / "my runs"), net, every=1, verbose=0, formats=("json",))
+        made = [str(w.message) for w in got if "Graphs tab" in str(w.message)]
+        with rec.step(1):
+            net(paddle.randn([2, 3])).mean().backward()
+        rec.close()
+    assert len(made) == 1 and "my runs" in made[0]
+    assert sum("Graphs tab" in str(w.message) for w in got) == 1

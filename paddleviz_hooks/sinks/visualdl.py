@@ -155,11 +155,9 @@ class VisualDLSink(Sink):
         if not self.context.graphs:
             return {}
         directory = self.context.directory
-        if not _URL_SAFE_PATH.match(directory):
-            self.context.warn("vdl-graph-path", (
-                f"VisualDL's Graphs tab cannot open graphs under {directory!r}: its page puts "
-                "the folder path into web addresses unencoded, so a path with spaces or & # + % "
-                "breaks it. Use a log_dir whose full path has only letters, digits and / . _ -"))
+        problem = graphs_path_problem(directory)
+        if problem:
+            self.context.warn(GRAPHS_PATH_CAUSE, problem)
         return {"vdl_graph": graph_dir(directory, self.context.display_name, record.step, record.trigger,
                                        record.suffix)}
 
@@ -197,3 +195,21 @@ class VisualDLSink(Sink):
 
 
 _URL_SAFE_PATH = re.compile(r"^[A-Za-z0-9/._~:\\-]*$")
+#: the warn-once cause of :func:`graphs_path_problem` (the recorder checks at construction, the sink again)
+GRAPHS_PATH_CAUSE = "vdl-graph-path"
+
+
+def graphs_path_problem(directory: str) -> str | None:
+    """Why VisualDL's Graphs tab cannot open graphs under ``directory``; None when it can.
+
+    Examples:
+        >>> graphs_path_problem("/runs/exp_1") is None
+        True
+        >>> graphs_path_problem("/my runs/exp").split(":")[0]
+        "VisualDL's Graphs tab cannot open graphs under '/my runs/exp'"
+    """
+    if _URL_SAFE_PATH.match(directory):
+        return None
+    return (f"VisualDL's Graphs tab cannot open graphs under {directory!r}: its page puts "
+            "the folder path into web addresses unencoded, so a path with spaces or & # + % "
+            "breaks it. Use a log_dir whose full path has only letters, digits and / . _ -")
