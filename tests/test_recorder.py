@@ -352,3 +352,18 @@ def test_a_log_dir_the_graphs_tab_cannot_open_is_said_at_construction(tmp_path):
         rec.close()
     assert len(made) == 1 and "my runs" in made[0]
     assert sum("Graphs tab" in str(w.message) for w in got) == 1
+
+
+def test_a_run_that_recorded_nothing_leaves_no_empty_folder(tmp_path):
+    """A recorder used again after close() for a step that records nothing claimed a new run
+    folder (backward_graph_2) and left it empty; the first run's folder keeps its files."""
+    net = nn.Linear(3, 2)
+    rec = BackwardGraphRecorder(str(tmp_path), net, every=1, verbose=0, formats=("json",), visualdl=False)
+    with rec.step(1):
+        net(paddle.randn([2, 3])).mean().backward()
+    rec.close()
+    with rec.step(2):
+        pass  # no backward: nothing to record
+    rec.close()
+    assert sorted(os.listdir(tmp_path)) == ["backward_graph"]
+    assert os.listdir(tmp_path / "backward_graph") == ["step_000001.json"]

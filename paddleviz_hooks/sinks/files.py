@@ -157,8 +157,13 @@ class StepFiles:
         return atomic_write(self.path(step, ext, suffix), data)
 
     def close(self) -> None:
-        """Let the folder go (another writer may claim it; it keeps the files)."""
+        """Let the folder go (another writer may claim it; it keeps the files); a folder the
+        run wrote nothing into goes too (a step that recorded nothing leaves no empty run folder)."""
         lock = self._lock
         if lock is not None:  # forgotten only once released: a second call finishes an interrupted one
             _release(self.directory, lock)
             self._lock = None
+            try:
+                os.rmdir(self.directory)  # only when empty
+            except OSError:
+                pass
