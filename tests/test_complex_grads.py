@@ -389,3 +389,27 @@ def test_grad_meta_round_trips_a_complex_gradient():
     m = stats.grad_meta(paddle.to_tensor(np.array([3 + 4j, 1j], np.complex64)), True)
     assert (m.norm, m.min, m.max) == (math.sqrt(26.0), None, None)
     assert GradMeta.from_dict(json.loads(json.dumps(m.to_dict()))) == m
+
+
+# --------------------------------------------------------------------------
+# where a forward NaN starts: complex inputs and weights are looked at too
+# --------------------------------------------------------------------------
+class _AbsHead(nn.Layer):
+    def __init__(self, nan_weight: bool):
+        super().__init__()
+        self.w = EagerParamBase(shape=[4], dtype="complex64")
+        self.w.set_value(np.array([1, 2, 3, complex(1, np.nan) if nan_weight else 4], np.complex64))
+        self.lin = nn.Linear(4, 1)
+
+    def forward(self, z):
+        return self.lin(paddle.abs(z * self.w))
+
+
+def test_a_nan_in_a_complex_input_or_weight_is_the_origin():
+    from paddleviz_hooks import find_nonfinite_origin
+
+    paddle.seed(0)
+    z = paddle.to_tensor(np.array([[1, 2, complex(0, np.nan), 4]], np.complex64))  # NaN in an imaginary part
+    assert find_nonfinite_origin(_AbsHead(False), z)["kind"] == "input"  # was: the multiply that read it
+    o = find_nonfinite_origin(_AbsHead(True), paddle.ones([1, 4], "complex64"))
+    assert (o["kind"], o["op"]) == ("weights", None)
