@@ -148,8 +148,13 @@ class GradMeta:
     """What is known of one gradient tensor flowing along an edge.
 
     ``norm``, ``min`` and ``max`` are None when gradient statistics were off
-    or the gradient was not a floating point tensor; ``nan``/``inf`` count
-    non-finite elements (only counted when the norm is not finite).
+    or the gradient was neither a floating-point nor a complex tensor;
+    ``nan``/``inf`` count non-finite elements (only counted when the norm is
+    not finite). Of a complex gradient, ``norm`` is ``sqrt(sum |z|**2)``, an
+    element with a NaN real or imaginary part counts once as NaN (else, with
+    an infinite part, once as Inf), and ``min``/``max`` are None: complex
+    numbers have no order. A gradient of no elements (a shape with a 0) has
+    ``norm`` 0 and no ``min``/``max``.
 
     A distributed tensor (auto-parallel) keeps its global ``shape``, this
     rank's shard shape in ``local_shape`` and its ``placements`` per mesh
@@ -737,16 +742,37 @@ class BackwardGraph:
                 count += n.grad.nonfinite
         return count
 
-    def global_grad_norm(self, local: bool = False) -> float | None:
-        """L2 norm over all parameter gradients (None without statistics).
+    def global_grad_norm(self, local: bool = False, partial: bool = False) -> float | None:
+        """L2 norm over all parameter gradients.
+
+        None without statistics, and None when the norm of some parameter's
+        gradient is not known (:meth:`params_without_norm`): a figure that
+        leaves a parameter out is not the global norm.
 
         Args:
             local: of this rank's gradients before synchronisation (see :meth:`params`).
+            partial: the norm over the parameters whose gradient norm is known,
+                even when some is not (None only when none is).
+
+        Examples:
+            >>> g = BackwardGraph(nodes=[Node(0, "param", "", param="a", grad=GradMeta(norm=3.0)),
+            ...                          Node(1, "param", "", param="b", grad=GradMeta(norm=4.0))])
+            >>> g.global_grad_norm()
+            5.0
+            >>> g.nodes[1].grad = GradMeta(dtype="complex64")  # saved by a version without complex statistics
+            >>> g.global_grad_norm(), g.global_grad_norm(partial=True), g.params_without_norm()
+            (None, 3.0, ['b'])
         """
-        norms = [m.norm for m in self.params(local).values() if m is not None and m.norm is not None]
-        if not norms:
+        metas = self.params(local).values()
+        norms = [m.norm for m in metas if m is not None and m.norm is not None]
+        if not norms or (not partial and len(norms) < len(metas)):
             return None
         return math.sqrt(sum(v * v for v in norms))
+
+    def params_without_norm(self, local: bool = False) -> list[str]:
+        """Parameters reached whose gradient norm is not known (statistics off, a gradient
+        not observed, or a graph saved by a version that kept no statistics for its dtype)."""
+        return [name for name, m in self.params(local).items() if m is None or m.norm is None]
 
     def layer_grad_norms(self, depth: int = 1, local: bool = False) -> dict[str, float]:
         """L2 norm of the parameter gradients grouped by layer path prefix.
@@ -757,16 +783,20 @@ class BackwardGraph:
             local: of this rank's gradients before synchronisation (see :meth:`params`).
 
         Returns:
-            group -> norm; parameters of the top layer itself go to ``"(self)"``.
+            group -> norm; parameters of the top layer itself go to ``"(self)"``. A group
+            holding a parameter whose gradient norm is not known is left out (its figure
+            would leave that parameter out).
         """
         sq: dict[str, float] = defaultdict(float)
+        unknown: set[str] = set()
         for name, m in self.params(local).items():
-            if m is None or m.norm is None:
-                continue
             parts = name.split(".")[:-1]
             group = ".".join(parts[:depth]) if parts else "(self)"
+            if m is None or m.norm is None:
+                unknown.add(group)
+                continue
             sq[group] += m.norm * m.norm
-        return {k: math.sqrt(v) for k, v in sorted(sq.items())}
+        return {k: math.sqrt(v) for k, v in sorted(sq.items()) if k not in unknown}
 
     def saved_bytes_by_layer(self, depth: int = 1) -> dict[str, int]:
         """Bytes held for backward (``meta["saved_memory"]``) grouped by layer path prefix.

@@ -89,6 +89,7 @@ __all__ = [
     "diff_summary",
     "edge_lines",
     "AFTER_HOOK",
+    "extreme_text",
     "fmt_bytes",
     "fmt_num",
     "fmt_ratio",
@@ -659,6 +660,26 @@ def edge_lines(meta: GradMeta | None, stats: bool, observed: bool = True, why: s
             changed += f" NaN:{after_hook.nan} Inf:{after_hook.inf}"
         lines.append(changed)
     return lines
+
+
+def extreme_text(meta: GradMeta, value: float | None) -> str:
+    """A gradient's min or max as an attribute shows it: the number in full, or why there is none.
+
+    Examples:
+        >>> extreme_text(GradMeta((3,), "float32", norm=1.0, min=-0.5, max=1.0), -0.5)
+        '-0.5'
+        >>> extreme_text(GradMeta((3,), "complex64", norm=1.0), None)
+        'none (complex values have no order)'
+        >>> extreme_text(GradMeta((0, 4), "float32", norm=0.0), None)
+        'none (no elements)'
+    """
+    if value is not None:
+        return fmt_num(value) if not math.isfinite(value) else repr(float(value))
+    if meta.dtype in ("complex64", "complex128"):
+        return "none (complex values have no order)"
+    if meta.shape is not None and 0 in meta.shape:
+        return "none (no elements)"
+    return fmt_num(None)
 
 
 def combined_norm(meta: GradMeta) -> str:
@@ -1376,6 +1397,11 @@ def graph_summary(graph: BackwardGraph, top: int = 5, previous: BackwardGraph | 
     acc_differs = _backward_only(graph, gn)
     if gn is not None:
         lines.append(global_norm_words(graph) + ";")
+    elif (part := graph.global_grad_norm(partial=True)) is not None:  # never an incomplete figure as the whole
+        unknown = graph.params_without_norm()
+        lines.append(f"no global grad norm: {plural(len(unknown), 'parameter')} without a gradient norm "
+                     f"({_names(unknown)}); over the other {len(params) - len(unknown)}: {fmt_num(part, 4)}"
+                     + (" (this backward);" if acc_differs else ";"))
     # a step's number, shown on the graphs that reach parameters; param.grad is what the
     # optimizer starts from: its own clipping and weight decay come after (inside its step)
     if acc_differs and params and isinstance(graph.meta.get("applied_grad_norm"), float):

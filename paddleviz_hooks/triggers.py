@@ -30,12 +30,16 @@ from .options import RecorderOptions
 
 __all__ = ["Triggers", "global_grad_norm", "grads_nonfinite"]
 
+# values that can be NaN/Inf
+_INEXACT = (paddle.float32, paddle.float64, paddle.float16, paddle.bfloat16, paddle.complex64, paddle.complex128)
+
 
 def global_grad_norm(params: Any) -> float | None:
     """L2 norm over every initialised ``p.grad`` of ``params`` (None without any).
 
     Read as captured gradients are (``capture/stats.py``: in place on the
-    host, one transfer from a device). Of a distributed (auto-parallel)
+    host, one transfer from a device); a complex gradient counts ``|z|**2``
+    per element. Of a distributed (auto-parallel)
     gradient only this rank's shard is read: the whole would need
     communication.
     """
@@ -47,14 +51,22 @@ def global_grad_norm(params: Any) -> float | None:
     return math.sqrt(total) if not math.isnan(total) else math.nan
 
 
+def _real(t: Any) -> Any:
+    """A float tensor holding every value of ``t``: itself (float32, float64), its real and
+    imaginary parts (complex: a NaN/Inf in either is seen), or a float32 copy."""
+    if t.dtype in (paddle.float32, paddle.float64):
+        return t
+    return paddle.as_real(t) if t.is_complex() else t.astype("float32")
+
+
 def _nonfinite(tensors: list[Any]) -> list[int]:
-    """Indices of the tensors holding NaN/Inf.
+    """Indices of the tensors holding NaN/Inf (of a complex one, in its real or imaginary part).
 
     One sum per tensor, summed on the device, one host transfer; a sum that
     is not finite is confirmed per tensor, so finite values whose sum
     overflows are not taken for NaN/Inf.
     """
-    ts = [t if t.dtype in (paddle.float32, paddle.float64) else t.astype("float32") for t in tensors]
+    ts = [_real(t) for t in tensors]
     if not ts:
         return []
     sums = [t.sum() for t in ts]
@@ -73,7 +85,7 @@ def grads_nonfinite(params: Any) -> bool | None:
 
 def weights_nonfinite(named: Any) -> list[str]:
     """Names of the parameters whose values (not gradients) hold NaN/Inf; run on captured steps only."""
-    items = [(n, p) for n, p in named if p.dtype in (paddle.float32, paddle.float64, paddle.float16, paddle.bfloat16)]
+    items = [(n, p) for n, p in named if p.dtype in _INEXACT]
     return [items[i][0] for i in _nonfinite([local_value(p) for _, p in items])]
 
 

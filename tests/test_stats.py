@@ -79,12 +79,14 @@ def test_statistics_equal_float64_references(on_device):
         assert abs(m.norm - norm) <= (1e-5 if on_device else 1e-7) * norm, (k, m.norm, norm)
 
 
-def test_a_non_float_or_empty_gradient_has_no_statistics():
+def test_a_non_float_gradient_has_no_statistics_and_an_empty_one_norm_0():
     q = stats.StatsQueue(on_device=True)
     ints = stats.grad_meta(paddle.to_tensor([1, 2, 3]), True, q)
     empty = stats.grad_meta(paddle.zeros([0, 4]), True, q)
     q.resolve()
-    assert (ints.dtype, ints.norm, empty.shape, empty.norm) == ("int64", None, (0, 4), None)
+    assert (ints.dtype, ints.norm, ints.min) == ("int64", None, None)
+    # no elements: the sum of no squares, nothing non-finite, no min or max
+    assert (empty.shape, empty.norm, empty.nan, empty.inf, empty.min, empty.max) == ((0, 4), 0.0, 0, 0, None, None)
 
 
 class _Net(nn.Layer):

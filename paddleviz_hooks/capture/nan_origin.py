@@ -75,8 +75,14 @@ _DTYPE_RE = re.compile(r"dtype=([A-Za-z0-9_]+)")
 _DTYPES = {"fp32": "float32", "fp64": "float64", "fp16": "float16", "bf16": "bfloat16"}
 
 
+def _inexact(t: Any) -> bool:
+    """Whether ``t`` can hold NaN/Inf: a floating-point or complex tensor (a complex element
+    is non-finite when its real or imaginary part is)."""
+    return t.is_floating_point() or t.is_complex()
+
+
 def has_nonfinite(obj: Any) -> bool:
-    """Whether any floating-point tensor inside ``obj`` (nested lists, tuples, dicts) holds NaN/Inf.
+    """Whether any floating-point or complex tensor inside ``obj`` (nested lists, tuples, dicts) holds NaN/Inf.
 
     Examples:
         >>> has_nonfinite(([paddle.to_tensor([1.0])], {"x": paddle.to_tensor([float("nan")])}))
@@ -85,16 +91,16 @@ def has_nonfinite(obj: Any) -> bool:
         False
     """
     for t in tensors_in(obj):
-        if t._is_initialized() and t.size and t.is_floating_point():
+        if t._is_initialized() and t.size and _inexact(t):
             if not bool(paddle.isfinite(t).all()):
                 return True
     return False
 
 
 def _has_nan(obj: Any) -> bool:
-    """Whether any floating-point tensor inside ``obj`` holds NaN (±inf is a legitimate value: masks)."""
+    """Whether any floating-point or complex tensor inside ``obj`` holds NaN (±inf is a legitimate value: masks)."""
     for t in tensors_in(obj):
-        if t._is_initialized() and t.size and t.is_floating_point():
+        if t._is_initialized() and t.size and _inexact(t):
             if bool(paddle.isnan(t).any()):
                 return True
     return False
@@ -316,7 +322,7 @@ def _from_stack(text: str, stack: list[tuple[Any, int]], layer: paddle.nn.Layer)
         elif name.startswith(_PADDLE_DIR) and not isinstance(owner, paddle.nn.Layer):
             # a Paddle function (not a layer's __call__/forward): the innermost one holding
             # floating-point tensors is the op's own wrapper; its inputs decide
-            floats = [t for t in tensors_in(dict(frame.f_locals)) if t.is_floating_point()]
+            floats = [t for t in tensors_in(dict(frame.f_locals)) if _inexact(t)]
             if floats:
                 needs_grad = any(not t.stop_gradient for t in floats)
     code = linecache.getline(file, line).strip() if file else ""
@@ -520,7 +526,7 @@ def _same_values(a: Any, b: Any) -> bool:
     for x, y in zip(xs, ys):
         if tuple(x.shape) != tuple(y.shape):
             return False
-        if x._is_initialized() and y._is_initialized() and x.size and x.is_floating_point():
+        if x._is_initialized() and y._is_initialized() and x.size and _inexact(x):
             if not np.allclose(x.numpy(), y.numpy(), rtol=1e-4, atol=1e-6, equal_nan=True):
                 return False
     return True
@@ -584,7 +590,7 @@ def _entry_key(layer: paddle.nn.Layer, args: tuple, kwargs: dict, rng: Any, grap
         if not made:
             return
         for t in tensors_in((a, k)):
-            if t.stop_gradient and t._is_initialized() and t.size and t.is_floating_point() and bool(
+            if t.stop_gradient and t._is_initialized() and t.size and _inexact(t) and bool(
                     (paddle.isnan(t) if want_nan else ~paddle.isfinite(t)).any()):
                 where = None
                 f = sys._getframe(2)

@@ -20,6 +20,15 @@ depends on where it lives:
   (float32 elements beyond about 1.8e19) gets its norm from a second sum
   taken at a power-of-two scale, which is exact in binary floating point.
 
+A complex gradient (complex64, complex128) is read as its real and imaginary
+parts (a float view of the same memory on the host, ``paddle.as_real`` on a
+device): its norm is ``sqrt(sum |z|**2)``, the sum of the squares of both
+parts, accumulated as a float gradient's is; an element whose real or
+imaginary part is NaN counts once as NaN, one with an infinite part (and no
+NaN) once as Inf. Complex numbers have no order: ``min`` and ``max`` stay
+None. A gradient of no elements (shape ``[0, ...]``) has norm 0 (the sum of no
+squares), no NaN/Inf, and no min or max.
+
 Metadata is filled in place: a queued :class:`~paddleviz_hooks.graph.GradMeta`
 has its shape and dtype at once and its numbers after :meth:`StatsQueue.resolve`.
 """
@@ -36,9 +45,12 @@ import paddle
 from ..graph import GradMeta
 from .gradnode import dtype_name
 
-__all__ = ["StatsQueue", "grad_meta", "sum_of_squares", "flat_tensors", "is_dist", "local_value"]
+__all__ = ["StatsQueue", "grad_meta", "sum_of_squares", "flat_tensors", "float_parts", "is_dist", "local_value"]
 
 _FLOAT_DTYPES = {"float16", "bfloat16", "float32", "float64"}
+_COMPLEX_DTYPES = {"complex64", "complex128"}
+_STAT_DTYPES = _FLOAT_DTYPES | _COMPLEX_DTYPES  # gradients that get statistics (one answer everywhere)
+_EXACT_DTYPES = ("float32", "float64", "complex64", "complex128")  # read as they are; others as float32
 _VIEW_MIN = 1 << 13  # elements from which a zero-copy view beats a float64 copy (docs/performance.md)
 _BLOCK = 2048  # elements per float64 dot product (a batched matmul: no BLAS threads, docs/performance.md)
 _CHUNK = 1 << 16  # elements converted to float64 at a time (512 KB, reused): no full-size copy of a large gradient
@@ -86,12 +98,28 @@ def _chunk_buffer() -> np.ndarray:
     return buf
 
 
+def float_parts(a: np.ndarray) -> np.ndarray:
+    """A float array's elements; a complex array's real and imaginary parts, interleaved, as a
+    float view of the same memory (a copy only when ``a`` is strided). Their squares sum to
+    ``sum |z|**2``.
+
+    Examples:
+        >>> float_parts(np.array([3 + 4j, 1j], np.complex64)).tolist()
+        [3.0, 4.0, 0.0, 1.0]
+    """
+    if a.dtype.kind != "c":
+        return a
+    return np.ascontiguousarray(a).reshape(-1).view(a.real.dtype)
+
+
 def _host_stats(meta: GradMeta, f: Any) -> None:
     """Fill ``meta`` from a large host tensor, reading its memory in place (a zero-copy view)."""
     a = np.from_dlpack(f if f.stop_gradient else f.detach())
+    parts = float_parts(a)
     with np.errstate(all="ignore"):
-        sq = _sum_squares(a)
-    meta.min, meta.max = float(np.minimum.reduce(a, axis=None)), float(np.maximum.reduce(a, axis=None))
+        sq = _sum_squares(parts)
+    if parts is a:  # complex values have no order: no min, no max
+        meta.min, meta.max = float(np.minimum.reduce(a, axis=None)), float(np.maximum.reduce(a, axis=None))
     _fill_norm(meta, a, sq)
 
 
@@ -104,31 +132,38 @@ def _small_stats(items: list[tuple[GradMeta, np.ndarray]]) -> None:
     gradient at a time, at a fraction of the calls (a 10,000-node graph has
     about 11,000 gradients, most of them small).
     """
-    sizes = [a.size for _, a in items]
+    parts = [float_parts(a) for _, a in items]  # a complex gradient: its real and imaginary parts
+    sizes = [p.size for p in parts]
     starts = np.zeros(len(sizes), dtype=np.intp)
     np.cumsum(sizes[:-1], out=starts[1:])
-    flat = np.concatenate([a for _, a in items], axis=None).astype(np.float64, copy=False)
+    flat = np.concatenate(parts, axis=None).astype(np.float64, copy=False)
     with np.errstate(all="ignore"):  # NaN and Inf pass through quietly
         sqs = np.add.reduceat(flat * flat, starts).tolist()
     mins = np.minimum.reduceat(flat, starts).tolist()
     maxs = np.maximum.reduceat(flat, starts).tolist()
-    for (meta, a), sq, lo, hi in zip(items, sqs, mins, maxs):
-        meta.min, meta.max = lo, hi
+    for (meta, a), p, sq, lo, hi in zip(items, parts, sqs, mins, maxs):
+        if p is a:  # complex values have no order: no min, no max
+            meta.min, meta.max = lo, hi
         _fill_norm(meta, a, sq)
 
 
 def _fill_norm(meta: GradMeta, a: np.ndarray, sq: float) -> None:
-    """The norm from the sum of squares ``sq`` of ``a`` (min and max set); NaN and Inf counted."""
+    """The norm from the sum of squares ``sq`` of ``a`` (of a float ``a``, min and max set);
+    NaN and Inf counted, once per element (a complex one with a NaN part is NaN, else with
+    an infinite part Inf)."""
     if math.isfinite(sq):
         meta.norm = math.sqrt(sq)
         return
-    meta.nan, meta.inf = int(np.isnan(a).sum()), int(np.isinf(a).sum())
+    nan = np.isnan(a)
+    meta.nan = int(nan.sum())
+    meta.inf = int((np.isinf(a) & ~nan).sum()) if meta.nan and a.dtype.kind == "c" else int(np.isinf(a).sum())
     if meta.nan or meta.inf:
         meta.norm = math.nan if meta.nan else math.inf
     else:  # finite elements whose squares overflow: rescale by the largest
-        top = max(-meta.min, meta.max)
+        parts = float_parts(a)
+        top = max(-meta.min, meta.max) if meta.min is not None else float(np.abs(parts).max())
         with np.errstate(all="ignore"):
-            meta.norm = top * math.sqrt(float(np.square(a / top, dtype=np.float64).sum()))
+            meta.norm = top * math.sqrt(float(np.square(parts / top, dtype=np.float64).sum()))
 
 
 _HOST_ONLY: list[bool] = []
@@ -174,13 +209,13 @@ class StatsQueue:
         if on_device is None and _host_only():
             on_device = False
         self._on_device = on_device
-        self._metas: list[tuple[GradMeta, str, int, int]] = []  # meta, float group, its index, count index
+        self._metas: list[tuple[GradMeta, str, int, int, bool]] = []  # meta, float group, its index, count index, complex
         self._groups: dict[str, list[Any]] = {"float32": [], "float64": [], "int64": []}  # 0-d tensors by dtype
         self._small: list[tuple[GradMeta, np.ndarray]] = []  # small host gradients: copies, reduced together
         self._small_size = 0
 
     def add(self, meta: GradMeta, f: Any, numel: int) -> None:
-        """Statistics of ``f`` (float32 or float64, ``numel`` elements) into ``meta``."""
+        """Statistics of ``f`` (float32, float64, complex64 or complex128, ``numel`` elements) into ``meta``."""
         on_device = self._on_device
         if on_device is None:
             on_device = not f.place.is_cpu_place()
@@ -193,11 +228,20 @@ class StatsQueue:
             if self._small_size >= _SMALL_BATCH:
                 self._reduce_small()
             return
+        cplx = f.is_complex()
+        if cplx:  # its real and imaginary parts, [..., 2]: one element's NaN/Inf counted once
+            f = paddle.as_real(f)
+            nan, inf = paddle.isnan(f).any(axis=-1), paddle.isinf(f).any(axis=-1)
+            nans, infs = nan.sum(), (inf & ~nan).sum()
+        else:
+            nans, infs = paddle.isnan(f).sum(), paddle.isinf(f).sum()
         key = "float32" if f.dtype == paddle.float32 else "float64"
         floats, counts = self._groups[key], self._groups["int64"]
-        self._metas.append((meta, key, len(floats), len(counts)))
-        floats += (paddle.square(f).sum(), f.min(), f.max(), paddle.square(f * _SCALE[key]).sum())
-        counts += (paddle.isnan(f).sum(), paddle.isinf(f).sum())
+        self._metas.append((meta, key, len(floats), len(counts), cplx))
+        sq = paddle.square(f).sum()
+        floats += (sq, sq, sq) if cplx else (sq, f.min(), f.max())  # complex values have no order
+        floats.append(paddle.square(f * _SCALE[key]).sum())
+        counts += (nans, infs)
 
     def _reduce_small(self) -> None:
         items, self._small, self._small_size = self._small, [], 0
@@ -215,8 +259,10 @@ class StatsQueue:
         rows, at = {}, 0
         for k in keys:
             rows[k], at = flat[at: at + len(self._groups[k])], at + len(self._groups[k])
-        for meta, key, i, j in self._metas:
+        for meta, key, i, j, cplx in self._metas:
             sq, meta.min, meta.max = rows[key][i: i + 3]
+            if cplx:
+                meta.min = meta.max = None
             meta.nan, meta.inf = int(rows["int64"][j]), int(rows["int64"][j + 1])
             if meta.nan or meta.inf:
                 meta.norm = math.nan if meta.nan else math.inf
@@ -249,9 +295,12 @@ def grad_meta(t: Any, stats: bool, queue: StatsQueue | None = None) -> GradMeta:
         t = t._local_value()
         shape = meta.local_shape = tuple(int(s) for s in t.shape)
     numel = math.prod(shape)
-    if not stats or meta.dtype not in _FLOAT_DTYPES or numel == 0:
+    if not stats or meta.dtype not in _STAT_DTYPES:
         return meta
-    f = t if meta.dtype in ("float32", "float64") else t.astype("float32")
+    if numel == 0:  # no elements: the sum of no squares, nothing non-finite, no min or max
+        meta.norm = 0.0
+        return meta
+    f = t if meta.dtype in _EXACT_DTYPES else t.astype("float32")
     if queue is not None:
         queue.add(meta, f, numel)
         return meta
@@ -288,7 +337,8 @@ def _sparse_rows_meta(t: Any, stats: bool) -> GradMeta:
 
 
 def sum_of_squares(tensors: Iterable[Any]) -> float:
-    """Sum of the squares of every element of ``tensors`` (float64; NaN when any element is NaN).
+    """Sum of the squares of every element of ``tensors`` (float64; NaN when any element is NaN);
+    of a complex element, ``|z|**2`` (the squares of its real and imaginary parts).
 
     Host tensors are read in place as :class:`StatsQueue` reads them; the
     device tensors' sums are added on the device and read in one transfer.
@@ -299,15 +349,15 @@ def sum_of_squares(tensors: Iterable[Any]) -> float:
     """
     total, device = 0.0, []
     for t in tensors:
-        f = t if t.dtype == paddle.float32 or t.dtype == paddle.float64 else t.astype("float32")
-        if not f.place.is_cpu_place():
-            device.append(paddle.square(f).sum().astype("float64"))
+        f = t if dtype_name(t.dtype) in _EXACT_DTYPES else t.astype("float32")
+        if not f.place.is_cpu_place():  # a complex tensor: the squares of its real and imaginary parts
+            device.append(paddle.square(paddle.as_real(f) if f.is_complex() else f).sum().astype("float64"))
             continue
         numel = math.prod(f.shape)
         if numel:
             a = np.from_dlpack(f if f.stop_gradient else f.detach()) if numel >= _VIEW_MIN else f.numpy()
             with np.errstate(all="ignore"):
-                total += _sum_squares(a)
+                total += _sum_squares(float_parts(a))
     if device:
         total += float(paddle.add_n(device)) if len(device) > 1 else float(device[0])
     return total
@@ -325,12 +375,24 @@ def local_value(t: Any) -> Any:
 
 
 def flat_tensors(slots: Iterable[Any]) -> list[Any]:
-    """Initialized tensors of a hook's gradient slots, in order."""
+    """The gradients of a hook's slots, in order: initialized tensors, and empty ones.
+
+    A gradient of no elements (shape ``[0, ...]``: an expert that got no
+    tokens) holds no memory, so Paddle reports it uninitialized; it is a
+    gradient all the same. A slot holding no gradient (a hole: no tensor, or
+    an uninitialized one with elements to hold, ``[]``) is left out.
+    """
     flat = []
     for slot in slots:
         for t in slot if isinstance(slot, (list, tuple)) else (slot,):
-            if t is not None and t._is_initialized():
+            if t is not None and (t._is_initialized() or _empty(t)):
                 flat.append(t)
     return flat
+
+
+def _empty(t: Any) -> bool:
+    """Whether ``t`` has a shape with no elements (``[0, 4]``; not ``[]``, one element)."""
+    shape = t.shape
+    return len(shape) > 0 and 0 in shape
 
 

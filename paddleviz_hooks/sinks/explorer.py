@@ -38,7 +38,7 @@ from ..diff import GraphDiff, diff_graphs, node_norms
 from ..escape import safe_filename, visible, visible_data
 from ..graph import BackwardGraph, GradMeta, Node, merge_grad_metas
 from ..findings import marks, record_of
-from ..text import (AFTER_HOOK, FIRST_GRADIENT, node_layer, NOT_OBSERVED, UNOBSERVED_WHY, backward_role, combined_norm, box_name, call_of, capture_title, describe_node,
+from ..text import (AFTER_HOOK, FIRST_GRADIENT, node_layer, NOT_OBSERVED, UNOBSERVED_WHY, backward_role, combined_norm, box_name, call_of, capture_title, describe_node, extreme_text,
                     describe_origin, fmt_shape, graph_summary, layer_name, origin_mark, origin_node_lines,
                     source_attrs)
 
@@ -82,8 +82,9 @@ def _grad_attrs(meta: GradMeta | None, prefix: str = "") -> list[dict[str, str]]
         out.append(_kv(prefix + "statistics", UNOBSERVED_WHY.get(meta.note, NOT_OBSERVED)))
     elif meta.norm is not None:
         norm = repr(meta.norm) if meta.parts == 1 else combined_norm(meta)
-        out += [_kv(prefix + "norm", norm), _kv(prefix + "min", repr(meta.min)),
-                _kv(prefix + "max", repr(meta.max)), _kv(prefix + "NaN", meta.nan), _kv(prefix + "Inf", meta.inf)]
+        out += [_kv(prefix + "norm", norm), _kv(prefix + "min", extreme_text(meta, meta.min)),
+                _kv(prefix + "max", extreme_text(meta, meta.max)), _kv(prefix + "NaN", meta.nan),
+                _kv(prefix + "Inf", meta.inf)]
     else:
         out.append(_kv(prefix + "statistics", NOT_OBSERVED))
     return out

@@ -45,7 +45,7 @@ from ..collapse import call_paths
 from ..escape import vdl_graph_name, visible_data
 from ..graph import BackwardGraph, GradMeta, Node
 from ..findings import marks, record_of
-from ..text import (FIRST_GRADIENT, NAN_INSIDE, node_layer, NOT_OBSERVED, describe_origin, edge_lines, fmt_num, layer_name, origin_short,
+from ..text import (FIRST_GRADIENT, NAN_INSIDE, node_layer, NOT_OBSERVED, describe_origin, edge_lines, extreme_text, fmt_num, layer_name, origin_short,
                     source_attrs)
 
 __all__ = ["vdl_graph", "write_vdl_graph", "VDL_GRAPH_VERSION"]
@@ -129,8 +129,8 @@ def _grad_attrs(node: dict[str, Any], metas: list[GradMeta | None]) -> None:
     _set(node, "dtype", each(lambda m: m.dtype or "?"))
     if any(m is not None and m.norm is not None for m in metas):
         _set(node, "norm", each(lambda m: _exact(m.norm)))
-        _set(node, "min", each(lambda m: _exact(m.min)))
-        _set(node, "max", each(lambda m: _exact(m.max)))
+        _set(node, "min", each(lambda m: extreme_text(m, m.min)))
+        _set(node, "max", each(lambda m: extreme_text(m, m.max)))
         _set(node, "NaN", each(lambda m: str(m.nan)))
         _set(node, "Inf", each(lambda m: str(m.inf)))
 
