@@ -83,3 +83,45 @@ def test_readme_links_point_at_files():
     text = (REPO / "README.md").read_text()
     for target in re.findall(r"\]\((?!https?:|#)([^)#\s]+)", text):
         assert (REPO / target).exists(), f"README links to {target}, which does not exist"
+
+
+FENCE = re.compile(r"^```.*?^```", re.S | re.M)
+
+
+def heading_anchors(text: str) -> set[str]:
+    """The ids MkDocs gives a page's headings (Python-Markdown's ``toc`` slugify; code spans are
+    plain text there).
+
+    Examples:
+        >>> sorted(heading_anchors("# A page\\n## In `Model.fit`\\n### Very deep: one, two\\n"))
+        ['a-page', 'in-modelfit', 'very-deep-one-two']
+    """
+    from markdown.extensions.toc import slugify
+
+    text = FENCE.sub("", text)
+    return {slugify(h.replace("`", ""), "-") for h in re.findall(r"^#{1,6} +(.+?) *$", text, re.M)}
+
+
+def test_relative_links_and_anchors_resolve():
+    """Every relative link of the README and the docs names a file that exists, and its ``#anchor``
+    a heading of that page (MkDocs' strict mode does not fail on a missing anchor: a guide page
+    split in two left "see ... below" pointing at nothing)."""
+    bad = []
+    for path in markdown_files():
+        text = FENCE.sub("", path.read_text())
+        for target, anchor in re.findall(r"\]\((?!https?:|mailto:)([^)#\s]*)(?:#([^)\s]+))?\)", text):
+            page = (path.parent / target).resolve() if target else path
+            where = f"{path.relative_to(REPO)} -> {target}{'#' + anchor if anchor else ''}"
+            if not page.exists():
+                bad.append(f"{where}: no such file")
+            elif anchor and page.suffix == ".md" and anchor not in heading_anchors(page.read_text()):
+                bad.append(f"{where}: no such heading")
+    assert not bad, "\n".join(bad)
+
+
+def test_no_page_repeats_its_title_as_a_subheading():
+    for path in sorted(DOCS.rglob("*.md")):
+        heads = re.findall(r"^(#{1,2}) +(.+?) *$", FENCE.sub("", path.read_text()), re.M)
+        if len(heads) >= 2 and heads[0][0] == "#" and heads[1][0] == "##":
+            title, sub = (h[1].replace("`", "").lower() for h in heads[:2])
+            assert not sub.startswith(title.split(":")[0]), f"{path.relative_to(REPO)}: '## {heads[1][1]}' repeats the title"
