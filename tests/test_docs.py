@@ -125,3 +125,61 @@ def test_no_page_repeats_its_title_as_a_subheading():
         if len(heads) >= 2 and heads[0][0] == "#" and heads[1][0] == "##":
             title, sub = (h[1].replace("`", "").lower() for h in heads[:2])
             assert not sub.startswith(title.split(":")[0]), f"{path.relative_to(REPO)}: '## {heads[1][1]}' repeats the title"
+
+
+def _options_table() -> dict[str, str]:
+    """option -> its default as the guide's options table writes it (the code span's text)."""
+    text = (DOCS / "guide" / "capture.md").read_text()
+    table = text.split("| option | default | meaning |", 1)[1].split("\n\n", 1)[0]
+    rows = re.findall(r"^\| `(\w+)` \| `([^`]*)` \|", table, re.M)
+    assert rows, "no options table in docs/guide/capture.md"
+    return dict(rows)
+
+
+def test_options_table_matches_the_signatures():
+    """The guide's options table names every option of the recorder and the callback, with the
+    default the code has (a new option, or a default changed, fails here until the table says it)."""
+    import ast
+    import inspect
+
+    from paddleviz_hooks import BackwardGraphCallback, BackwardGraphRecorder
+    from paddleviz_hooks.options import RecorderOptions
+    from paddleviz_hooks.recorder import option_names
+
+    table = _options_table()
+    params = {p.name: p.default for p in inspect.signature(BackwardGraphRecorder.__init__).parameters.values()
+              if p.name != "self" and p.kind is not p.VAR_KEYWORD}
+    assert set(table) == set(params), (f"missing from the table: {sorted(set(params) - set(table))}; "
+                                       f"not an option: {sorted(set(table) - set(params))}")
+    for name, default in params.items():
+        assert ast.literal_eval(table[name]) == default, f"{name}: the table says {table[name]}, the code {default!r}"
+    fields = {f.name: f.default for f in RecorderOptions.__dataclass_fields__.values()}
+    for name, default in fields.items():  # the checked options' own defaults (every/steps: None means "say nothing")
+        if name not in ("every", "steps"):
+            assert ast.literal_eval(table[name]) == default, f"RecorderOptions.{name}: {default!r}, the table {table[name]}"
+    cb = inspect.signature(BackwardGraphCallback.__init__).parameters
+    for name in ("log_dir", "every", "steps"):
+        assert ast.literal_eval(table[name]) == cb[name].default, f"BackwardGraphCallback {name}"
+    listed = set(re.findall(r"``(\w+)``", BackwardGraphCallback.__doc__.split("The model is")[0]))
+    assert set(option_names()) - {"model"} <= listed, (
+        f"BackwardGraphCallback's docstring omits {sorted(set(option_names()) - {'model'} - listed)}")
+
+
+def test_results_are_documented_where_help_shows_them():
+    """``help(BackwardGraphRecorder)`` names what a run recorded (plain attributes, not properties:
+    only the class docstring shows them), and the callback forwards each of them."""
+    import pydoc
+
+    from paddleviz_hooks import BackwardGraphCallback, BackwardGraphRecorder
+
+    results = ("captured_steps", "triggers", "lost_steps", "undrawn_steps", "dropped_steps", "run_dir")
+    attributes = BackwardGraphRecorder.__doc__.split("Attributes:", 1)
+    assert len(attributes) == 2, "BackwardGraphRecorder's docstring has no Attributes section"
+    shown = pydoc.render_doc(BackwardGraphRecorder, renderer=pydoc.plaintext)
+    cb = pydoc.render_doc(BackwardGraphCallback, renderer=pydoc.plaintext)
+    for name in results:
+        assert re.search(rf"^\s+{name}: ", attributes[1], re.M), f"{name} is not in the Attributes section"
+        assert name in shown
+        assert isinstance(getattr(BackwardGraphCallback, name, None), property), f"BackwardGraphCallback.{name}"
+        assert name in cb
+    assert "renderer was busy" not in cb  # dropped steps are refused because the writer stopped
