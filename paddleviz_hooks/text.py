@@ -940,11 +940,20 @@ def step_list(steps: Iterable[int], limit: int = 10) -> str:
     return ", ".join(map(str, steps[:limit])) + (" ..." if len(steps) > limit else "")
 
 
-def redraw_command(json_path: str | None, out_path: str) -> str:
-    """How a person draws a saved capture later (or why that cannot be done)."""
+def redraw_command(json_path: str | None, out_path: str, max_px: int = 2000, max_nodes: int | None = None) -> str:
+    """How a person draws a saved capture later (or why that cannot be done); a PNG with the
+    recorder's ``view_max_px`` and ``view_max_nodes`` when they are not the defaults.
+
+    Examples:
+        >>> redraw_command("s.json", "s.png", max_px=1200)
+        'draw it with `paddleviz-hooks render s.json -o s.png --max-px 1200`'
+    """
     if json_path is None:
         return "its JSON was not kept (add 'json' to formats to keep it)"
-    return f"draw it with `paddleviz-hooks render {json_path} -o {out_path}`"
+    png = out_path.endswith(".png")
+    extra = (f" --max-px {max_px}" if png and max_px != 2000 else "") + (
+        f" --max-nodes {max_nodes}" if png and max_nodes is not None else "")
+    return f"draw it with `paddleviz-hooks render {json_path} -o {out_path}{extra}`"
 
 
 def lost_line(steps: dict[int, str]) -> str:
