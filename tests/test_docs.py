@@ -65,8 +65,14 @@ def test_site_builds_strict(tmp_path):
                         "-d", str(tmp_path / "site")], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert (tmp_path / "site" / "index.html").exists()
+    assert not (tmp_path / "site" / "pictures.py").exists()  # the pictures' script is not published
     api = (tmp_path / "site" / "reference" / "api" / "index.html").read_text(encoding="utf-8")
     assert "BackwardGraphRecorder" in api
+    import paddleviz_hooks
+
+    listed = set(re.findall(r"^::: paddleviz_hooks\.[\w.]*?\.?(\w+)$", (DOCS / "reference" / "api.md").read_text(), re.M))
+    assert set(paddleviz_hooks.__all__) - {"__version__"} <= listed, (
+        f"public names missing from docs/reference/api.md: {sorted(set(paddleviz_hooks.__all__) - {'__version__'} - listed)}")
     assert not re.findall(r":(?:class|meth|func|attr):<", api)  # docstrings' Sphinx roles shown as code
 
 
