@@ -118,7 +118,7 @@ def train(steps: int = 4, log_dir: str | None = "vdl_log", every: int = 2, accum
     opt = paddle.optimizer.AdamW(learning_rate=1e-3, parameters=model.parameters())
     rng = np.random.default_rng(seed)
     data = rng.integers(0, vocab, size=(steps * accumulate, batch, seq + 1)).astype("int64")
-    rec = (BackwardGraphRecorder(log_dir, model, every=every, verbose=verbose, view_max_px=1200)
+    rec = (BackwardGraphRecorder(log_dir, model, every=every, verbose=verbose)
            if log_dir is not None else None)
     losses = []
     for step in range(1, steps + 1):

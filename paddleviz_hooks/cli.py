@@ -3,9 +3,9 @@
 Everything works from the JSON files a capture wrote; no model or training
 run is needed.
 
-    paddleviz-hooks render GRAPH.json -o out.png [--depth N] [--max-nodes N] [--fold-repeats] [--by-type TYPE]
+    paddleviz-hooks render GRAPH.json -o out.png [--depth N] [--max-nodes N] [--max-px N] [--fold-repeats] [--by-type TYPE]
     paddleviz-hooks diff OLD.json NEW.json [-o diff.png]
-    paddleviz-hooks report LOG_DIR -o report.html
+    paddleviz-hooks report LOG_DIR [-o report.html]
     paddleviz-hooks explore LOG_DIR [--host H] [--port P] [--out DIR]
 
 Errors are one line on stderr (``paddleviz-hooks: error: ...``); the exit
@@ -89,6 +89,13 @@ def _megabytes(text: str) -> int:
     return v << 20
 
 
+def _max_px(text: str) -> int:
+    v = _int_at_least(64, "a number of pixels from 64 to 32767")(text)
+    if v > 32767:  # PNG drawing (cairo) stops there, as for view_max_px
+        raise argparse.ArgumentTypeError(f"expected a number of pixels from 64 to 32767, got {text!r}")
+    return v
+
+
 def _ratio_threshold(text: str) -> float:
     try:
         v = float(text)
@@ -119,8 +126,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--depth", type=_nonnegative_int, metavar="N",
                    help="draw layers at depth N as single boxes (1: top-level layers, 0: the whole model)")
     r.add_argument("--max-nodes", type=_positive_int, metavar="N",
-                   help="collapse layers, deepest first, until at most N nodes remain "
-                        f"(default: {DRAW_MAX_NODES} for bigger graphs)")
+                   help="collapse layers, deepest first, until at most N nodes remain (default: a PNG "
+                        "collapses itself as far as legibility within --max-px needs, as the recorder's "
+                        f"does; an SVG or DOT of more than {DRAW_MAX_NODES} nodes is collapsed to {DRAW_MAX_NODES})")
+    _max_px_option(r)
     r.add_argument("--fold-repeats", action="store_true",
                    help="fold runs of identical sibling layers into one box marked x N")
     r.add_argument("--by-type", action="append", metavar="TYPE",
@@ -137,6 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--format", choices=("png", "svg", "dot", "json"), help="output format (default: from OUT's suffix)")
     d.add_argument("--threshold", type=_ratio_threshold, default=10.0, metavar="X",
                    help="gradient-norm ratio counted as a large change (default 10)")
+    _max_px_option(d)
     _drawing_options(d)
     _input_limit(d)
 
@@ -144,7 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
                          description="Write one self-contained HTML file (no network needed) showing "
                                      "every step_*.json found under LOG_DIR.")
     rep.add_argument("log_dir", metavar="LOG_DIR", type=_path, help="the log directory (searched recursively)")
-    rep.add_argument("-o", "--output", required=True, metavar="REPORT.html", type=_path, help="the HTML file to write")
+    rep.add_argument("-o", "--output", default="report.html", metavar="REPORT.html", type=_path,
+                     help="the HTML file to write (default: report.html in the current folder)")
     rep.add_argument("--title", help="page title")
     _input_limit(rep)
 
@@ -165,8 +176,15 @@ def _input_limit(p: argparse.ArgumentParser) -> None:
                    help=f"refuse step files over N MiB unread (default {MAX_INPUT_BYTES >> 20})")
 
 
+def _max_px_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-px", type=_max_px, metavar="N",
+                   help="PNG only: the longest side in pixels, as the recorder's view_max_px (default 2000)")
+
+
 def _drawing_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--rankdir", choices=("TB", "LR", "BT", "RL"), help="layout direction (PNG: best of TB/LR)")
+    p.add_argument("--rankdir", choices=("TB", "LR", "BT", "RL"),
+                   help="layout direction: TB top to bottom, LR left to right... (default: TB for SVG and DOT; "
+                        "a PNG takes whichever of TB and LR draws its labels larger)")
     p.add_argument("--no-stats", action="store_true", help="leave gradient norms off the edges")
     p.add_argument("--no-legend", action="store_true", help="leave the legend out")
     p.add_argument("--title", help="caption drawn at the top")
@@ -186,7 +204,13 @@ def _draw_opts(args: argparse.Namespace) -> dict:
 
 
 def _out_format(args: argparse.Namespace, allowed: tuple[str, ...]) -> str:
-    fmt = args.format or os.path.splitext(args.output)[1].lstrip(".").lower()
+    suffix = os.path.splitext(args.output)[1].lstrip(".").lower()
+    if args.format and suffix in allowed and suffix != args.format:
+        raise UsageError(f"--format {args.format} contradicts the name {args.output!r} ({suffix.upper()}): "
+                         f"name the file .{args.format}, or leave --format out")
+    fmt = args.format or suffix
+    if getattr(args, "max_px", None) is not None and fmt != "png":
+        raise UsageError(f"--max-px sizes a PNG; {args.output!r} is {fmt.upper()}")
     if fmt not in allowed:
         raise UsageError(
             f"cannot tell the output format from {args.output!r}: use a name ending in "
@@ -212,7 +236,8 @@ def load_graph(path: str, max_bytes: int = MAX_INPUT_BYTES):
 
     Only a regular file of at most ``max_bytes`` is read (checked first).
     """
-    from .graph import BackwardGraph
+    from .diff import DIFF_FORMAT
+    from .graph import BackwardGraph, parse_json
 
     try:
         data = read_input(path, max_bytes)
@@ -227,7 +252,13 @@ def load_graph(path: str, max_bytes: int = MAX_INPUT_BYTES):
     except UnicodeDecodeError:
         raise FileError(f"{path} is not a paddleviz-hooks graph (not UTF-8 text, perhaps an image?)") from None
     try:
-        graph = BackwardGraph.from_json(text)
+        d = parse_json(text)
+        if isinstance(d, dict) and d.get("format") == DIFF_FORMAT:
+            picture = os.path.splitext(path)[0] + ".png"
+            shown = f"its picture is {picture}; " if os.path.isfile(picture) else ""
+            raise FileError(f"{path} is a saved diff, not a graph: {shown}draw a diff from the two graphs it "
+                            "compares with `paddleviz-hooks diff OLD.json NEW.json -o diff.png`")
+        graph = BackwardGraph.from_dict(d)
     except ValueError as exc:
         raise FileError(f"{path} is not a paddleviz-hooks graph: {exc}") from None
     if any(not n.key for n in graph.nodes):
@@ -239,7 +270,10 @@ def _cmd_render(args: argparse.Namespace) -> int:
     fmt = _out_format(args, ("png", "svg", "dot", "json"))
     graph = load_graph(args.graph, args.max_input)
     _check_output(args.output)
+    _check_by_type(args, graph)
     opts = _draw_opts(args)
+    if args.max_px is not None:
+        opts["max_px"] = args.max_px
     if args.depth is not None:
         opts["depth"] = args.depth
     if args.max_nodes is not None:
@@ -267,21 +301,35 @@ def _cmd_render(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_by_type(args: argparse.Namespace, graph) -> None:
+    """Each --by-type names a layer class of the graph (a typo would draw nothing collapsed)."""
+    classes = sorted(set(graph.layers.values()))
+    unknown = [t for t in args.by_type or () if t not in classes]
+    if unknown:
+        have = ", ".join(classes) if classes else "none: it was captured without a model"
+        raise UsageError(f"--by-type {unknown[0]}: no layer of that class in {args.graph} (its layer classes: {have})")
+
+
 def _cmd_diff(args: argparse.Namespace) -> int:
     from .diff import diff_graphs
     from .text import diff_summary
 
+    if args.max_px is not None and not args.output:
+        raise UsageError("--max-px sizes the drawing -o writes: give -o DIFF.png")
     fmt = _out_format(args, ("png", "svg", "dot", "json")) if args.output else None
     older = load_graph(args.old, args.max_input)
     newer = load_graph(args.new, args.max_input)
     if args.output:
         _check_output(args.output)
     d = diff_graphs(older, newer, threshold=args.threshold)
-    print(visible(diff_summary(d), lines=True))
+    # one fact a line; the ';' that keeps them apart where VisualDL joins lines is not needed here
+    print(visible("\n".join(line.removesuffix(";") for line in diff_summary(d).splitlines()), lines=True))
     if args.output:
         from .render.diff import render_diff
 
         opts = _draw_opts(args)
+        if args.max_px is not None:
+            opts["max_px"] = args.max_px
         if fmt != "json" and max(len(older.nodes), len(newer.nodes)) > DRAW_MAX_NODES:
             opts["max_nodes"] = DRAW_MAX_NODES
         render_diff(d, newer, older, args.output, format=fmt, **opts)

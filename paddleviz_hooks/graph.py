@@ -956,28 +956,38 @@ class BackwardGraph:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "BackwardGraph":
+        """Load a graph from :meth:`to_dict`'s form.
+
+        Raises:
+            ValueError: not a backward graph, or a malformed field (the
+                message names it: ``nodes[3].kind``, ``meta.step``...).
+        """
+        if isinstance(d, dict) and d.get("format") == "paddleviz-hooks/graph-diff":
+            raise ValueError("a saved diff (format 'paddleviz-hooks/graph-diff'), not a backward graph: "
+                             "load it with GraphDiff.from_json")
         if not isinstance(d, dict) or d.get("format") != "paddleviz-hooks/backward-graph":
             raise ValueError(
                 "not a paddleviz-hooks backward graph (missing "
                 "'format': 'paddleviz-hooks/backward-graph')"
             )
-        if d.get("version", 0) > FORMAT_VERSION:
+        version = d.get("version", 0)
+        if isinstance(version, bool) or not isinstance(version, int):
+            raise ValueError(f"malformed backward graph JSON: version must be an int, got {version!r}")
+        if version > FORMAT_VERSION:
             raise ValueError(
                 f"graph format version {d.get('version')} is newer than this "
                 f"paddleviz-hooks understands ({FORMAT_VERSION}); upgrade paddleviz-hooks"
             )
-        try:
-            table = d.get("frames") or []
-            graph = cls(
-                nodes=[Node.from_dict(_frames_of(n, table)) for n in d["nodes"]],
-                edges=[Edge.from_dict(e) for e in d["edges"]],
-                layers=dict(d.get("layers", {})),
-                meta=_meta_from_json(dict(d.get("meta", {}))),
-                calls=dict(d.get("calls", {})),
-                nonfinite=NonfiniteRecord.from_dict(d["nonfinite"]) if d.get("nonfinite") else None,
-            )
-        except (KeyError, TypeError, IndexError) as exc:
-            raise ValueError(f"malformed backward graph JSON: {exc!r}") from None
+        _check_fields(d)
+        table = d.get("frames") or []
+        graph = cls(
+            nodes=[_field(f"nodes[{i}]", lambda: Node.from_dict(_frames_of(n, table))) for i, n in enumerate(d["nodes"])],
+            edges=[_field(f"edges[{i}]", lambda: Edge.from_dict(e)) for i, e in enumerate(d["edges"])],
+            layers=dict(d.get("layers") or {}),
+            meta=_meta_from_json(dict(d.get("meta") or {})),
+            calls=dict(d.get("calls") or {}),
+            nonfinite=_field("nonfinite", lambda: NonfiniteRecord.from_dict(d["nonfinite"])) if d.get("nonfinite") else None,
+        )
         ids = {n.id for n in graph.nodes}
         for i, e in enumerate(graph.edges):  # a hand-edited file: say which edge, not a KeyError later
             for end in (e.src, e.dst):
@@ -1000,6 +1010,121 @@ class BackwardGraph:
             f"BackwardGraph({len(self.nodes)} nodes, {len(self.edges)} edges, "
             f"step={self.meta.get('step')})"
         )
+
+
+def _malformed(where: str, what: str, value: Any) -> ValueError:
+    shown = repr(value)
+    return ValueError(f"malformed backward graph JSON: {where} must be {what}, got "
+                      f"{shown if len(shown) <= 60 else shown[:57] + '...'}")
+
+
+def _field(where: str, make: Any) -> Any:
+    """``make()``, its error a ``ValueError`` that names the field ``where``."""
+    try:
+        return make()
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+        why = f"missing {exc}" if isinstance(exc, KeyError) else str(exc)
+        raise ValueError(f"malformed backward graph JSON: {where}: {why}") from None
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_number(where: str, v: Any) -> None:
+    """A float field as :func:`float_to_json` writes it: a number, null or "nan"/"inf"/"-inf"."""
+    if v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)):
+        return
+    if isinstance(v, str) and v.lower() in ("nan", "inf", "-inf", "+inf", "infinity", "-infinity"):
+        return
+    raise _malformed(where, "a number or null", v)
+
+
+def _check_shape(where: str, v: Any) -> None:
+    if v is not None and not (isinstance(v, list) and all(_is_int(x) for x in v)):
+        raise _malformed(where, "a list of ints or null", v)
+
+
+def _check_grad(where: str, g: Any) -> None:
+    if g is None:
+        return
+    if not isinstance(g, dict):
+        raise _malformed(where, "an object or null", g)
+    for k in ("shape", "local_shape"):
+        _check_shape(f"{where}.{k}", g.get(k))
+    for k in ("norm", "min", "max"):
+        _check_number(f"{where}.{k}", g.get(k))
+    for k in ("nan", "inf", "parts"):
+        if k in g and not _is_int(g[k]):
+            raise _malformed(f"{where}.{k}", "an int", g[k])
+
+
+def _check_fields(d: dict[str, Any]) -> None:
+    """Raise a ``ValueError`` naming the first field of a graph dict that is not of its kind
+    (a hand-edited or damaged file: said here, not as an ``AttributeError`` in a view later, and
+    not accepted as a wrong value: a step ``"abc"``, a node kind ``"zzz"``)."""
+    for k in ("nodes", "edges"):
+        if not isinstance(d.get(k), list):
+            raise _malformed(k, "a list", d.get(k, "nothing"))
+    for k in ("layers", "calls", "meta"):
+        if d.get(k) is not None and not isinstance(d[k], dict):
+            raise _malformed(k, "an object", d[k])
+    for k, v in (d.get("layers") or {}).items():
+        if not isinstance(v, str):
+            raise _malformed(f"layers[{k!r}]", "a layer class name", v)
+    for k, v in (d.get("calls") or {}).items():
+        if not isinstance(v, str):
+            raise _malformed(f"calls[{k!r}]", "the key of the enclosing call (a string)", v)
+    step = (d.get("meta") or {}).get("step")
+    if step is not None and not (_is_int(step) and step >= 0):
+        raise _malformed("meta.step", "an int >= 0 or null", step)
+    frames = d.get("frames")
+    if frames is not None:
+        if not isinstance(frames, list):
+            raise _malformed("frames", "a list", frames)
+        for i, f in enumerate(frames):
+            if not (isinstance(f, list) and len(f) == 4 and _is_int(f[1])
+                    and all(isinstance(x, str) for x in (f[0], f[2], f[3]))):
+                raise _malformed(f"frames[{i}]", "[file, line, function, code]", f)
+    for i, n in enumerate(d["nodes"]):
+        where = f"nodes[{i}]"
+        if not isinstance(n, dict):
+            raise _malformed(where, "an object", n)
+        if n.get("id") != i or not _is_int(n.get("id")):
+            raise _malformed(f"{where}.id", f"{i} (its place in the list)", n.get("id"))
+        if n.get("kind") not in NODE_KINDS:
+            raise _malformed(f"{where}.kind", f"one of {', '.join(NODE_KINDS)}", n.get("kind"))
+        _check_shape(f"{where}.shape", n.get("shape"))
+        _check_number(f"{where}.norm", n.get("norm"))
+        for k in ("grad", "local_grad", "received"):
+            _check_grad(f"{where}.{k}", n.get(k))
+        src = n.get("source")
+        if src is not None and not (isinstance(src, list) and all(
+                _is_int(x) and 0 <= x < len(frames or ()) for x in src)):
+            raise _malformed(f"{where}.source", "a list of indices into frames", src)
+    for i, e in enumerate(d["edges"]):
+        where = f"edges[{i}]"
+        if not isinstance(e, dict):
+            raise _malformed(where, "an object", e)
+        for k in ("src", "dst"):
+            if not _is_int(e.get(k)):
+                raise _malformed(f"{where}.{k}", "a node id (an int)", e.get(k, "nothing"))
+        if "slot" in e and not _is_int(e["slot"]):
+            raise _malformed(f"{where}.slot", "an int", e["slot"])
+        _check_grad(f"{where}.grad", e.get("grad"))
+    nf = d.get("nonfinite")
+    if nf:
+        if not isinstance(nf, dict):
+            raise _malformed("nonfinite", "an object or null", nf)
+        for k in ("origin", "first_gradient", "entry"):
+            if nf.get(k) is not None and not isinstance(nf[k], dict):
+                raise _malformed(f"nonfinite.{k}", "an object or null", nf[k])
+        for k in ("weights", "buffers"):
+            v = nf.get(k)
+            if v is not None and not (isinstance(v, list) and all(isinstance(x, str) for x in v)):
+                raise _malformed(f"nonfinite.{k}", "a list of names", v)
+        if "gradient_sites" in nf and not _is_int(nf["gradient_sites"]):
+            raise _malformed("nonfinite.gradient_sites", "an int", nf["gradient_sites"])
 
 
 def _frame_table(nodes: list[dict[str, Any]]) -> list[list[Any]]:

@@ -287,7 +287,8 @@ class CapturePipeline:
             formats = [f for f in ("png", "svg") if f in self.options.formats]
             json_path = self.files.path(left[0], "json") if "json" in self.options.formats else None
             self._warn("undrawn", undrawn_line(dict(self.not_drawn), redraw_command(
-                json_path, self.files.path(left[0], formats[0] if formats else "png"))))
+                json_path, self.files.path(left[0], formats[0] if formats else "png"),
+                self.options.view_max_px, self.options.view_max_nodes)))
         shutil.rmtree(self._spool_dir(), ignore_errors=True)
         run_all(self._close_sinks, self.files.close)  # both, whatever the other raises
 

@@ -73,8 +73,12 @@ class BackwardGraphRecorder:
             Default False.
         sources: on captured steps, record the line of the user's code that
             called each op's forward (``Node.source``, shown in every view),
-            armed the same way as ``saved_memory``; ops of steps captured by a
-            trigger say it was not recorded. Default True.
+            armed the same way as ``saved_memory``. A NaN/Inf step that
+            ``on_nonfinite`` replays from its inputs has its lines too; ops of
+            a step captured by ``on_grad_spike`` or ``on_structure_change`` (or
+            a NaN/Inf step not replayed, under data parallel) say they were not
+            recorded: that forward ran before the capture was decided.
+            Default True.
         color_by: ``"saved_memory"`` shades ops and layer boxes of the
             pictures by the bytes they saved for backward, with the range of
             each shade in the legend (needs ``saved_memory=True``; a capture
@@ -148,6 +152,23 @@ class BackwardGraphRecorder:
             from its saved JSON. Default 120.
         verbose: 0 silent, 1 prints where the files go and trigger notices.
             Default 1.
+
+    Attributes:
+        captured_steps: steps whose capture was handed to the background
+            pipeline, in order.
+        triggers: step -> what captured it (``"scheduled"`` or a trigger
+            name: ``nonfinite_loss``, ``nonfinite_grad``, ``grad_spike``,
+            ``structure_change``).
+        lost_steps: captured steps whose data never reached disk -> why (set
+            by :meth:`close`, for the run it closes).
+        undrawn_steps: steps whose data is saved but whose pictures were not
+            drawn by :meth:`close` (named in a warning, with the command that
+            draws them).
+        dropped_steps: steps captured but refused because the background
+            writer had stopped (nothing of them is written).
+        run_dir: the folder this rank writes to (set when the recorder opens).
+        global_step: the last step begun.
+        options: the checked options (a :class:`~paddleviz_hooks.options.RecorderOptions`).
 
     Raises:
         TypeError: an option of the wrong type (the message quotes it).

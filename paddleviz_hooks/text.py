@@ -17,6 +17,7 @@ import os
 import re
 from typing import Any, Iterable
 
+from .collapse import CONTAINER_TYPES
 from .diff import GraphDiff
 from .escape import visible
 from .findings import record_of
@@ -984,11 +985,20 @@ def step_list(steps: Iterable[int], limit: int = 10) -> str:
     return ", ".join(map(str, steps[:limit])) + (" ..." if len(steps) > limit else "")
 
 
-def redraw_command(json_path: str | None, out_path: str) -> str:
-    """How a person draws a saved capture later (or why that cannot be done)."""
+def redraw_command(json_path: str | None, out_path: str, max_px: int = 2000, max_nodes: int | None = None) -> str:
+    """How a person draws a saved capture later (or why that cannot be done); a PNG with the
+    recorder's ``view_max_px`` and ``view_max_nodes`` when they are not the defaults.
+
+    Examples:
+        >>> redraw_command("s.json", "s.png", max_px=1200)
+        'draw it with `paddleviz-hooks render s.json -o s.png --max-px 1200`'
+    """
     if json_path is None:
         return "its JSON was not kept (add 'json' to formats to keep it)"
-    return f"draw it with `paddleviz-hooks render {json_path} -o {out_path}`"
+    png = out_path.endswith(".png")
+    extra = (f" --max-px {max_px}" if png and max_px != 2000 else "") + (
+        f" --max-nodes {max_nodes}" if png and max_nodes is not None else "")
+    return f"draw it with `paddleviz-hooks render {json_path} -o {out_path}{extra}`"
 
 
 def lost_line(steps: dict[int, str]) -> str:
@@ -1204,6 +1214,39 @@ def svg_file_note(path: str) -> str:
 # --------------------------------------------------------------------------
 # summaries
 # --------------------------------------------------------------------------
+def summary_grad_norms(graph: BackwardGraph) -> dict[str, float]:
+    """Gradient L2 norm per top-level layer, a pure container (``LayerList``, ``LayerDict``) not
+    counted as a level (as when collapsing): a ``TransformerEncoder``'s groups are its blocks
+    ``layers.0``, ``layers.1``..., not one ``layers`` holding every gradient.
+
+    Examples:
+        >>> g = BackwardGraph([Node(0, "param", "", "", param=f"layers.{i}.w", grad=GradMeta(norm=n))
+        ...                    for i, n in enumerate((3.0, 4.0))] + [Node(2, "param", "", "", param="b",
+        ...                    grad=GradMeta(norm=1.0))], layers={"": "Enc", "layers": "LayerList"})
+        >>> summary_grad_norms(g)
+        {'(self)': 1.0, 'layers.0': 3.0, 'layers.1': 4.0}
+    """
+    sq: dict[str, float] = {}
+    for name, m in graph.params().items():
+        if m is None or m.norm is None:
+            continue
+        parts = name.split(".")[:-1]
+        depth = 1
+        while depth < len(parts) and graph.layers.get(".".join(parts[:depth])) in CONTAINER_TYPES:
+            depth += 1
+        group = ".".join(parts[:depth]) if parts else "(self)"
+        sq[group] = sq.get(group, 0.0) + m.norm * m.norm
+    return {k: math.sqrt(v) for k, v in sorted(sq.items())}
+
+
+def _group_label(graph: BackwardGraph, group: str) -> str:
+    """A group of :func:`summary_grad_norms` as people read it: a bare index (a child of a model
+    that is a ``Sequential`` or ``LayerList``) names its class: ``0 (Linear)``."""
+    if group.isdigit():
+        return f"{group} ({graph.layers[group]})" if graph.layers.get(group) else f"layer {group}"
+    return group_name(group)
+
+
 def _sort_val(v: float) -> float:
     return v if math.isfinite(v) else math.inf
 
@@ -1413,11 +1456,11 @@ def graph_summary(graph: BackwardGraph, top: int = 5, previous: BackwardGraph | 
     sync_line = grad_sync_line(graph)
     if sync_line:
         lines.append(sync_line)
-    norms = graph.layer_grad_norms()
+    norms = summary_grad_norms(graph)
     if norms:
         biggest = sorted(norms.items(), key=lambda kv: -_sort_val(kv[1]))[:top]
         lines.append("largest grad norms: " + ", ".join(
-            f"{group_name(k)} {v:.3g}" for k, v in biggest) + ";")
+            f"{_group_label(graph, k)} {fmt_num(v)}" for k, v in biggest) + ";")
     record = record_of(graph)
     unhooked = _unobserved_ops(graph)
     compiled = sum(1 for n in graph.nodes if n.kind == "op" and n.note == PROGRAM_OP_NOTE)
@@ -1516,8 +1559,8 @@ def diff_summary(diff: GraphDiff) -> str:
         lines.append("same graph structure;")
     else:
         lines.append(
-            f"structure changed: {len(diff.added_nodes)} nodes added, {len(diff.removed_nodes)} removed, "
-            f"{len(diff.added_edges)} edges added, {len(diff.removed_edges)} removed;"
+            f"structure changed: {plural(len(diff.added_nodes), 'node')} added, {len(diff.removed_nodes)} removed, "
+            f"{plural(len(diff.added_edges), 'edge')} added, {len(diff.removed_edges)} removed;"
         )
         ops_added = [describe(k) for k in diff.added_nodes if diff.node_info.get(k, {}).get("kind") != "param"]
         ops_removed = [describe(k) for k in diff.removed_nodes if diff.node_info.get(k, {}).get("kind") != "param"]

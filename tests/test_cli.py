@@ -168,7 +168,7 @@ def test_more_commands(files, capsys):
     d = GraphDiff.from_json((root / "diff.json").read_text())
     assert d.threshold == 3 and set(d.params_started) == {"extra.weight", "extra.bias"}
     status, out, _ = run_main(["diff", "a.json", "a.json"], root, capsys)
-    assert status == 0 and "same graph structure;" in out
+    assert status == 0 and "same graph structure" in out.splitlines()
     status, out, _ = run_main(["diff", "a.json", "b.json", "-o", "diff.svg", "--no-stats"], root, capsys)
     assert status == 0 and "pvh" in (root / "diff.svg").read_text()
     status, out, _ = run_main(["--help"], root, capsys)
@@ -252,3 +252,70 @@ def test_a_refused_output_is_named_as_given(files, capsys):
         (line,) = err.splitlines()
         assert line.startswith(f"paddleviz-hooks: error: cannot write {argv[-1]}"), line
         assert ".tmp-" not in line and ": " in line.removeprefix("paddleviz-hooks: error: "), line
+
+
+@needs_engine
+def test_max_px_sizes_the_png_like_view_max_px(files, capsys):
+    """``render --max-px N`` draws the PNG the recorder draws with ``view_max_px=N``."""
+    from paddleviz_hooks.render.draw import png_size
+
+    root = files["root"]
+    status, _, err = run_main(["render", "b.json", "-o", "small.png", "--max-px", "200"], root, capsys)
+    assert status == 0, err
+    data = (root / "small.png").read_bytes()
+    assert max(png_size(data)) <= 200
+    status, _, err = run_main(["render", "b.json", "-o", "full.png"], root, capsys)
+    assert status == 0 and max(png_size((root / "full.png").read_bytes())) > 200, err  # the option made it smaller
+    status, _, err = run_main(["diff", "a.json", "b.json", "-o", "small_diff.png", "--max-px", "200"], root, capsys)
+    assert status == 0 and max(png_size((root / "small_diff.png").read_bytes())) <= 200, err
+    for argv, says in ((["render", "b.json", "-o", "x.svg", "--max-px", "200"], "--max-px sizes a PNG"),
+                       (["render", "b.json", "-o", "x.png", "--max-px", "20"], "argument --max-px"),
+                       (["diff", "a.json", "b.json", "--max-px", "300"], "give -o")):
+        status, _, err = run_main(argv, root, capsys)
+        assert status == 2 and says in err, (argv, err)
+
+
+def test_cli_says_what_it_does(files, capsys):
+    """Options that were silently ignored or contradictory are refused, naming what is valid;
+    ``report`` has a default output; an empty log dir is worded one way, with where captures go."""
+    root = files["root"]
+    cases = {
+        ("render", "a.json", "-o", "x.dot", "--by-type", "Nope"): "--by-type Nope: no layer of that class in a.json "
+                                                                  "(its layer classes: Linear, Net)",
+        ("render", "a.json", "-o", "f.svg", "--format", "png"): "--format png contradicts the name 'f.svg'",
+        ("diff", "a.json", "b.json", "-o", "d.dot", "--format", "svg"): "--format svg contradicts the name 'd.dot'",
+    }
+    for argv, says in cases.items():
+        status, _, err = run_main(list(argv), root, capsys)
+        assert status == 2 and says in err, (argv, err)
+    assert not (root / "f.svg").exists() and not (root / "x.dot").exists()
+    status, _, err = run_main(["render", "a.json", "-o", "x.dot", "--by-type", "Linear"], root, capsys)
+    assert status == 0, err
+    status, out, err = run_main(["report", "log"], root, capsys)
+    assert status == 0 and (root / "report.html").read_text().startswith("<!DOCTYPE html>"), err
+    said = []
+    for command in ("report", "explore"):
+        status, _, err = run_main([command, "empty_log"], root, capsys)
+        assert status == 1, err
+        said.append(err)
+    assert said[0] == said[1] and "no step_*.json files under empty_log" in said[0]
+    assert "LOG_DIR/backward_graph" in said[0]
+    status, out, _ = run_main(["diff", "a.json", "b.json"], root, capsys)
+    assert status == 0 and "structure changed" in out
+    assert not [line for line in out.splitlines() if line.endswith(";")], out
+    status, out, _ = run_main(["render", "--help"], root, capsys)
+    assert "legibility" in out and "best of TB/LR" not in out and "--max-px" in out
+
+
+def test_an_integration_without_its_framework_says_what_to_install(tmp_path):
+    """``python -m paddleviz_hooks.integrations.paddleformers train x.yaml`` where PaddleFormers is
+    not installed: one line naming the pip extra, no traceback."""
+    if importlib.util.find_spec("paddleformers") is not None:
+        pytest.skip("PaddleFormers is installed here")
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    r = subprocess.run([sys.executable, "-m", "paddleviz_hooks.integrations.paddleformers", "train", "x.yaml"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "needs PaddleFormers, which is not installed: pip install 'paddleviz-hooks[paddleformers]'" in r.stderr
+    with pytest.raises(ModuleNotFoundError, match=r"pip install 'paddleviz-hooks\[paddleformers\]'"):
+        import paddleviz_hooks.integrations.paddleformers  # noqa: F401

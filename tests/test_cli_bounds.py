@@ -73,6 +73,76 @@ def test_a_dangling_edge_is_named_and_report_skips_the_file(tmp_path, capsys):
     assert "step_000002.json" in page  # listed on the page as skipped, with the good step shown
 
 
+#: a field of a step file made wrong -> what the error names
+MALFORMED = {
+    "nonfinite_list": (lambda d: d.__setitem__("nonfinite", [1]), "nonfinite must be an object or null, got [1]"),
+    "step_str": (lambda d: d["meta"].__setitem__("step", "abc"), "meta.step must be an int >= 0 or null, got 'abc'"),
+    "kind_zzz": (lambda d: d["nodes"][1].__setitem__("kind", "zzz"), "nodes[1].kind must be one of"),
+    "shape_str": (lambda d: d["edges"][0]["grad"].__setitem__("shape", "abc"), "edges[0].grad.shape must be a list"),
+    "node_shape": (lambda d: d["nodes"][3].__setitem__("shape", [64, "x"]), "nodes[3].shape must be a list of ints"),
+    "norm_str": (lambda d: d["edges"][1]["grad"].__setitem__("norm", "big"), "edges[1].grad.norm must be a number"),
+    "nodes_dict": (lambda d: d.__setitem__("nodes", {}), "nodes must be a list, got {}"),
+    "layers_list": (lambda d: d.__setitem__("layers", [1]), "layers must be an object"),
+    "meta_str": (lambda d: d.__setitem__("meta", "x"), "meta must be an object"),
+    "id_twice": (lambda d: d["nodes"][2].__setitem__("id", 1), "nodes[2].id must be 2 (its place in the list), got 1"),
+    "calls_int": (lambda d: d.__setitem__("calls", {"a": 5}), "calls['a'] must be"),
+    "frames_int": (lambda d: d.__setitem__("frames", [1]), "frames[0] must be [file, line, function, code]"),
+    "source_index": (lambda d: d["nodes"][1].__setitem__("source", [7]), "nodes[1].source must be a list of indices"),
+    "origin_list": (lambda d: d.__setitem__("nonfinite", {"origin": [1]}), "nonfinite.origin must be an object"),
+}
+
+
+def test_a_malformed_field_is_named_and_report_skips_the_file(tmp_path, capsys):
+    """Each malformed field of a step file is a ValueError naming it (not an AttributeError that
+    ends ``report`` with "unexpected", nor a wrong value accepted: a step "abc", a kind "zzz"), so
+    ``report`` skips that file with a warning naming it and shows the good ones beside it."""
+    import json
+
+    from paddleviz_hooks import BackwardGraph
+
+    run = tmp_path / "run"
+    run.mkdir()
+    write_big_step(str(run / "step_000001.json"), 9)
+    good = json.loads((run / "step_000001.json").read_text())
+    BackwardGraph.from_dict(good)  # the unbroken file loads
+    for i, (name, (breaks, says)) in enumerate(MALFORMED.items(), start=2):
+        d = json.loads(json.dumps(good))
+        breaks(d)
+        with pytest.raises(ValueError) as err:
+            BackwardGraph.from_json(json.dumps(d))
+        assert says in str(err.value) and str(err.value).startswith("malformed backward graph JSON: "), (name, err.value)
+        (run / f"step_{i:06d}.json").write_text(json.dumps(d))
+    code, out, err, _ = _run(["render", str(run / "step_000002.json"), "-o", str(tmp_path / "x.dot")], capsys)
+    assert code == 1 and "nonfinite must be an object" in err and "unexpected" not in err, err
+    code, out, err, _ = _run(["report", str(run), "-o", str(tmp_path / "r.html")], capsys)
+    assert code == 0, err
+    warned = [x for x in err.splitlines() if x.startswith("paddleviz-hooks: warning: skipped")]
+    assert len(warned) == len(MALFORMED), err
+    for i, (name, (_, says)) in enumerate(MALFORMED.items(), start=2):
+        line = next(x for x in warned if f"step_{i:06d}.json" in x)
+        assert says in line, (name, line)
+
+
+def test_a_saved_diff_given_as_a_graph_says_what_it_is(tmp_path, capsys):
+    """``render``/``diff`` given a ``step_N_diff.json``: said to be a saved diff, with its picture
+    beside it and the command that draws a diff (not "missing 'format'")."""
+    import json
+
+    write_big_step(str(tmp_path / "step_000004.json"), 9)
+    (tmp_path / "step_000004_diff.json").write_text(json.dumps({"format": "paddleviz-hooks/graph-diff", "version": 1}))
+    (tmp_path / "step_000004_diff.png").write_bytes(b"\x89PNG\r\n\x1a\n")
+    saved = str(tmp_path / "step_000004_diff.json")
+    for argv in (["render", saved, "-o", str(tmp_path / "x.png")], ["diff", str(tmp_path / "step_000004.json"), saved]):
+        code, out, err, _ = _run(argv, capsys)
+        assert code == 1, err
+        assert f"{saved} is a saved diff, not a graph: its picture is {tmp_path / 'step_000004_diff.png'}" in err, err
+        assert "paddleviz-hooks diff OLD.json NEW.json -o diff.png" in err and "missing" not in err, err
+    from paddleviz_hooks import BackwardGraph
+
+    with pytest.raises(ValueError, match="a saved diff .* GraphDiff.from_json"):
+        BackwardGraph.from_json((tmp_path / "step_000004_diff.json").read_text())
+
+
 def test_a_fifo_is_refused_not_waited_on(tmp_path, capsys):
     import threading
 

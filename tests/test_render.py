@@ -194,7 +194,7 @@ def test_engine_not_found_when_find_engine_returns_none(graph, monkeypatch, tmp_
 
 def test_engine_choice_validated(monkeypatch):
     monkeypatch.setenv("PADDLEVIZ_ENGINE", "neato")
-    with pytest.raises(ValueError, match="dot"):
+    with pytest.raises(ValueError, match="the environment variable PADDLEVIZ_ENGINE must be 'dot'"):
         find_engine()
 
 

@@ -82,3 +82,41 @@ def test_a_nan_global_norm_is_spelled_as_every_other_nan_and_not_repeated():
         meta={"accumulated_grad_norm": nan})
     text = graph_summary(g)
     assert "global grad norm NaN;" in text and "accumulated param.grad norm" not in text, text
+
+
+def _params_graph(layers: dict[str, str], norms: dict[str, float]) -> BackwardGraph:
+    nodes = [Node(0, "root", "loss", "loss")] + [
+        Node(i, "param", "GradNodeAccumulation", "Parameter", param=name, grad=GradMeta((2,), "float32", norm=v))
+        for i, (name, v) in enumerate(norms.items(), start=1)]
+    return BackwardGraph(nodes=nodes, edges=[Edge(0, i) for i in range(1, len(nodes))], layers=layers,
+                         meta={"grad_stats": True})
+
+
+def _largest(g: BackwardGraph) -> str:
+    return next(line for line in graph_summary(g).splitlines() if line.startswith("largest grad norms"))
+
+
+def test_largest_grad_norms_name_blocks_not_their_container():
+    """A container (LayerList) is not a level: a TransformerEncoder's line names its blocks, not
+    one ``layers`` group holding every gradient (which is the global norm again); a bare index
+    (children of a model that is a Sequential) names the class; NaN is spelled as everywhere."""
+    enc = _params_graph({"": "TransformerEncoder", "layers": "LayerList", "layers.0": "TransformerEncoderLayer",
+                         "layers.0.linear1": "Linear", "layers.1": "TransformerEncoderLayer",
+                         "layers.1.linear1": "Linear"},
+                        {"layers.0.linear1.weight": 3.0, "layers.1.linear1.weight": 4.0})
+    assert _largest(enc) == "largest grad norms: layers.1 4, layers.0 3;"
+    seq = _params_graph({"": "Sequential", "0": "Linear", "2": "Linear"}, {"0.weight": 1.75, "2.weight": float("nan")})
+    assert _largest(seq) == "largest grad norms: 2 (Linear) NaN, 0 (Linear) 1.75;"
+    lenet = _params_graph({"": "LeNet", "features": "Sequential", "features.0": "Conv2D", "fc": "Sequential",
+                           "fc.0": "Linear"}, {"features.0.weight": 2.0, "fc.0.weight": 1.0})
+    assert _largest(lenet) == "largest grad norms: features 2, fc 1;"  # a Sequential of its own is a level
+
+
+def test_one_edge_added_is_singular():
+    from paddleviz_hooks.diff import diff_graphs
+    from paddleviz_hooks.text import diff_summary
+
+    older = _params_graph({"": "Net", "a": "Linear"}, {"a.w": 1.0})
+    newer = _params_graph({"": "Net", "a": "Linear"}, {"a.w": 1.0, "a.b": 1.0})
+    older.assign_keys(), newer.assign_keys()
+    assert "structure changed: 1 node added, 0 removed, 1 edge added, 0 removed;" in diff_summary(diff_graphs(older, newer))

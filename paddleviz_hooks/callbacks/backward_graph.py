@@ -29,7 +29,7 @@ class BackwardGraphCallback(paddle.callbacks.Callback):
     ``visualdl_graphs``, ``visualdl_diagnostics``, ``scalar_depth``,
     ``run_name``, ``ranks``, ``on_nonfinite``, ``on_grad_spike``,
     ``on_structure_change``, ``cooldown``, ``queue_size``, ``render_timeout``,
-    ``verbose``. The model is ``Model.fit``'s network.
+    ``close_timeout``, ``verbose``. The model is ``Model.fit``'s network.
 
     Steps are numbered like ``paddle.callbacks.VisualDL``'s ``train/*``
     scalars: the global training batch count, starting at 1, across epochs.
@@ -75,8 +75,14 @@ class BackwardGraphCallback(paddle.callbacks.Callback):
 
     @property
     def dropped_steps(self) -> list[int]:
-        """Steps captured while the renderer was busy (nothing written)."""
+        """Steps captured but refused because the background writer had stopped (nothing of them
+        is written)."""
         return self.recorder.dropped_steps
+
+    @property
+    def lost_steps(self) -> dict[int, str]:
+        """Captured steps whose data never reached disk -> why (set by ``close()``)."""
+        return self.recorder.lost_steps
 
     @property
     def undrawn_steps(self) -> list[int]:

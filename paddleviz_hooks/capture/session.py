@@ -1044,12 +1044,15 @@ def capture_backward(
             (``Node.saved_bytes``), per layer call and per op in
             ``graph.meta["saved_memory"]``. Run the forward inside the block.
         sources: record where the user's code called each op's forward
-            (``Node.source``: file, line, function and code of each frame),
-            from the call stacks Paddle keeps while
-            ``FLAGS_call_stack_level`` is 3; the flag is on from the start of
-            the block until a backward starts, and again from the layer's
-            next forward (at once after ``paddle.grad``). Run the forward
-            inside the block.
+            (``Node.source``: file, line, function and code of each frame):
+            while the forward runs, Paddle's op entry points are wrapped and
+            each op call's caller lines are noted for the grad nodes it made.
+            Only when an op was made where no wrapper sees it (a C method
+            such as ``x.clone()``) are its lines read from the stacks Paddle
+            keeps under ``FLAGS_call_stack_level=3`` (on from the start of the
+            block until a backward starts, and again from the layer's next
+            forward; back at your value after), through Paddle's backward
+            dump into a temporary folder. Run the forward inside the block.
 
     Returns:
         A :class:`BackwardCapture`; ``cap.graphs`` holds one graph per backward,

@@ -25,8 +25,14 @@ import os
 import sys
 from typing import Any
 
-from paddleformers.trainer import TrainerCallback
-from paddleformers.trainer import integrations as _pf_integrations
+from . import missing_framework
+
+try:
+    from paddleformers.trainer import TrainerCallback
+    from paddleformers.trainer import integrations as _pf_integrations
+except ModuleNotFoundError as exc:
+    missing_framework(exc, "paddleformers", "PaddleFormers", __name__)
+    raise
 
 from ..recorder import BackwardGraphRecorder, check_options
 

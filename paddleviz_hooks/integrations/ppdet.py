@@ -18,7 +18,13 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ppdet.engine.callbacks import Callback
+from . import missing_framework
+
+try:
+    from ppdet.engine.callbacks import Callback
+except ModuleNotFoundError as exc:
+    missing_framework(exc, "ppdet", "PaddleDetection", __name__)
+    raise
 
 from ..attaching import AttachHandle, attach
 from ..recorder import BackwardGraphRecorder, check_options

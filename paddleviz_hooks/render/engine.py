@@ -53,7 +53,10 @@ def find_engine(prefer: str | None = None) -> Engine | None:
     Returns:
         The :class:`Engine`, or None when neither is installed.
     """
-    prefer = prefer or os.environ.get("PADDLEVIZ_ENGINE") or None
+    named = "engine"
+    if not prefer and os.environ.get("PADDLEVIZ_ENGINE"):
+        prefer, named = os.environ["PADDLEVIZ_ENGINE"], "the environment variable PADDLEVIZ_ENGINE"
+    prefer = prefer or None
     candidates = []
     dot = shutil.which("dot")
     if dot:
@@ -63,7 +66,7 @@ def find_engine(prefer: str | None = None) -> Engine | None:
         candidates.append(Engine("graphviz-pure", pure))
     if prefer is not None:
         if prefer not in ("dot", "graphviz-pure"):
-            raise ValueError(f"engine must be 'dot' or 'graphviz-pure', got {prefer!r}")
+            raise ValueError(f"{named} must be 'dot' or 'graphviz-pure', got {prefer!r}")
         chosen = [c for c in candidates if c.name == prefer]
         return chosen[0] if chosen else None
     return candidates[0] if candidates else None

@@ -402,12 +402,13 @@ def _is_step(step: Any) -> bool:
 
 
 def _series_of_dir(log_dir: str) -> tuple[str, list]:
-    from .report import ReportError, _NotAGraph, _read_graph, capture_order, find_step_files, run_suffix, skip_file
+    from .report import _NotAGraph, _read_graph, capture_order, find_step_files, no_steps_error, run_suffix, skip_file
 
     if not os.path.isdir(log_dir):
         raise ValueError(f"log directory {log_dir!r} does not exist (pass the directory the recorder wrote to)")
     runs: dict[tuple[str, str], list] = {}  # one run per folder and file suffix, a step's backwards in it
-    for (directory, suffix), files in find_step_files(log_dir).items():
+    skipped: list[tuple[str, str]] = []
+    for (directory, suffix), files in find_step_files(log_dir, skipped).items():
         captures = runs.setdefault((directory, run_suffix(suffix)), [])
         for number, path in files:
             try:
@@ -415,7 +416,7 @@ def _series_of_dir(log_dir: str) -> tuple[str, list]:
             except _NotAGraph:
                 continue
             except (OSError, ValueError) as exc:  # said as the report says it
-                skip_file(path, exc)
+                skipped.append((os.path.relpath(path, log_dir), skip_file(path, exc)))
                 continue
             step = g.meta.get("step")
             step = step if isinstance(step, int) and not isinstance(step, bool) else number
@@ -429,7 +430,7 @@ def _series_of_dir(log_dir: str) -> tuple[str, list]:
         captures.sort(key=lambda c: capture_order(c[0], c[1]))  # by step, then which backward of it
         items += [(run, step, suffix, g) for step, suffix, g in captures]
     if not items:
-        raise ReportError(f"no readable step_*.json under {log_dir}")
+        raise no_steps_error(log_dir, skipped)
     return os.path.basename(os.path.abspath(log_dir)), _name(items)
 
 

@@ -168,6 +168,21 @@ def find_step_files(log_dir: str,
     return dict(sorted(found.items()))
 
 
+def no_steps_error(log_dir: str, skipped: list[tuple[str, str]] | None = None) -> "ReportError":
+    """What ``report`` and ``explore`` say when ``log_dir`` holds no capture they can read.
+
+    Examples:
+        >>> print(no_steps_error("logs"))
+        no step_*.json files under logs (a recorder or callback writes them to LOG_DIR/backward_graph: pass its log_dir, or a folder above it)
+        >>> print(no_steps_error("logs", [("backward_graph/step_000001.json", "not JSON")]))
+        no readable step_*.json under logs (e.g. backward_graph/step_000001.json: not JSON)
+    """
+    if skipped:
+        return ReportError(f"no readable step_*.json under {log_dir} (e.g. {skipped[0][0]}: {skipped[0][1]})")
+    return ReportError(f"no step_*.json files under {log_dir} (a recorder or callback writes them to "
+                       "LOG_DIR/backward_graph: pass its log_dir, or a folder above it)")
+
+
 def skip_file(path: str, why: Exception | str) -> str:
     """Warn that the capture file ``path`` is skipped, and why (returned, as people read it)."""
     reason = why if isinstance(why, str) else (
@@ -223,7 +238,7 @@ def _load_runs(log_dir: str, timeout: float,
     skipped: list[tuple[str, str]] = []
     groups = find_step_files(log_dir, skipped)
     if not groups:
-        raise ReportError(f"no step_*.json files under {log_dir}")
+        raise no_steps_error(log_dir)
     by_key: dict[tuple[str, str], _Run] = {}
     for (directory, suffix), files in groups.items():
         # a step's further backwards (step_N_b2.json...) belong to the run of its first
@@ -251,8 +266,7 @@ def _load_runs(log_dir: str, timeout: float,
                 if not st.suffix:
                     st.role = backward_role(st.graph.meta.get("backward"))
     if not runs:
-        first = skipped[0] if skipped else ("?", "?")
-        raise ReportError(f"no readable step_*.json under {log_dir} (e.g. {first[0]}: {first[1]})")
+        raise no_steps_error(log_dir, skipped or [("?", "?")])
 
     merged = _pair_ranks(runs)
     jobs = [(st, "svg", render_ranks, (st.graphs,), {}) for m in merged for st in m.steps]
