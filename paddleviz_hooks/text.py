@@ -1122,18 +1122,23 @@ def picture_title(graph: BackwardGraph, step: Any, trigger: str | None) -> str:
 
 
 def picture_facts(graph: BackwardGraph) -> str:
-    """What a capture measured, said under its picture's name: the loss, the global gradient
-    norm (as the summary words it) and, of several parameters, the one with the largest
-    gradient; empty when nothing was measured.
+    """What a capture measured, said under its picture's name: the loss (and, for a replayed
+    step, that its drawing starts at the model output), the global gradient norm (as the
+    summary words it) and, of several parameters, the one with the largest gradient; empty
+    when nothing was measured.
 
     Examples:
         >>> picture_facts(BackwardGraph(meta={"loss": 0.5}))
         'loss 0.5'
+        >>> picture_facts(BackwardGraph(meta={"loss": float("nan"), "replayed": True}))
+        "loss NaN, replayed from the model output (the loss's ops are not drawn)"
     """
     parts = []
     loss = graph.meta.get("loss")
     if isinstance(loss, (int, float)) and not isinstance(loss, bool):
         parts.append(f"loss {fmt_num(loss, 4)}")
+    if graph.meta.get("replayed"):  # why the drawing starts at the model output, not at the loss
+        parts.append(f"{REPLAYED_FROM_OUTPUT} (the loss's ops are not drawn)")
     norm = global_norm_words(graph)
     if norm:
         parts.append(norm)

@@ -25,7 +25,7 @@ import pytest
 
 from paddleviz_hooks import BackwardGraph, BackwardGraphCallback, BackwardGraphRecorder, Sink
 from paddleviz_hooks.sinks.base import png_to_array
-from _fitkit import run_fit
+from _fitkit import children, run_fit
 
 for _pkg in ("swanlab", "tensorboardX", "tensorboard", "wandb"):
     pytest.importorskip(_pkg, reason=f"{_pkg} is installed by `make test` (the dashboards-test extra)")
@@ -232,6 +232,12 @@ def test_every_dashboard_gets_one_picture_text_and_scalars_per_capture(all_four)
     assert sorted(logged) == scalar_names
 
 
+def test_no_wandb_process_is_left_when_the_sink_ran_its_own_run(all_four):
+    """The W&B sink started its own offline run (no run of the user's): when it closes, W&B's
+    service process (wandb-core) goes too; it stayed for the life of the training process."""
+    assert not [cmd for cmd in children(os.getpid()).values() if "wandb" in cmd]
+
+
 def test_into_the_users_active_swanlab_and_wandb_runs(tmp_path):
     """The user's own runs get our records beside theirs; their steps and rows are untouched,
     and their runs stay open after training (the user finishes them)."""
@@ -258,9 +264,11 @@ def test_into_the_users_active_swanlab_and_wandb_runs(tmp_path):
         run_fit(callbacks=[cb, UserLogger()], steps=STEPS)
         assert cb.captured_steps == CAPTURED
         assert swanlab.has_run() and swanlab.get_run() is sl_run and wandb.run is w_run
+        assert [cmd for cmd in children(os.getpid()).values() if "wandb" in cmd]  # the user's W&B goes on
     finally:
         swanlab.finish()
         w_run.finish()
+        wandb.teardown()  # the user's service process: theirs to stop, as this test does
     assert not (tmp_path / "logs" / "swanlog").exists()  # no run of our own
     assert not (tmp_path / "logs" / "backward_graph" / "wandb").exists()
 

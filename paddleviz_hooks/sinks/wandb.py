@@ -119,3 +119,5 @@ class WandbSink(Sink):
         self._drain()
         if self.own:
             self.run.finish()
+            if self._wandb.run is None:  # no run of the user's either: W&B's service process goes too
+                self._wandb.teardown()
