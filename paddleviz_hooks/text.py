@@ -918,10 +918,15 @@ def grad_detail(meta: GradMeta | None, head: str = "gradient", why: str | None =
         ['gradient not observed (Einsum takes no hook)']
         >>> grad_detail(GradMeta((4,), "float32"), stats=False)
         ['gradient [4] float32', 'values not recorded (gradient statistics off)']
+        >>> grad_detail(GradMeta((4,), "float32", norm=5.0, min=-1.0, max=2.0, parts=2))  # a collapsed view's edge
+        ['gradient: 2 gradients combined', "root-sum-square of their norms 5.0 (no one tensor's norm)", 'min -1.0, max 2.0 (over all 2)', 'NaN 0, Inf 0']
     """
     if meta is None:
         return [f"{head} {NOT_OBSERVED}" + (f" ({why})" if why else "")]
-    lines = [f"{head} {fmt_shape(meta.shape)} {meta.dtype or '?'}"]
+    if meta.parts > 1:  # several gradients drawn as one (a collapsed view): no one tensor, no one shape
+        lines = [f"{head}: {meta.parts} gradients combined"]
+    else:
+        lines = [f"{head} {fmt_shape(meta.shape)} {meta.dtype or '?'}"]
     if meta.local_shape is not None:  # auto-parallel: the numbers are this rank's shard's
         lines.append(shard_line(meta) + _part_note(meta))
     if meta.note is not None:
@@ -930,8 +935,8 @@ def grad_detail(meta: GradMeta | None, head: str = "gradient", why: str | None =
         if not stats:
             return lines + ["values not recorded (gradient statistics off)"]
         return lines + [f"values {NOT_OBSERVED}" + (f" ({why})" if why else "")]
-    if meta.parts > 1:  # several gradients drawn as one (a collapsed view): no one tensor's norm
-        lines.append(combined_norm(meta).replace("|g|", "norms"))
+    if meta.parts > 1:
+        lines.append(f"root-sum-square of their norms {exact_num(meta.norm)} (no one tensor's norm)")
         lines.append(f"min {exact_num(meta.min)}, max {exact_num(meta.max)} (over all {meta.parts})")
     else:
         lines.append(f"norm {exact_num(meta.norm)}")
@@ -950,6 +955,9 @@ def received_lines(node: Node, incoming: Iterable[Edge] = (), stats: bool = True
         >>> received_lines(Node(3, "param", "GradNodeAccumulation", param="fc.bias",
         ...                     grad=GradMeta((2,), "float32", norm=1.0, min=0.6, max=0.8)))
         ['gradient added to param.grad [2] float32', 'norm 1.0', 'min 0.6, max 0.8', 'NaN 0, Inf 0']
+        >>> received_lines(Node(2, "op", "AddGradNode", "Add"), [Edge(0, 2, grad=GradMeta((2,), "float32", norm=3.0,
+        ...                min=0.0, max=3.0)), Edge(1, 2, grad=GradMeta((2,), "float32", norm=4.0, min=-4.0, max=0.0))])
+        ['2 gradients received (2 observed; their sum not observed)', 'the observed ones: 2 gradients combined', "root-sum-square of their norms 5.0 (no one tensor's norm)", 'min -4.0, max 3.0 (over all 2)', 'NaN 0, Inf 0']
     """
     if node.kind == "root":
         return []
@@ -966,8 +974,9 @@ def received_lines(node: Node, incoming: Iterable[Edge] = (), stats: bool = True
     head = f"{len(edges)} gradients received ({len(seen)} observed; their sum {NOT_OBSERVED})"
     if not seen:
         return [head]
-    label = "the observed one:" if len(seen) == 1 else f"the {len(seen)} observed, combined:"
-    return [head] + grad_detail(merge_grad_metas(seen), label, stats=stats)
+    if len(seen) == 1:
+        return [head] + grad_detail(seen[0], "the observed one:", stats=stats)
+    return [head] + grad_detail(merge_grad_metas(seen), "the observed ones", stats=stats)
 
 
 def chart_point_text(layer: str, step: Any, role: str, norm: float) -> str:
