@@ -22,7 +22,8 @@ from .diff import GraphDiff
 from .escape import visible
 from .findings import record_of
 from .ranks import RankView
-from .graph import BackwardGraph, GradMeta, Node, NonfiniteOrigin, NonfiniteRecord, SourceFrame, is_communication
+from .graph import (BackwardGraph, Edge, GradMeta, Node, NonfiniteOrigin, NonfiniteRecord, SourceFrame, is_communication,
+                    merge_grad_metas)
 from .hazards import PROGRAM_OP_NOTE, RECOMPUTE_INPUT_NOTE
 
 __all__ = [
@@ -64,6 +65,7 @@ __all__ = [
     "source_attrs",
     "SOURCE_NOTES_TEXT",
     "call_name",
+    "chart_point_text",
     "capture_title",
     "closing_line",
     "graph_title",
@@ -91,6 +93,9 @@ __all__ = [
     "edge_lines",
     "AFTER_HOOK",
     "extreme_text",
+    "edge_tooltip",
+    "exact_num",
+    "grad_detail",
     "fmt_bytes",
     "fmt_num",
     "fmt_ratio",
@@ -102,6 +107,7 @@ __all__ = [
     "group_name",
     "node_lines",
     "node_tooltip",
+    "received_lines",
     "node_where",
     "every_op_elsewhere",
     "notebook_full_detail",
@@ -927,13 +933,138 @@ def source_attrs(node: Node) -> dict[str, str]:
     return out
 
 
-def node_tooltip(node: Node) -> str:
+def exact_num(v: float | None) -> str:
+    """A number in full: the shortest text that reads back as the same float (what the JSON
+    holds); NaN/Inf spelled out, ``-`` for none.
+
+    Examples:
+        >>> exact_num(0.1234567890123), exact_num(float("-inf")), exact_num(None)
+        ('0.1234567890123', '-Inf', '-')
+    """
+    return fmt_num(v) if v is None or not math.isfinite(v) else repr(float(v))
+
+
+def grad_detail(meta: GradMeta | None, head: str = "gradient", why: str | None = None,
+                stats: bool = True) -> list[str]:
+    """One gradient in full, for hover and click text: ``head`` with its shape and dtype,
+    then its L2 norm, min and max (exact, as the JSON has them) and its NaN and Inf counts;
+    or why its values are not known.
+
+    Args:
+        meta: what is known of the gradient (None: nothing, it was not observed).
+        head: what the gradient is to the reader (``gradient received``...).
+        why: why it was not observed, when known (``Edge.note``).
+        stats: whether gradient statistics were recorded in this capture.
+
+    Examples:
+        >>> grad_detail(GradMeta((2, 3), "float32", norm=0.5, min=-0.25, max=0.125))
+        ['gradient [2, 3] float32', 'norm 0.5', 'min -0.25, max 0.125', 'NaN 0, Inf 0']
+        >>> grad_detail(None, why="Einsum takes no hook")
+        ['gradient not observed (Einsum takes no hook)']
+        >>> grad_detail(GradMeta((4,), "float32"), stats=False)
+        ['gradient [4] float32', 'values not recorded (gradient statistics off)']
+        >>> grad_detail(GradMeta((4,), "float32", norm=5.0, min=-1.0, max=2.0, parts=2))  # a collapsed view's edge
+        ['gradient: 2 gradients combined', "root-sum-square of their norms 5.0 (no one tensor's norm)", 'min -1.0, max 2.0 (over all 2)', 'NaN 0, Inf 0']
+    """
+    if meta is None:
+        return [f"{head} {NOT_OBSERVED}" + (f" ({why})" if why else "")]
+    if meta.parts > 1:  # several gradients drawn as one (a collapsed view): no one tensor, no one shape
+        lines = [f"{head}: {meta.parts} gradients combined"]
+    else:
+        lines = [f"{head} {fmt_shape(meta.shape)} {meta.dtype or '?'}"]
+    if meta.local_shape is not None:  # auto-parallel: the numbers are this rank's shard's
+        lines.append(shard_line(meta) + _part_note(meta))
+    if meta.note is not None:
+        return lines + [UNOBSERVED_WHY.get(meta.note, NOT_OBSERVED)]
+    if meta.norm is None:
+        if not stats:
+            return lines + ["values not recorded (gradient statistics off)"]
+        return lines + [f"values {NOT_OBSERVED}" + (f" ({why})" if why else "")]
+    if meta.parts > 1:
+        lines.append(f"root-sum-square of their norms {exact_num(meta.norm)} (no one tensor's norm)")
+        lines.append(f"min {exact_num(meta.min)}, max {exact_num(meta.max)} (over all {meta.parts})")
+    else:
+        lines.append(f"norm {exact_num(meta.norm)}")
+        lines.append(f"min {exact_num(meta.min)}, max {exact_num(meta.max)}")
+    lines.append(f"NaN {meta.nan}, Inf {meta.inf}")
+    return lines
+
+
+def received_lines(node: Node, incoming: Iterable[Edge] = (), stats: bool = True) -> list[str]:
+    """The gradient a node received, in full (:func:`grad_detail`): a parameter's is what this
+    backward added to ``param.grad``; an op's, the sum of what arrived when it was read
+    (``Node.received``), else what its one incoming edge carried, else its incoming gradients
+    combined and said to be; the root receives none (nothing).
+
+    Examples:
+        >>> received_lines(Node(3, "param", "GradNodeAccumulation", param="fc.bias",
+        ...                     grad=GradMeta((2,), "float32", norm=1.0, min=0.6, max=0.8)))
+        ['gradient added to param.grad [2] float32', 'norm 1.0', 'min 0.6, max 0.8', 'NaN 0, Inf 0']
+        >>> received_lines(Node(2, "op", "AddGradNode", "Add"), [Edge(0, 2, grad=GradMeta((2,), "float32", norm=3.0,
+        ...                min=0.0, max=3.0)), Edge(1, 2, grad=GradMeta((2,), "float32", norm=4.0, min=-4.0, max=0.0))])
+        ['2 gradients received (2 observed; their sum not observed)', 'the observed ones: 2 gradients combined', "root-sum-square of their norms 5.0 (no one tensor's norm)", 'min -4.0, max 3.0 (over all 2)', 'NaN 0, Inf 0']
+    """
+    if node.kind == "root":
+        return []
+    if node.kind == "param":
+        return grad_detail(node.grad, "gradient added to param.grad", stats=stats)
+    if node.received is not None:
+        return grad_detail(node.received, "gradient received (the sum of what arrived)", stats=stats)
+    edges = list(incoming)
+    if not edges:
+        return []
+    if len(edges) == 1 and edges[0].after_hook is not None:  # a gradient hook changed what was sent
+        return grad_detail(edges[0].after_hook, f"gradient received ({AFTER_HOOK})", stats=stats)
+    if len(edges) == 1:
+        return grad_detail(edges[0].grad, "gradient received", edges[0].note, stats)
+    seen = [e.grad for e in edges if e.grad is not None and e.grad.note is None and e.grad.norm is not None]
+    head = f"{len(edges)} gradients received ({len(seen)} observed; their sum {NOT_OBSERVED})"
+    if not seen:
+        return [head]
+    if len(seen) == 1:
+        return [head] + grad_detail(seen[0], "the observed one:", stats=stats)
+    return [head] + grad_detail(merge_grad_metas(seen), "the observed ones", stats=stats)
+
+
+def chart_point_text(layer: str, step: Any, role: str, norm: float) -> str:
+    """Hover text of one point of a gradient-norm chart: the layer, the training step (and
+    which backward of the step, with micro-batches) and the norm in full.
+
+    Examples:
+        >>> chart_point_text("fc.2", 20, "micro-batch 2 of 2", 0.0123456789)
+        'fc.2 | step 20 - micro-batch 2 of 2 | gradient L2 norm 0.0123456789'
+        >>> chart_point_text("fc", 3, "", float("nan"))
+        'fc | step 3 | gradient L2 norm NaN'
+    """
+    return f"{layer} | {capture_title(step, role=role)} | gradient L2 norm {exact_num(norm)}"
+
+
+def edge_tooltip(src: Node, dst: Node, edge: Edge, stats: bool = True) -> str:
+    """Hover text of an edge: where its gradient flows (from -> to), then the gradient in full
+    (:func:`grad_detail`), or why it was not observed.
+
+    Examples:
+        >>> edge_tooltip(Node(1, "op", "ReluGradNode", "Relu", layer="fc"), Node(2, "param", "GradNodeAccumulation",
+        ...              param="fc.bias"), Edge(1, 2, grad=GradMeta((2,), "float32", norm=1.5, min=0.5, max=1.25)))
+        'Relu in fc -> param fc.bias | gradient [2] float32 | norm 1.5 | min 0.5, max 1.25 | NaN 0, Inf 0'
+        >>> edge_tooltip(Node(1, "op", "SigmoidGradNode", "Sigmoid"), Node(2, "op", "AddGradNode", "Add"),
+        ...              Edge(1, 2, grad=GradMeta((2,), "float32", norm=1.0, min=0.5, max=0.5),
+        ...                   after_hook=GradMeta((2,), "float32", norm=10.0, min=5.0, max=5.0))).split(" | ")[5:7]
+        ['a hook changed it, received [2] float32', 'norm 10.0']
+    """
+    changed = grad_detail(edge.after_hook, f"{AFTER_HOOK}, received", stats=stats) if edge.after_hook else []
+    return " | ".join([f"{describe_node(src)} -> {describe_node(dst)}",
+                       *grad_detail(edge.grad, why=edge.note, stats=stats), *changed])
+
+
+def node_tooltip(node: Node, incoming: Iterable[Edge] = (), stats: bool = True) -> str:
     """Hover text: Paddle's grad node name, the layer (call) of an op or a layer box, the
-    key, why unhooked, what it saved for backward.
+    key, why unhooked, the gradient it received (:func:`received_lines`; ``incoming``: the
+    edges entering it), what it saved for backward, where its forward was called.
 
     Examples:
         >>> node_tooltip(Node(3, "param", "GradNodeAccumulation", "param", param="head.weight", key="param:head.weight"))
-        'GradNodeAccumulation | key: param:head.weight'
+        'GradNodeAccumulation | key: param:head.weight | gradient added to param.grad not observed'
     """
     tip = [node.name]
     if node.kind in ("op", "layer"):  # a parameter, the root or an input belongs to no layer call
@@ -941,6 +1072,7 @@ def node_tooltip(node: Node) -> str:
     tip.append(f"key: {node.key}")
     if node.note:
         tip.append(node.note)
+    tip.extend(received_lines(node, incoming, stats))  # before the long source lines: kept when shortened
     tip.extend(source_lines(node))
     if node.saved_bytes:
         tip.append(f"saved for backward: {fmt_bytes(node.saved_bytes)}")

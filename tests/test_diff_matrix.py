@@ -335,7 +335,7 @@ class SecondHead(nn.Layer):
 def _marked(src: str) -> tuple[list[str], list[str]]:
     """The nodes a diff's DOT marks: keys (without signature) of the added, first label
     lines of the ghosts."""
-    added = [base(re.search(r'key: ([^"]+)"', l).group(1)) for l in src.splitlines()
+    added = [base(re.search(r'key: ([^"|]+?)(?: \||")', l).group(1)) for l in src.splitlines()
              if re.match(r"\s*n\d+ \[", l) and "pvh-added" in l]
     ghosts = re.findall(r'^\s*ghost\d+ \[label="([^"\\]+)', src, flags=re.M)
     return sorted(added), sorted(ghosts)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pathlib
 import json
+import math
 import os
 import re
 import shutil
@@ -438,3 +439,169 @@ def test_a_steps_micro_batches_are_backwards_of_one_step_not_runs(tmp_path):
     assert "<h2>step 1 - micro-batch 2 of 2</h2>" in html
     assert "Changes since step 1 - micro-batch 2 of 2</h3>" in html
     assert "2 captured steps (4 backwards) in 1 run" in html
+
+
+# ------------------------------------------------ gradients where a user points
+_WORDS = {"nan": "NaN", "inf": "Inf", "-inf": "-Inf"}  # how the JSON writes a non-finite number
+
+
+def _num(v) -> str:
+    """A number of a step's JSON as the tooltips must show it: the JSON's own digits."""
+    return _WORDS[v] if isinstance(v, str) else repr(float(v))
+
+
+def _grad_text(grad: dict) -> str:
+    """The numbers of one gradient of the JSON, as the hover text lists them."""
+    shape = "[" + ", ".join(str(s) for s in grad["shape"]) + "]"
+    return (f"{shape} {grad['dtype']} | norm {_num(grad['norm'])} | min {_num(grad['min'])}, "
+            f"max {_num(grad['max'])} | NaN {grad['nan']}, Inf {grad['inf']}")
+
+
+def _titles(svg: str) -> list[str]:
+    import html as _html
+    return [_html.unescape(t) for t in re.findall(r'xlink:title="([^"]*)"', svg)]
+
+
+def test_tooltips_give_each_gradient_as_the_json_has_it(report):
+    """Every parameter's tooltip (and so its click panel) has the gradient this backward added to it,
+    every edge's the gradient on it, every op with one incoming edge the gradient it received: shape,
+    dtype, norm, min, max, NaN, Inf with the very digits of the step's JSON, NaN step included."""
+    from paddleviz_hooks.text import describe_node
+    from paddleviz_hooks.graph import BackwardGraph
+
+    html = report["html"].read_text()
+    data = _data(html)
+    steps = data["runs"][0]["steps"]
+    for k in (0, 1, NAN_AT):  # step 0's SVG was saved with the JSON, the others drawn by the report
+        text = (report["log"] / "backward_graphs" / f"step_{k * 10:06d}.json").read_text()
+        d = json.loads(text)  # the numbers as written
+        titles = _titles(data["svgs"][steps[k]["svg"]])
+        nodes = {n.id: n for n in BackwardGraph.from_json(text).nodes}  # the nodes, to name the ends
+        ins: dict[int, list] = {}
+        for e in d["edges"]:
+            ins.setdefault(e["dst"], []).append(e)
+        checked = nonfinite = 0
+        for n in d["nodes"]:
+            tips = [t for t in titles if re.search(f"\\| key: {re.escape(n['key'])}( \\||$)", t)]
+            assert len(tips) == 1, (n["key"], tips)
+            if n["kind"] == "param":
+                assert f"gradient added to param.grad {_grad_text(n['grad'])}" in tips[0], (tips[0], n["grad"])
+                checked += 1
+                nonfinite += n["grad"]["nan"] + n["grad"]["inf"]
+            elif n["kind"] == "op" and len(ins.get(n["id"], [])) == 1 and not n.get("received"):
+                grad = ins[n["id"]][0]["grad"]
+                if grad is not None and grad.get("norm") is not None:
+                    assert f"gradient received {_grad_text(grad)}" in tips[0], (tips[0], grad)
+                    checked += 1
+        edge_tips = [t for t in titles if " -> " in t.split(" | ")[0]]
+        assert len(edge_tips) == len(d["edges"])
+        for e in d["edges"]:
+            ends = f"{describe_node(nodes[e['src']])} -> {describe_node(nodes[e['dst']])}"
+            if e["grad"] is not None and e["grad"].get("norm") is not None:
+                assert f"{ends} | gradient {_grad_text(e['grad'])}" in edge_tips, (ends, e["grad"])
+            else:
+                assert any(t.startswith(ends + " | ") and "not observed" in t for t in edge_tips), ends
+        assert checked >= 8
+        assert (nonfinite > 0) == (k == NAN_AT)
+
+
+@pytest.mark.browser
+@pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="needs Debian's Chromium at /usr/bin/chromium")
+def test_a_click_shows_the_gradient_and_the_chart_reads(report):
+    """A click on a parameter lists its gradient's numbers as the JSON has them; a click on an edge
+    its ends and its gradient; a hostile layer name in the panel stays text. The chart has its axes
+    titled, a labelled tick at each power of ten, a marked point per capture whose hover text is its
+    layer, step and value."""
+    from playwright.sync_api import sync_playwright
+
+    d = json.loads((report["log"] / "backward_graphs" / "step_000000.json").read_text())
+    bias = next(n for n in d["nodes"] if n.get("param") == "head.bias")
+    first_edge = d["edges"][0]
+    with sync_playwright() as p:
+        browser = launch_chromium(p)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 900})
+            errors = []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(report["html"].as_uri())
+            page.wait_for_selector("#stage svg")
+            page.keyboard.press("f")
+            node = page.locator("#stage g.node").filter(has_text="head.bias").first
+            node.click()
+            lines = page.locator("#node-info-lines li").all_inner_texts()
+            assert page.locator("#node-info-head").inner_text() == "Clicked node"
+            assert lines[:2] == ["GradNodeAccumulation", "key: param:head.bias"], lines
+            g = bias["grad"]
+            assert lines[2:6] == [f"gradient added to param.grad [2] {g['dtype']}", f"norm {_num(g['norm'])}",
+                                  f"min {_num(g['min'])}, max {_num(g['max'])}", f"NaN {g['nan']}, Inf {g['inf']}"]
+            # an edge: its label is part of it, a click there lists it
+            edge = page.locator("#stage g.edge").first
+            edge.locator("text").first.click()
+            assert page.locator("#node-info-head").inner_text() == "Clicked edge"
+            lines = page.locator("#node-info-lines li").all_inner_texts()
+            assert lines[0] == "loss -> Mean outside the model", lines
+            assert " | ".join(lines[1:]) == "gradient " + _grad_text(first_edge["grad"]), lines
+
+            chart = page.locator("#chart-0 svg")
+            axes = chart.locator("text.axis").all_text_contents()
+            assert axes == ["gradient L2 norm, log scale", "training step"]
+            y_ticks = chart.locator("text.tick.y").all_text_contents()
+            # round values only (1, 2 and 5 times a power of ten), placed on a log scale
+            assert len(y_ticks) >= 2 and all(re.fullmatch(r"[125](e-\d+)?|0\.0*[125]|[125]0*", v) for v in y_ticks), y_ticks
+            ys = [float(v) for v in chart.locator("text.tick.y").evaluate_all("els => els.map(e => e.getAttribute('y'))")]
+            vals = [float(v) for v in y_ticks]
+            per_decade = [(ys[0] - y) / math.log10(v / vals[0]) for v, y in zip(vals[1:], ys[1:])]
+            assert all(abs(p - per_decade[0]) < 0.2 for p in per_decade), (vals, ys)
+            x_labels = chart.locator("text.tick.x").all_text_contents()
+            assert x_labels[0] == "0" and x_labels[-1] == str((STEPS - 1) * 10) and len(x_labels) <= 7, x_labels
+            points = chart.locator("circle.point")
+            tips = points.evaluate_all("els => els.map(e => e.querySelector('title').textContent)")
+            assert len(tips) >= 3 * STEPS - 3
+            graphs = report["graphs"]
+            layer, step_i = "head", 3
+            want = graphs[step_i].layer_grad_norms(1)[layer]
+            assert f"{layer} | step {step_i * 10} | gradient L2 norm {want!r}" in tips, tips[:5]
+
+            page.select_option("#run-select", "1")  # hostile layer names: shown as text
+            page.keyboard.press("f")
+            title = "g => g.querySelector('a').getAttributeNS('http://www.w3.org/1999/xlink', 'title')"
+            for kind in ("node", "edge"):  # one of each whose hover text names the hostile layer
+                items = page.locator(f"#stage g.{kind}")
+                hit = next(i for i in range(items.count()) if EVIL in (items.nth(i).evaluate(title) or ""))
+                items.nth(hit).locator("text").first.click()
+                assert page.locator("#node-info-head").inner_text() == f"Clicked {kind}"
+                assert any(EVIL in li for li in page.locator("#node-info-lines li").all_inner_texts())
+            assert page.evaluate("window.__pwned") is None and page.locator("img").count() == 0
+        finally:
+            browser.close()
+    assert errors == []
+
+
+def test_the_chart_names_true_steps_and_each_backward_of_a_step(tmp_path):
+    """Three steps of two micro-batches: six points a layer, under three step labels (not "step 6"),
+    each point's hover text naming its micro-batch and the layer's norm in that capture."""
+    from paddleviz_hooks import BackwardGraphRecorder
+    from paddleviz_hooks.graph import BackwardGraph
+
+    paddle.seed(0)
+    net = paddle.nn.Sequential(paddle.nn.Linear(4, 3), paddle.nn.Tanh(), paddle.nn.Linear(3, 2))
+    with BackwardGraphRecorder(str(tmp_path / "log"), net, every=1, verbose=0, formats=("json",),
+                               visualdl=False) as rec:
+        for step in (1, 2, 3):
+            with rec.step(step, micro_batches=2):
+                for _ in range(2):
+                    net(paddle.randn([2, 4])).sum().backward()
+    out = tmp_path / "report.html"
+    build_report(str(tmp_path / "log"), str(out))
+    chart = re.search(r'<div id="chart-0" hidden>(.*?)</div>', out.read_text(), re.S).group(1)
+    assert "step 6" not in chart and "step 4" not in chart
+    assert re.findall(r'<text [^>]*class="tick x">([^<]*)</text>', chart) == ["1", "2", "3"]
+    assert 'class="axis">gradient L2 norm, log scale</text>' in chart and 'class="axis">training step</text>' in chart
+    tips = re.findall(r'<circle class="point"[^>]*><title>([^<]*)</title>', chart)
+    assert len(tips) == 2 * 6  # two layers, six captures
+    run = tmp_path / "log" / "backward_graph"
+    for step in (1, 2, 3):
+        for mb, suffix in ((1, ""), (2, "_b2")):
+            g = BackwardGraph.from_json((run / f"step_{step:06d}{suffix}.json").read_text())
+            for layer, v in g.layer_grad_norms(1).items():
+                assert f"{layer} | step {step} - micro-batch {mb} of 2 | gradient L2 norm {v!r}" in tips, tips

@@ -13,7 +13,7 @@ from ..findings import marks, record_of
 from ..graph import BackwardGraph, Edge, Node, is_communication
 from ..hazards import PROGRAM_OP_NOTE
 from ..text import (COMMUNICATION_LEGEND, DASHED_LEGEND, FIRST_GRADIENT, FLOW_LEGEND, FOLD_LEGEND, FOLD_SHOWN_LEGEND, LAYER_BOX_LEGEND, NONFINITE_LEGEND,
-                    NOT_OBSERVED, ORIGIN_LEGEND, SAVED_SHADE_NONE, SAVED_SHADE_TITLE, box_name, call_of, edge_lines,
+                    NOT_OBSERVED, ORIGIN_LEGEND, SAVED_SHADE_NONE, SAVED_SHADE_TITLE, box_name, call_of, edge_lines, edge_tooltip,
                     fold_alike_line, node_lines, node_tooltip, origin_mark, origin_node_lines, saved_shade_line,
                     shown_block_line)
 
@@ -153,6 +153,8 @@ def dot_parts(
     folds = graph.meta.get("collapse", {}).get("shown", {})
     shown = {label: v[0] for label, v in folds.items()}
     shown_says = {v[0]: shown_block_line(v[1], label) for label, v in folds.items()}  # in its frame's label
+    ins = graph.in_edges()  # the gradients each node received, for its tooltip
+    recorded = graph.meta.get("grad_stats") is not False  # statistics were recorded (or not said otherwise)
 
     # an op without a hook is drawn dashed when a gradient it passes on stays unknown; one
     # whose gradients were all recovered exactly (an AddN's, copied from what it received)
@@ -184,7 +186,7 @@ def dot_parts(
         if n.id == mark.origin:
             attrs.update(STYLE["origin"])
             lines = lines + [origin_mark(found)]
-        attrs["tooltip"] = node_tooltip(n)
+        attrs["tooltip"] = node_tooltip(n, ins.get(n.id, ()), recorded)
         attrs.update(node_style.get(n.key, {}))
         if "label" in attrs:  # a label from node_style is the whole label, as for edges
             lines = attrs.pop("label").split("\n")
@@ -219,6 +221,7 @@ def dot_parts(
             attrs.update({"style": "dashed", "fontcolor": "#777777"})
         elif e.grad.nonfinite:
             attrs.update({"color": "#d00000", "fontcolor": "#d00000", "penwidth": "2"})
+        attrs["tooltip"] = edge_tooltip(graph.nodes[e.src], graph.nodes[e.dst], e, recorded)
         attrs.update(edge_style.get((keys[e.src], keys[e.dst]), {}))
         label = attrs.pop("label", None)
         rest = dot_attrs(attrs)

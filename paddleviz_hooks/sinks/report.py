@@ -44,7 +44,7 @@ from ..findings import record_of
 from ..graph import BackwardGraph, parse_json
 from ..render import render_diff, render_ranks, render_svg
 from ..render.output import DRAW_MAX_NODES
-from ..text import (FIRST_GRADIENT, backward_role, call_name, capture_title, describe_first_gradient,
+from ..text import (FIRST_GRADIENT, backward_role, call_name, capture_title, chart_point_text, describe_first_gradient,
                     describe_node, describe_origin, diff_summary, fmt_bytes, fmt_num, graph_summary, origin_badge,
                     plural, rank_comparison_lines)
 from .report_ranks import MergedRun, merged_chart, merged_overview, merged_panel, merged_run
@@ -355,7 +355,11 @@ def _chart_depth(graphs: list[BackwardGraph]) -> int:
     return best
 
 
-_CHART_BOX = (360, 170, 44, 8, 10, 22)  # width, height, left, right, top, bottom margins
+_CHART_BOX = (360, 196, 44, 8, 10, 36)  # width, height, left, right, top, bottom margins
+#: The y axis of the gradient-norm chart, in words.
+CHART_Y_TITLE = "gradient L2 norm, log scale"
+CHART_X_TITLE = "training step"
+_CHART_X_LABELS = 7  # step numbers written under the x axis, at most
 
 
 def _chart_x(i: int, n: int) -> float:
@@ -363,8 +367,41 @@ def _chart_x(i: int, n: int) -> float:
     return round(L + (W - L - R) * (i / (n - 1) if n > 1 else 0.5), 1)
 
 
+def _log_ticks(lo: float, hi: float) -> list[float]:
+    """Where a log axis from ``lo`` to ``hi`` gets a labelled tick: at each power of ten, and
+    at 2 and 5 times (then more multiples) when fewer than two powers of ten fall inside.
+
+    Examples:
+        >>> _log_ticks(0.003, 40)
+        [0.01, 0.1, 1.0, 10.0]
+        >>> _log_ticks(0.7, 3.5)
+        [1.0, 2.0]
+        >>> _log_ticks(1.1, 1.9)
+        [1.2, 1.4, 1.6, 1.8]
+    """
+    first, last = math.floor(math.log10(lo)), math.ceil(math.log10(hi))
+    decades = [float(10.0 ** p) for p in range(first, last + 1) if lo <= 10.0 ** p <= hi]
+    if len(decades) >= 2:
+        return decades
+    ticks: list[float] = decades
+    for mults in ((1, 2, 5), (1, 2, 3, 5, 7), range(1, 10), [m / 10 for m in range(10, 100, 2)]):
+        ticks = sorted({float(f"{m * 10.0 ** p:.6g}") for p in range(first - 1, last + 1) for m in mults
+                        if lo <= m * 10.0 ** p <= hi})
+        if len(ticks) >= 2:
+            return ticks
+    return ticks
+
+
+def _tick_text(v: float) -> str:
+    """``0.01``, ``500``, ``1e-05``: short, exact for the round values ticks sit at."""
+    return f"{v:g}"
+
+
 def _chart(run: _Run, ri: int) -> str:
-    """Inline SVG: per-layer gradient norm over the run's steps (log scale)."""
+    """Inline SVG: per-layer gradient norm over the run's captures (log scale). Each capture is
+    one x position; the x axis names the training steps (a step with several backwards,
+    micro-batches, has several positions). Every point is marked and says, on hover, its layer,
+    step (and which backward of the step) and value."""
     graphs = [s.graph for s in run.steps]
     depth = _chart_depth(graphs)
     series: dict[str, list[float | None]] = {}
@@ -386,7 +423,8 @@ def _chart(run: _Run, ri: int) -> str:
     if hi / lo < 10:
         mid = math.sqrt(hi * lo)
         lo, hi = mid / math.sqrt(10), mid * math.sqrt(10)
-    llo, lhi = math.log10(lo), math.log10(hi)
+    pad = (math.log10(hi) - math.log10(lo)) * 0.04  # no point drawn on the frame
+    llo, lhi = math.log10(lo) - pad, math.log10(hi) + pad
     W, H, L, R, T, B = _CHART_BOX
     n = len(graphs)
 
@@ -397,15 +435,32 @@ def _chart(run: _Run, ri: int) -> str:
         return T + (H - T - B) * (1 - (math.log10(v) - llo) / (lhi - llo))
 
     parts = [
-        f'<svg class="chart" viewBox="0 0 {W} {H}" role="img" aria-label="per-layer gradient norm over steps">',
+        f'<svg class="chart" viewBox="0 0 {W} {H}" role="img" aria-label="per-layer {CHART_Y_TITLE}, over training steps">',
         f'<rect x="{L}" y="{T}" width="{W - L - R}" height="{H - T - B}" fill="#fafafa" stroke="#ddd"/>',
     ]
-    for p in range(math.ceil(llo), math.floor(lhi) + 1):
-        yy = y(10.0 ** p)
+    for v in _log_ticks(10.0 ** llo, 10.0 ** lhi):
+        yy = y(v)
         parts.append(f'<line x1="{L}" x2="{W - R}" y1="{yy:.1f}" y2="{yy:.1f}" stroke="#e4e4e4"/>')
-        parts.append(f'<text x="{L - 4}" y="{yy + 3:.1f}" text-anchor="end" class="tick">1e{p}</text>')
-    parts.append(f'<text x="{L}" y="{H - 6}" class="tick">step {_e(run.steps[0].number)}</text>')
-    parts.append(f'<text x="{W - R}" y="{H - 6}" text-anchor="end" class="tick">step {_e(run.steps[-1].number)}</text>')
+        parts.append(f'<text x="{L - 4}" y="{yy + 3:.1f}" text-anchor="end" class="tick y">{_tick_text(v)}</text>')
+    mid_y = T + (H - T - B) / 2
+    parts.append(f'<text transform="rotate(-90)" x="{-mid_y:.1f}" y="9" text-anchor="middle" class="axis">'
+                 f'{_e(CHART_Y_TITLE)}</text>')
+    # the x axis: true training steps, each under the middle of its captures
+    where: dict[int, list[float]] = {}
+    for i, st in enumerate(run.steps):
+        where.setdefault(st.number, []).append(x(i))
+    numbers = list(where)
+    if len(numbers) > _CHART_X_LABELS:
+        picks = sorted({round(k * (len(numbers) - 1) / (_CHART_X_LABELS - 1)) for k in range(_CHART_X_LABELS)})
+        numbers = [numbers[k] for k in picks]
+    for k, number in enumerate(numbers):
+        xs = where[number]
+        xx = (min(xs) + max(xs)) / 2
+        anchor = "start" if xx <= L + 4 and len(numbers) > 1 else "end" if xx >= W - R - 4 and len(numbers) > 1 else "middle"
+        parts.append(f'<line x1="{xx:.1f}" x2="{xx:.1f}" y1="{H - B}" y2="{H - B + 3}" stroke="#999"/>')
+        parts.append(f'<text x="{xx:.1f}" y="{H - B + 12}" text-anchor="{anchor}" class="tick x">{_e(number)}</text>')
+    parts.append(f'<text x="{L + (W - L - R) / 2:.1f}" y="{H - 4}" text-anchor="middle" class="axis">'
+                 f'{_e(CHART_X_TITLE)}</text>')
     legend = []
     for k, name in enumerate(names):
         color = _PALETTE[k % len(_PALETTE)]
@@ -415,18 +470,19 @@ def _chart(run: _Run, ri: int) -> str:
             if v is None or v <= 0:
                 pen_up = True
                 continue
+            tip = f"<title>{_e(chart_point_text(name, run.steps[i].number, run.steps[i].role, v))}</title>"
             if not math.isfinite(v):
-                marks.append(f'<text x="{x(i):.1f}" y="{T + 9}" text-anchor="middle" class="bad">&#215;</text>')
+                marks.append(f'<text x="{x(i):.1f}" y="{T + 9}" text-anchor="middle" class="bad">&#215;{tip}</text>')
                 pen_up = True
                 continue
             d.append(f"{'M' if pen_up else 'L'}{x(i):.1f},{y(v):.1f}")
+            # a point: its marker, with a wider invisible ring that takes the hover
+            marks.append(f'<circle class="point" cx="{x(i):.1f}" cy="{y(v):.1f}" r="2.4" fill="{color}" '
+                         f'stroke="transparent" stroke-width="6">{tip}</circle>')
             pen_up = False
-        title = f"<title>{_e(name)}</title>"
         if d:
-            parts.append(f'<path d="{" ".join(d)}" fill="none" stroke="{color}" stroke-width="1.6">{title}</path>')
-            if len(d) == 1 or n == 1:
-                cx, cy = d[0][1:].split(",")
-                parts.append(f'<circle cx="{cx}" cy="{cy}" r="2.5" fill="{color}">{title}</circle>')
+            parts.append(f'<path d="{" ".join(d)}" fill="none" stroke="{color}" stroke-width="1.6">'
+                         f'<title>{_e(name)}</title></path>')
         parts.extend(marks)
         legend.append(f'<li><span class="swatch" style="background:{color}"></span>{_e(name)}</li>')
     parts.append(f'<line id="marker-{ri}" class="marker" x1="{x(0):.1f}" x2="{x(0):.1f}" y1="{T}" y2="{H - B}"/>')

@@ -167,16 +167,19 @@ vp.addEventListener("wheel", function(e){
 var drag = null, pressed = null;
 vp.addEventListener("pointerdown", function(e){
   if (e.button !== 0) return;
-  pressed = e.target && e.target.closest ? e.target.closest("g.node") : null;
+  pressed = e.target && e.target.closest ? e.target.closest("g.node, g.edge") : null;
   drag = [e.clientX, e.clientY, tx, ty]; vp.setPointerCapture(e.pointerId); vp.classList.add("dragging");
 });
-// a click (no drag) on a node lists what its tooltip says, one fact a line: its layer,
-// the line of code that made it and where that was called from
+// a click (no drag) on a node or an edge lists what its tooltip says, one fact a line: a node's
+// layer, the gradient it received (shape, dtype, norm, min, max, NaN, Inf, or why not observed),
+// the line of code that made it; an edge's ends and the gradient on it
 var nodeInfo = document.getElementById("node-info"), nodeLines = document.getElementById("node-info-lines");
+var nodeHead = document.getElementById("node-info-head");
 function showNode(g){
   var a = g.querySelector("a");
   var t = a ? (a.getAttributeNS("http://www.w3.org/1999/xlink", "title") || a.getAttribute("title")) : null;
   if (!t) return;
+  nodeHead.textContent = g.classList.contains("edge") ? "Clicked edge" : "Clicked node";
   nodeLines.innerHTML = "";
   t.split(" | ").forEach(function(line){
     var li = document.createElement("li");
