@@ -561,3 +561,27 @@ def test_a_step_of_many_micro_batches_is_listed_in_order_and_opens_at_the_first_
     listed = ex.export_explorer(graphs, str(tmp_path / "out2"))
     assert [f"backward_graph: {g}" for g in listed.graph_ids] == files.graph_ids[:k]
     assert listed.start == (listed.graph_ids[10], "0")
+
+
+def test_a_nodes_received_gradient_is_the_one_every_view_gives():
+    """An op receiving over two edges: its 'grad' attributes are the exact sum read when it ran
+    (Node.received), as the report's tooltips give it; they were the two parts combined
+    (root-sum-square), a different number. An edge a gradient hook changed: what arrived."""
+    paddle.seed(0)
+    lin, lin2 = nn.Linear(3, 3), nn.Linear(3, 3)
+    x = paddle.randn([2, 3])
+    with capture_backward(nn.LayerList([lin, lin2])) as cap:
+        h = lin(x)
+        k = lin2(h)
+        k.register_hook(lambda g: g * 3.0)  # k has one consumer: its edge is checked
+        (k.sum() + (h * h).sum()).backward()
+    g = cap.graph
+    me = {int(n["id"]): attrs(n) for n in ex.explorer_graph(g, "step 1")["nodes"]}
+    summed = [n for n in g.nodes if n.received is not None]
+    assert summed
+    for n in summed:
+        assert float(me[n.id]["grad norm"]) == pytest.approx(n.received.norm, rel=1e-12)
+    changed = [e for e in g.edges if e.after_hook is not None]
+    assert len(changed) == 1
+    for e in changed:
+        assert float(me[e.dst]["grad norm"]) == pytest.approx(e.after_hook.norm, rel=1e-12)

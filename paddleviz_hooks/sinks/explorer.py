@@ -121,9 +121,16 @@ def _label(node: Node, path: tuple[tuple[str, int], ...], out_edges: list) -> st
 
 
 def _received(node: Node, in_edges: list) -> GradMeta | None:
-    """The gradient a node received: a parameter's total, else the incoming ones combined."""
+    """The gradient a node received, as the other views give it (``text.received_lines``):
+    a parameter's total, the exact sum read when the op ran (``Node.received``), what a
+    gradient hook made of its one incoming gradient, that gradient, else the incoming ones
+    combined."""
     if node.grad is not None:
         return node.grad
+    if node.received is not None:
+        return node.received
+    if len(in_edges) == 1:
+        return in_edges[0].after_hook if in_edges[0].after_hook is not None else in_edges[0].grad
     return merge_grad_metas([e.grad for e in in_edges if e.grad is not None])
 
 
@@ -171,6 +178,10 @@ def explorer_graph(graph: BackwardGraph, graph_id: str) -> dict[str, Any]:
             observed = [e for e in inn if e.grad is not None]
             if n.kind == "param":
                 attrs.append(_kv("grad", "what this backward added to param.grad"))
+            elif n.received is not None:
+                attrs.append(_kv("grad", "the sum of what arrived"))
+            elif len(inn) == 1 and inn[0].after_hook is not None:
+                attrs.append(_kv("grad", f"received ({AFTER_HOOK})"))
             elif n.grad is None and len(observed) > 1:
                 attrs.append(_kv("grad", f"{len(observed)} received, combined (norm: root-sum-square)"))
             attrs += _grad_attrs(_received(n, inn), "grad ")
