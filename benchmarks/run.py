@@ -276,7 +276,7 @@ def _floor_step(model, loss_fn, *, layers: bool, ops: bool, grads: list | None =
     if layers:
         known = {id(sub): path for path, sub in model.named_sublayers(include_self=True)}
 
-        def call(layer, *inputs, **kwargs):
+        def call(layer, /, *inputs, **kwargs):
             known.get(id(layer))  # the lookup attribution.py makes: a layer of the model's?
             return original(layer, *inputs, **kwargs)
 

@@ -785,3 +785,23 @@ def test_collections_wait_during_a_captured_backward_and_resume_as_they_were():
             gc.enable()
         assert cap.graph.count_ops()["Matmul"] == 2
     assert seen == [False, True, False, False]
+
+
+def test_a_forward_taking_any_keyword_runs_under_capture():
+    """The layer-call wrapper takes the layer positionally only: a forward with a keyword named
+    like its parameters (``layer=``, ``self=``...) runs under capture as it does without (it
+    raised TypeError: multiple values for argument 'layer')."""
+
+    class Block(nn.Layer):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(3, 3)
+
+        def forward(self, x, layer=0, inputs=None, kwargs=None):
+            return self.fc(x) * (layer + 1)
+
+    paddle.seed(0)
+    b = Block()
+    with capture_backward(b) as cap:
+        b(paddle.randn([2, 3]), layer=2, inputs=1, kwargs=2).sum().backward()
+    assert {n.layer for n in cap.graph.nodes if n.op == "Matmul"} == {"fc"}

@@ -358,7 +358,7 @@ class _LayerCallPatch:
         original = paddle.nn.Layer.__dict__["__call__"]
         active = self.active
 
-        def __call__(layer: Any, *inputs: Any, **kwargs: Any) -> Any:
+        def __call__(layer: Any, /, *inputs: Any, **kwargs: Any) -> Any:  # any keyword is the forward's
             key = id(layer)
             seen = [(a, p) for a in active for p in (a.paths.get(key),) if p is not None]
             if not seen:
