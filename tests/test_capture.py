@@ -805,3 +805,28 @@ def test_a_forward_taking_any_keyword_runs_under_capture():
     with capture_backward(b) as cap:
         b(paddle.randn([2, 3]), layer=2, inputs=1, kwargs=2).sum().backward()
     assert {n.layer for n in cap.graph.nodes if n.op == "Matmul"} == {"fc"}
+
+
+def test_two_forwards_then_two_backwards_keep_layers_and_lines_for_both():
+    """l1 = net(a); l2 = net(b); l1.backward(); l2.backward(): the second backward's ops lost
+    their layers and lines (the first backward dropped every layer claim and note, those of
+    the second forward's graph too) and were said to come from a forward run before the
+    capture was armed."""
+    import warnings
+
+    paddle.seed(18)
+    net = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        with capture_backward(net) as cap:
+            l1 = net(paddle.randn([2, 4])).mean()
+            l2 = net(paddle.randn([2, 4])).mean()  # the second forward's line
+            l1.backward()
+            l2.backward()
+    assert not [w for w in got if "paddleviz_hooks" in str(w.message)]
+    first, second = cap.graphs
+    for g, line in ((first, "l1 = net"), (second, "l2 = net")):
+        ops = [n for n in g.nodes if n.kind == "op" and n.op != "Mean"]
+        assert {n.layer for n in ops} == {"0", "1", "2"}, [(n.op, n.layer, n.layer_note) for n in ops]
+        assert all(n.source and n.source[-1].code.startswith(line) for n in ops), [n.source for n in ops]
+    assert {n.call for n in second.nodes if n.kind == "op" and n.layer} == {1}  # the second call of each

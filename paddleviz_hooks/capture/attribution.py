@@ -37,6 +37,10 @@ class LayerAttribution:
         self.layer = layer
         self.types: dict[str, str] = {}
         self.owner: dict[int, tuple[str, int]] = {}
+        # address -> grad node wrapper of a node claimed outside the walk that claimed it (a
+        # graph still waiting for its backward): held, so its address is not reused while
+        # its claim is kept (:meth:`consumed`)
+        self._held: dict[int, Any] = {}
         # (path, call, output grad node wrappers, input node addresses); the
         # wrappers keep those nodes alive so their addresses are not reused.
         self._records: list[tuple[str, int, list[Any], set[int]]] = []
@@ -102,7 +106,30 @@ class LayerAttribution:
 
         return rerun
 
+    def consumed(self, ptrs: list[int | None]) -> None:
+        """A backward consumed the graph of these node addresses, which later graphs may
+        reuse: their claims go. Claims of nodes of another graph still alive (a second
+        forward's, made before the first backward, claimed with it) stay, with the branch of
+        the call tree above them and the nodes held so no address is reused; the rest
+        (records, call numbering) starts afresh for the next forward, as after :meth:`reset`."""
+        owner, held = self.owner, self._held
+        for p in ptrs:
+            if p is not None:
+                owner.pop(p, None)
+                held.pop(p, None)
+        if not owner:
+            self.reset()
+            return
+        tree = self.call_parents({f"{path}#{call}" for path, call in owner.values()})
+        self._records.clear()
+        self._stack.clear()
+        self._calls.clear()
+        self._links.clear()
+        self.parents.clear()
+        self.parents.update(tree)
+
     def reset(self) -> None:
+        self._held.clear()
         self.owner.clear()
         self._records.clear()
         self._stack.clear()
@@ -234,6 +261,8 @@ class LayerAttribution:
                 continue
             if ptr not in owner:  # inner layers ran first and keep their claim
                 owner[ptr] = where
+                if ids is not None:  # a node of another graph, claimed now: kept until consumed
+                    self._held[ptr] = gn
             todo.extend(n for n in gn.next_functions if n is not None)
 
     def _claim_walked(self, walk: Walk) -> None:

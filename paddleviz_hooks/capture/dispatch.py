@@ -137,7 +137,9 @@ class Dispatcher:
             if all(s is None for _, s in sessions):
                 collections.end()  # nothing is captured: collections as usual
             wanting = [s for _, s in sessions if s is not None and s.wants_stacks]
-            source.forget()  # each session has what it needs of the notes (s.made)
+            # each session has what it needs of the notes (s.made): those of the nodes walked go
+            walked = [s for _, s in sessions if s is not None]
+            source.forget([p for s in walked for p in s.ptrs] if walked else None)
             if wanting:
                 dump = StackDump()
                 if not all(s.whole for s in wanting):  # some node no wrapped op call noted

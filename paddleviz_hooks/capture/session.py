@@ -325,7 +325,7 @@ class BackwardCapture:
         with held_interrupts():
             self._active = False
             run_all(self._collections.start, lambda: self.observe_saved(False), lambda: self.observe_sources(False),
-                    self._drop_saved, lambda: DISPATCHER.deactivate(self), self._drop_forward_hook,
+                    sources_.drop_notes, self._drop_saved, lambda: DISPATCHER.deactivate(self), self._drop_forward_hook,
                     self._programs.remove, self._drop_attribution, self._collections.end)
             self._param_names = {}
 
@@ -465,7 +465,14 @@ class BackwardCapture:
             s = _Session(self, w, entry, t0)
             s.roots, s.inputs = list(roots), inputs
             s.trigger = trigger
-            s.wants_stacks = stacks
+            if not stacks and self._sources_on and sources_.has_notes():
+                # a forward noted while the flag was held, whose backward comes after another's
+                # (two forwards, then two backwards): its notes are still there
+                made, whole = sources_.noted(s.walk.nodes, s.ptrs, PROGRAM_OP_NOTE)
+                if made:
+                    s.wants_stacks, s.made, s.whole = True, made, whole
+            else:
+                s.wants_stacks = stacks
             if stacks:  # before the flag goes: the last holder drops the notes
                 # (paddle.grad: Paddle's dump of it names copies of the grad nodes, with no
                 # stack: only the notes give its ops their lines)
@@ -774,8 +781,9 @@ class BackwardCapture:
             s.walk.release()
             if not retain_graph and self._attribution is not None:
                 # that forward's graph is consumed (a nested one: the recomputed forward's);
-                # its node addresses are reused by later graphs
-                self._attribution.reset()
+                # its node addresses are reused by later graphs (another forward's, still
+                # waiting for its backward, keeps its layers)
+                self._attribution.consumed(s.ptrs)
             if s.parent is not None:
                 self._end_nested(s, ok)
                 return

@@ -63,7 +63,7 @@ import sysconfig
 import tempfile
 import threading
 import traceback
-from typing import Any
+from typing import Any, Iterable
 
 import paddle
 
@@ -334,9 +334,27 @@ def noted(nodes: list[Node], ptrs: list[int | None], program_note: str) -> tuple
     return made, whole
 
 
-def forget() -> None:
-    """A backward starts: the notes (and the grad nodes they hold) go."""
-    _RECORDS.clear()
+def drop_notes() -> None:
+    """A capture ended: when no holder is left, every note goes (and the grad nodes it holds)."""
+    with _LOCK:
+        if _ARMED == 0:
+            _RECORDS.clear()
+
+
+def has_notes() -> bool:
+    """Whether notes wait for their backward (a forward noted while the flag was held)."""
+    return bool(_RECORDS)
+
+
+def forget(ptrs: Iterable[int | None] | None = None) -> None:
+    """A backward starts: the notes (and the grad nodes they hold) of the nodes it walked
+    (``ptrs``) go, those of graphs still waiting for their backward stay (two forwards,
+    then two backwards); every note goes when the walked nodes are not known (None)."""
+    if ptrs is None:
+        _RECORDS.clear()
+        return
+    for p in ptrs:
+        _RECORDS.pop(p, None)
 
 
 def with_notes(stacks: dict[int, list[SourceFrame]] | None,
@@ -420,7 +438,9 @@ def _release() -> None:
     _NOTERS = 0
     opcalls.unlisten(sources=True)
     opcalls.set_narrow(False)
-    _RECORDS.clear()
+    # the notes stay: a forward noted before the flag went (two forwards, then two
+    # backwards) keeps them for its backward (forget drops each as its backward starts;
+    # the next first arm drops what is left)
     _FRAME_TEXT.clear()
     _CALLERS.clear()
     if _PREVIOUS is not None:
