@@ -1264,6 +1264,9 @@ def picture_facts(graph: BackwardGraph) -> str:
         'loss 0.5'
         >>> picture_facts(BackwardGraph(meta={"loss": float("nan"), "replayed": True}))
         "loss NaN, replayed from the model output (the loss's ops are not drawn)"
+        >>> w = lambda i, v: Node(i, "param", "GradNodeAccumulation", param=f"w{i}", grad=GradMeta(norm=v))
+        >>> picture_facts(BackwardGraph([w(0, 4.7), w(1, float("inf"))]))
+        'global grad norm Inf, NaN/Inf gradient: w1'
     """
     parts = []
     loss = graph.meta.get("loss")
@@ -1274,10 +1277,13 @@ def picture_facts(graph: BackwardGraph) -> str:
     norm = global_norm_words(graph)
     if norm:
         parts.append(norm)
-    measured = [(name, m.norm) for name, m in graph.params().items()
-                if m is not None and m.norm is not None and math.isfinite(m.norm)]
-    if len(measured) > 1:
-        name, value = max(measured, key=lambda kv: kv[1])
+    params = graph.params()
+    norms = [(name, None if m is None else m.norm) for name, m in params.items()]
+    bad = [name for name, v in norms if v is not None and not math.isfinite(v)]
+    if bad:  # no largest among NaN/Inf: the first non-finite one is named
+        parts.append(f"NaN/Inf gradient: {bad[0]}" + (f" and {len(bad) - 1} more" if len(bad) > 1 else ""))
+    elif len(norms) > 1 and all(v is not None for _, v in norms):  # the largest of all, or none named
+        name, value = max(norms, key=lambda kv: kv[1])
         parts.append(f"largest: {name} {fmt_num(value)}")
     return ", ".join(parts)
 

@@ -442,3 +442,28 @@ def test_no_edge_is_marked_changed_where_paddle_only_copied_the_gradient():
     g = cap.graph
     assert any(g.nodes[e.src].op == "Transpose" and g.nodes[e.dst].op == "Reshape" for e in g.edges)
     assert all(e.after_hook is None for e in g.edges)
+
+
+def test_a_hook_that_scales_the_gradient_in_place_is_marked_too():
+    """A hook may change the gradient where it lies (``g.scale_(3)`` under no_grad): the same
+    tensor arrives, its in-place version moved; the edge says what arrived (it said nothing,
+    and the bias Add after it seemed to triple the gradient)."""
+    paddle.seed(1)
+    lin, out = nn.Linear(4, 4), nn.Linear(4, 1)
+    seen: dict[str, float] = {}
+
+    def scale_in_place(g):
+        seen["sent"] = norm64(g)
+        with paddle.no_grad():
+            g.scale_(3.0)
+        seen["arrived"] = norm64(g)
+
+    with capture_backward(nn.LayerList([lin, out])) as cap:
+        h = out(paddle.tanh(lin(paddle.randn([3, 4]))))
+        h.register_hook(scale_in_place)
+        h.sum().backward()
+    g = cap.graph
+    changed = [e for e in g.edges if e.after_hook is not None]
+    assert len(changed) == 1
+    assert changed[0].grad.norm == pytest.approx(seen["sent"], rel=1e-6)
+    assert changed[0].after_hook.norm == pytest.approx(seen["arrived"], rel=1e-6)

@@ -139,9 +139,10 @@ class _Session:
         self.in_count: dict[int, int] = {}  # incoming edges per node
         # parameter used once -> (address, in-place version, statistics) of what its one producer sent it
         self.sent: dict[int, tuple[int, int, GradMeta]] = {}
-        # op node with one incoming edge, from a hooked op -> the address of what that op sent it:
-        # a different tensor received means a gradient hook changed it on the way (see _make_hook)
-        self.sent_to: dict[int, int] = {}
+        # op node with one incoming edge, from a hooked op -> (address, in-place version) of what
+        # that op sent it: another tensor received, or that one changed, means a gradient hook
+        # may have changed it on the way (see _make_hook; the numbers decide, in _graph)
+        self.sent_to: dict[int, tuple[int, int | None]] = {}
         self.after_hook: dict[int, GradMeta] = {}  # node id -> what it received instead (Edge.after_hook)
         self.wants_stacks = False  # its forward ran with call stacks recorded (source.py)
         # node address -> the frames the wrapped op calls noted (source.noted), and whether
@@ -599,7 +600,7 @@ class BackwardCapture:
                 totals.metas[ptr] = got[2]  # the very tensor its one producer sent, unchanged: same numbers
             else:
                 totals.metas[ptr] = stats.grad_meta(total, with_stats, s.stats)
-                if got is not None and got[0] != grad.data_ptr():  # a gradient hook on it replaced it
+                if got is not None:  # a gradient hook on it replaced it, or changed it in place
                     s.after_hook[nid] = totals.metas[ptr]
             if totals.applied is not None:
                 totals.applied.note(ptr, named[1], total)
@@ -689,14 +690,14 @@ class BackwardCapture:
                         if e.dst in cuts:
                             cuts[e.dst][1] = g  # cut into its inputs' parts when the backward is over
                     for i in send_to:
-                        sent_to[out_edges[i].dst] = produced[i].data_ptr()
+                        sent_to[out_edges[i].dst] = (produced[i].data_ptr(), _version(produced[i]))
                 else:  # holes or extra slots: no gradient is put on an edge it may not belong to
                     for e in out_edges:
                         e.grad = GradMeta(note="unpaired")
-                if check_in:  # not the tensor its one producer sent: a copy (made contiguous) or a hook's
-                    at = sent_to.pop(nid, None)
+                if check_in:  # not the tensor its one producer sent (a copy made contiguous, a hook's),
+                    at = sent_to.pop(nid, None)  # or that tensor changed in place (by a hook)
                     received = stats.flat_tensors(ins) if at is not None else ()
-                    if len(received) == 1 and received[0].data_ptr() != at:
+                    if len(received) == 1 and (received[0].data_ptr(), _version(received[0])) != at:
                         r = received[0]  # read unless this kernel already wrote into it: then it cannot tell
                         if keeps_values or not r.size or all(r.data_ptr() != g.data_ptr() for g in produced):
                             after_hook[nid] = stats.grad_meta(r, with_stats, queue)
