@@ -467,3 +467,48 @@ def test_a_hook_that_scales_the_gradient_in_place_is_marked_too():
     assert len(changed) == 1
     assert changed[0].grad.norm == pytest.approx(seen["sent"], rel=1e-6)
     assert changed[0].after_hook.norm == pytest.approx(seen["arrived"], rel=1e-6)
+
+
+class _Two(nn.Layer):
+    def forward(self, h):
+        return paddle.tanh(h) + paddle.exp(h)
+
+
+class _HookedSum(nn.Layer):
+    """h feeds two ops of box ``two``; a hook on h may change the sum that reaches lin."""
+
+    def __init__(self, hook=None):
+        super().__init__()
+        self.lin, self.two, self.head, self.hook = nn.Linear(4, 4), _Two(), nn.Linear(4, 1), hook
+
+    def forward(self, x):
+        h = self.lin(x)
+        if self.hook is not None:
+            h.register_hook(self.hook)
+        return self.head(self.two(h))
+
+
+@pytest.mark.parametrize("hooked", [False, True])
+def test_a_collapsed_edge_never_gives_a_hook_changed_sum_as_the_sum_sent(hooked):
+    """Box 'two' sends two gradients to lin's Add; drawn collapsed they are one edge, which
+    carries the exact sum Add received. With a hook multiplying that sum by 10, the sum
+    received is not what 'two' sent: the edge said |g| 129 as if sent; now it combines the
+    two parts it knows and says so (without a hook: the exact sum, as before)."""
+    paddle.seed(3)
+    x = paddle.randn([3, 4])
+    seen: dict[str, float] = {}
+
+    def hook(g):
+        seen["sum sent"] = norm64(g)
+        return g * 10.0
+
+    net = _HookedSum(hook if hooked else None)
+    with capture_backward(net) as cap:
+        net(x).sum().backward()
+    c = collapse_graph(cap.graph, depth=1)
+    e = next(e for e in c.edges if c.nodes[e.src].layer == "two" and c.nodes[e.dst].layer == "lin")
+    if hooked:
+        assert e.grad.parts == 2  # the parts combined, said to be (no one tensor's norm)
+        assert e.grad.norm != pytest.approx(10 * seen["sum sent"], rel=1e-3)
+    else:
+        assert e.grad.parts == 1  # the exact sum Add received

@@ -125,6 +125,10 @@ class _Session:
         self.kept: list[Any] = []  # gradients a later hook reads what they became (see _make_hook)
         self.readers: set[int] = set()  # nodes whose hooks read what they received
         self.watched: set[int] = set()  # nodes whose hooks tell whether a gradient hook changed their input
+        self.summed: set[int] = set()  # nodes whose hooks read the sum they received (Node.received)
+        # such a node -> the addresses of the parts sent to it: Paddle adds them into the first
+        # part's buffer, so a sum in none of them was made anew (a gradient hook's): no sum of the parts
+        self.sent_parts: dict[int, list[int]] = {}
         self.hook_seconds = 0.0
         self.prepare_seconds = time.perf_counter() - t0
         self.loss: float | None = None
@@ -560,6 +564,7 @@ class BackwardCapture:
         s.watched = {e.dst for e in w.edges if into[e.dst] == 1 and hooked_op[e.dst] and hooked_op[e.src]}
         read_sum = self._sum_readers(s, into)
         s.readers = needs_in | read_sum
+        s.summed = read_sum
         for nid, node in enumerate(w.nodes):
             if node.name in CUT_KINDS and into.get(nid) == 1 and w.wrappers[nid] is not None:
                 s.cuts[nid] = [len(w.wrappers[nid].next_functions), None]
@@ -671,6 +676,8 @@ class BackwardCapture:
         kept = s.kept
         watched = s.watched
         send_to = [i for i, e in enumerate(out_edges) if e.dst in watched]
+        parts_to = [i for i, e in enumerate(out_edges) if e.dst in s.summed]
+        sent_parts = s.sent_parts
         sent_to = s.sent_to
         check_in = nid in watched
         after_hook = s.after_hook
@@ -691,6 +698,8 @@ class BackwardCapture:
                             cuts[e.dst][1] = g  # cut into its inputs' parts when the backward is over
                     for i in send_to:
                         sent_to[out_edges[i].dst] = (produced[i].data_ptr(), _version(produced[i]))
+                    for i in parts_to:
+                        sent_parts.setdefault(out_edges[i].dst, []).append(produced[i].data_ptr())
                 else:  # holes or extra slots: no gradient is put on an edge it may not belong to
                     for e in out_edges:
                         e.grad = GradMeta(note="unpaired")
@@ -722,8 +731,8 @@ class BackwardCapture:
                             s.in_meta[nid] = m
                             if joins is not None:
                                 joins.reported(nid)
-                        if want_sum and m.note is None:
-                            nodes[nid].received = m
+                        if want_sum and m.note is None and r.data_ptr() in sent_parts.pop(nid, ()):
+                            nodes[nid].received = m  # the sum of the parts sent (none replaced it)
             except Exception as exc:  # a raising hook would abort backward
                 s.errors.append(exc)
             except BaseException as exc:  # Ctrl-C: re-raised when the backward returns
