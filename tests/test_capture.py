@@ -830,3 +830,26 @@ def test_two_forwards_then_two_backwards_keep_layers_and_lines_for_both():
         assert {n.layer for n in ops} == {"0", "1", "2"}, [(n.op, n.layer, n.layer_note) for n in ops]
         assert all(n.source and n.source[-1].code.startswith(line) for n in ops), [n.source for n in ops]
     assert {n.call for n in second.nodes if n.kind == "op" and n.layer} == {1}  # the second call of each
+
+
+def test_a_tools_own_layer_call_wrapper_made_during_a_capture_is_kept():
+    """A profiler wrapping Layer.__call__ while a capture is armed keeps its wrapper when the
+    capture ends (it was silently replaced by Paddle's own)."""
+    original = paddle.nn.Layer.__dict__["__call__"]
+    net = nn.Linear(3, 2)
+    calls = []
+    try:
+        with capture_backward(net):
+            under = paddle.nn.Layer.__dict__["__call__"]
+
+            def tool(self, *args, **kwargs):
+                calls.append(1)
+                return under(self, *args, **kwargs)
+
+            paddle.nn.Layer.__call__ = tool
+            net(paddle.randn([2, 3])).sum().backward()
+        assert paddle.nn.Layer.__dict__["__call__"] is tool
+        net(paddle.randn([2, 3]))
+        assert len(calls) == 2
+    finally:
+        paddle.nn.Layer.__call__ = original

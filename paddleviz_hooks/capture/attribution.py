@@ -377,6 +377,7 @@ class _LayerCallPatch:
     def __init__(self) -> None:
         self.active: list[LayerAttribution] = []
         self._original: Any = None
+        self._wrapper: Any = None
 
     def add(self, attribution: LayerAttribution) -> None:
         if attribution in self.active:
@@ -406,14 +407,18 @@ class _LayerCallPatch:
 
         __call__.__wrapped__ = original
         self._original = original
+        self._wrapper = __call__
         paddle.nn.Layer.__call__ = __call__
 
     def discard(self, attribution: LayerAttribution) -> None:
         if attribution in self.active:
             self.active.remove(attribution)
         if not self.active and self._original is not None:
-            paddle.nn.Layer.__call__ = self._original
-            self._original = None  # after: a second call finishes an interrupted one
+            # put back only our own: a tool that wrapped Layer.__call__ over ours since keeps
+            # its wrapper (ours, under it, passes every call on while no attribution is active)
+            if paddle.nn.Layer.__dict__.get("__call__") is self._wrapper:
+                paddle.nn.Layer.__call__ = self._original
+            self._original = self._wrapper = None  # after: a second call finishes an interrupted one
 
     def installed(self) -> bool:
         """Whether ``Layer.__call__`` is wrapped now."""
