@@ -470,19 +470,16 @@ class BackwardCapture:
             s = _Session(self, w, entry, t0)
             s.roots, s.inputs = list(roots), inputs
             s.trigger = trigger
-            if not stacks and self._sources_on and sources_.has_notes():
-                # a forward noted while the flag was held, whose backward comes after another's
-                # (two forwards, then two backwards): its notes are still there
-                made, whole = sources_.noted(s.walk.nodes, s.ptrs, PROGRAM_OP_NOTE)
-                if made:
-                    s.wants_stacks, s.made, s.whole = True, made, whole
-            else:
-                s.wants_stacks = stacks
-            if stacks:  # before the flag goes: the last holder drops the notes
-                # (paddle.grad: Paddle's dump of it names copies of the grad nodes, with no
-                # stack: only the notes give its ops their lines)
+            s.wants_stacks = stacks
+            # the notes of its ops (paddle.grad: Paddle's dump of it names copies of the grad
+            # nodes, with no stack: only the notes give its ops their lines); without the flag
+            # held now, those of a forward noted while it was, whose backward comes after
+            # another's (two forwards, then two backwards)
+            if stacks or (self._sources_on and sources_.has_notes()):
                 s.made, s.whole = sources_.noted(s.walk.nodes, s.ptrs, PROGRAM_OP_NOTE)
-                if not (s.whole or sources_._FORCE_DUMP):
+                if not stacks:
+                    s.wants_stacks = bool(s.made)
+                elif not (s.whole or sources_._FORCE_DUMP):
                     self._missed_notes()
             keep_stacks = stacks and any(n.name.startswith("GradNodePyLayer_") for n in s.walk.nodes)
             self._snapshot_calls(s)
