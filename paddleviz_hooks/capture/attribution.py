@@ -41,6 +41,7 @@ class LayerAttribution:
         # graph still waiting for its backward): held, so its address is not reused while
         # its claim is kept (:meth:`consumed`)
         self._held: dict[int, Any] = {}
+        self._carried: set[int] = set()  # claims kept over one backward (consumed)
         # (path, call, output grad node wrappers, input node addresses); the
         # wrappers keep those nodes alive so their addresses are not reused.
         self._records: list[tuple[str, int, list[Any], set[int]]] = []
@@ -109,17 +110,20 @@ class LayerAttribution:
     def consumed(self, ptrs: list[int | None]) -> None:
         """A backward consumed the graph of these node addresses, which later graphs may
         reuse: their claims go. Claims of nodes of another graph still alive (a second
-        forward's, made before the first backward, claimed with it) stay, with the branch of
-        the call tree above them and the nodes held so no address is reused; the rest
-        (records, call numbering) starts afresh for the next forward, as after :meth:`reset`."""
+        forward's, made before the first backward, claimed with it) stay for the next
+        backward, with the branch of the call tree above them and the nodes held so no
+        address is reused (then they go: a graph no backward takes, an output the loss did
+        not use, is not held for good); the rest (records, call numbering) starts afresh
+        for the next forward, as after :meth:`reset`."""
         owner, held = self.owner, self._held
-        for p in ptrs:
+        for p in list(ptrs) + list(self._carried):
             if p is not None:
                 owner.pop(p, None)
                 held.pop(p, None)
         if not owner:
             self.reset()
             return
+        self._carried = set(owner)
         tree = self.call_parents({f"{path}#{call}" for path, call in owner.values()})
         self._records.clear()
         self._stack.clear()
@@ -130,6 +134,7 @@ class LayerAttribution:
 
     def reset(self) -> None:
         self._held.clear()
+        self._carried = set()
         self.owner.clear()
         self._records.clear()
         self._stack.clear()
