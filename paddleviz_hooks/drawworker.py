@@ -270,14 +270,16 @@ def serve(lines: TextIO, answers: TextIO) -> None:
 
 def main() -> None:
     """Entry point of ``python -m paddleviz_hooks.drawworker``."""
-    lower_priority()
-    _die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the training process's to handle
-    signal.signal(signal.SIGTERM, _stop)
-    # the answers get the real stdout; a stray print of any library goes to stderr instead
-    answers = os.fdopen(os.dup(sys.stdout.fileno()), "w", encoding="utf-8")
-    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    # everything inside the try: a training process gone while this one starts (before
+    # _die_with_parent, or between it and the SIGTERM handler) still has its TMPDIR removed
     try:
+        signal.signal(signal.SIGTERM, _stop)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the training process's to handle
+        lower_priority()
+        _die_with_parent()
+        # the answers get the real stdout; a stray print of any library goes to stderr instead
+        answers = os.fdopen(os.dup(sys.stdout.fileno()), "w", encoding="utf-8")
+        os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
         serve(sys.stdin, answers)
     except (BrokenPipeError, KeyboardInterrupt):  # the training process is gone
         pass
