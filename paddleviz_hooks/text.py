@@ -108,6 +108,7 @@ __all__ = [
     "node_lines",
     "node_tooltip",
     "received_lines",
+    "received_gradient",
     "node_where",
     "every_op_elsewhere",
     "notebook_full_detail",
@@ -990,11 +991,41 @@ def grad_detail(meta: GradMeta | None, head: str = "gradient", why: str | None =
     return lines
 
 
+_SUM_UNSEEN = f"their sum {NOT_OBSERVED})"  # the end of the head of several gradients whose sum was not read
+
+
+def received_gradient(node: Node, incoming: Iterable[Edge] = ()) -> tuple[str, GradMeta | None, str | None]:
+    """The gradient a node received, the one rule every view follows: ``(what to call it,
+    the gradient, why it was not observed)``. A parameter's is what this backward added to
+    ``param.grad``; an op's, the sum of what arrived when it was read (``Node.received``),
+    else what a gradient hook made of its one incoming gradient, else that gradient, else
+    its observed incoming gradients combined (said to be: their sum was not observed). The
+    root receives none: ``("", None, None)``.
+
+    Examples:
+        >>> received_gradient(Node(2, "op", "ExpGradNode", "Exp"), [Edge(1, 2, note="Einsum takes no hook")])
+        ('gradient received', None, 'Einsum takes no hook')
+    """
+    if node.kind == "root":
+        return "", None, None
+    if node.kind == "param":
+        return "gradient added to param.grad", node.grad, None
+    if node.received is not None:
+        return "gradient received (the sum of what arrived)", node.received, None
+    edges = list(incoming)
+    if not edges:
+        return "", None, None
+    if len(edges) == 1 and edges[0].after_hook is not None:  # a gradient hook changed what was sent
+        return f"gradient received ({AFTER_HOOK})", edges[0].after_hook, None
+    if len(edges) == 1:
+        return "gradient received", edges[0].grad, edges[0].note
+    seen = [e.grad for e in edges if e.grad is not None and e.grad.note is None and e.grad.norm is not None]
+    return f"{len(edges)} gradients received ({len(seen)} observed; {_SUM_UNSEEN}", merge_grad_metas(seen), None
+
+
 def received_lines(node: Node, incoming: Iterable[Edge] = (), stats: bool = True) -> list[str]:
-    """The gradient a node received, in full (:func:`grad_detail`): a parameter's is what this
-    backward added to ``param.grad``; an op's, the sum of what arrived when it was read
-    (``Node.received``), else what its one incoming edge carried, else its incoming gradients
-    combined and said to be; the root receives none (nothing).
+    """The gradient a node received (:func:`received_gradient`), in full (:func:`grad_detail`);
+    the observed parts of an unobserved sum under their own head.
 
     Examples:
         >>> received_lines(Node(3, "param", "GradNodeAccumulation", param="fc.bias",
@@ -1004,26 +1035,14 @@ def received_lines(node: Node, incoming: Iterable[Edge] = (), stats: bool = True
         ...                min=0.0, max=3.0)), Edge(1, 2, grad=GradMeta((2,), "float32", norm=4.0, min=-4.0, max=0.0))])
         ['2 gradients received (2 observed; their sum not observed)', 'the observed ones: 2 gradients combined', "root-sum-square of their norms 5.0 (no one tensor's norm)", 'min -4.0, max 3.0 (over all 2)', 'NaN 0, Inf 0']
     """
-    if node.kind == "root":
+    head, meta, why = received_gradient(node, incoming)
+    if not head:
         return []
-    if node.kind == "param":
-        return grad_detail(node.grad, "gradient added to param.grad", stats=stats)
-    if node.received is not None:
-        return grad_detail(node.received, "gradient received (the sum of what arrived)", stats=stats)
-    edges = list(incoming)
-    if not edges:
-        return []
-    if len(edges) == 1 and edges[0].after_hook is not None:  # a gradient hook changed what was sent
-        return grad_detail(edges[0].after_hook, f"gradient received ({AFTER_HOOK})", stats=stats)
-    if len(edges) == 1:
-        return grad_detail(edges[0].grad, "gradient received", edges[0].note, stats)
-    seen = [e.grad for e in edges if e.grad is not None and e.grad.note is None and e.grad.norm is not None]
-    head = f"{len(edges)} gradients received ({len(seen)} observed; their sum {NOT_OBSERVED})"
-    if not seen:
+    if not head.endswith(_SUM_UNSEEN):
+        return grad_detail(meta, head, why, stats)
+    if meta is None:
         return [head]
-    if len(seen) == 1:
-        return [head] + grad_detail(seen[0], "the observed one:", stats=stats)
-    return [head] + grad_detail(merge_grad_metas(seen), "the observed ones", stats=stats)
+    return [head] + grad_detail(meta, "the observed ones" if meta.parts > 1 else "the observed one:", stats=stats)
 
 
 def chart_point_text(layer: str, step: Any, role: str, norm: float) -> str:

@@ -36,11 +36,11 @@ from ..argcheck import check_path
 from ..collapse import call_paths
 from ..diff import GraphDiff, diff_graphs, node_norms
 from ..escape import safe_filename, visible, visible_data
-from ..graph import BackwardGraph, GradMeta, Node, merge_grad_metas
+from ..graph import BackwardGraph, GradMeta, Node
 from ..findings import marks, record_of
 from ..text import (AFTER_HOOK, FIRST_GRADIENT, node_layer, NOT_OBSERVED, UNOBSERVED_WHY, backward_role, combined_norm, box_name, call_of, capture_title, describe_node, extreme_text,
                     describe_origin, fmt_shape, graph_summary, layer_name, origin_mark, origin_node_lines,
-                    source_attrs)
+                    received_gradient, source_attrs)
 
 __all__ = ["ExplorerExport", "explorer_graph", "explorer_overlays", "export_explorer", "GRAPHS_FILE"]
 
@@ -120,20 +120,6 @@ def _label(node: Node, path: tuple[tuple[str, int], ...], out_edges: list) -> st
     return node.op or node.name
 
 
-def _received(node: Node, in_edges: list) -> GradMeta | None:
-    """The gradient a node received, as the other views give it (``text.received_lines``):
-    a parameter's total, the exact sum read when the op ran (``Node.received``), what a
-    gradient hook made of its one incoming gradient, that gradient, else the incoming ones
-    combined."""
-    if node.grad is not None:
-        return node.grad
-    if node.received is not None:
-        return node.received
-    if len(in_edges) == 1:
-        return in_edges[0].after_hook if in_edges[0].after_hook is not None else in_edges[0].grad
-    return merge_grad_metas([e.grad for e in in_edges if e.grad is not None])
-
-
 def explorer_graph(graph: BackwardGraph, graph_id: str) -> dict[str, Any]:
     """One capture as a Model Explorer graph (``model_explorer.graph_builder.Graph`` as a dict).
 
@@ -174,17 +160,10 @@ def explorer_graph(graph: BackwardGraph, graph_id: str) -> dict[str, Any]:
             attrs.append(_kv("parameter", n.param))
         if n.shape is not None:
             attrs += [_kv("shape", fmt_shape(n.shape)), _kv("dtype", n.dtype or "?")]
-        if n.kind != "root":
-            observed = [e for e in inn if e.grad is not None]
-            if n.kind == "param":
-                attrs.append(_kv("grad", "what this backward added to param.grad"))
-            elif n.received is not None:
-                attrs.append(_kv("grad", "the sum of what arrived"))
-            elif len(inn) == 1 and inn[0].after_hook is not None:
-                attrs.append(_kv("grad", f"received ({AFTER_HOOK})"))
-            elif n.grad is None and len(observed) > 1:
-                attrs.append(_kv("grad", f"{len(observed)} received, combined (norm: root-sum-square)"))
-            attrs += _grad_attrs(_received(n, inn), "grad ")
+        head, received, _ = received_gradient(n, inn)  # as every view gives it
+        if head:
+            attrs.append(_kv("grad", head))
+            attrs += _grad_attrs(received, "grad ")
         if n.id == mark.origin:
             attrs.append(_kv("NaN/Inf origin", describe_origin(rec.origin)))
         if n.id == mark.first_gradient:
