@@ -682,7 +682,7 @@ def extreme_text(meta: GradMeta, value: float | None) -> str:
         'none (no elements)'
     """
     if value is not None:
-        return fmt_num(value) if not math.isfinite(value) else repr(float(value))
+        return exact_num(value)
     if meta.dtype in ("complex64", "complex128"):
         return "none (complex values have no order)"
     if meta.shape is not None and 0 in meta.shape:
@@ -983,10 +983,10 @@ def grad_detail(meta: GradMeta | None, head: str = "gradient", why: str | None =
         return lines + [f"values {NOT_OBSERVED}" + (f" ({why})" if why else "")]
     if meta.parts > 1:
         lines.append(f"root-sum-square of their norms {exact_num(meta.norm)} (no one tensor's norm)")
-        lines.append(f"min {exact_num(meta.min)}, max {exact_num(meta.max)} (over all {meta.parts})")
+        lines.append(f"min {extreme_text(meta, meta.min)}, max {extreme_text(meta, meta.max)} (over all {meta.parts})")
     else:
         lines.append(f"norm {exact_num(meta.norm)}")
-        lines.append(f"min {exact_num(meta.min)}, max {exact_num(meta.max)}")
+        lines.append(f"min {extreme_text(meta, meta.min)}, max {extreme_text(meta, meta.max)}")
     lines.append(f"NaN {meta.nan}, Inf {meta.inf}")
     return lines
 

@@ -45,7 +45,7 @@ from ..collapse import call_paths
 from ..escape import vdl_graph_name, visible_data
 from ..graph import BackwardGraph, GradMeta, Node
 from ..findings import marks, record_of
-from ..text import (FIRST_GRADIENT, NAN_INSIDE, node_layer, NOT_OBSERVED, describe_origin, edge_lines, extreme_text, fmt_num, layer_name, origin_short,
+from ..text import (FIRST_GRADIENT, NAN_INSIDE, node_layer, NOT_OBSERVED, describe_origin, edge_lines, exact_num, extreme_text, layer_name, origin_short,
                     source_attrs)
 
 __all__ = ["vdl_graph", "write_vdl_graph", "VDL_GRAPH_VERSION"]
@@ -57,11 +57,6 @@ def _op_type(op: str) -> str:
     """The type an op node shows: its name as every other view writes it (``Matmul``,
     ``CrossEntropyWithSoftmax``); the tab shows a type after its last dot, so none is kept."""
     return op.replace(".", "_")
-
-
-def _exact(v: float | None) -> str:
-    """A float in full (the shortest text that reads back as the same number)."""
-    return fmt_num(v) if v is None or not math.isfinite(v) else repr(float(v))
 
 
 class _Tree:
@@ -128,7 +123,7 @@ def _grad_attrs(node: dict[str, Any], metas: list[GradMeta | None]) -> None:
     _set(node, "shape", each(lambda m: "?" if m.shape is None else "[" + ", ".join(map(str, m.shape)) + "]"))
     _set(node, "dtype", each(lambda m: m.dtype or "?"))
     if any(m is not None and m.norm is not None for m in metas):
-        _set(node, "norm", each(lambda m: _exact(m.norm)))
+        _set(node, "norm", each(lambda m: exact_num(m.norm)))
         _set(node, "min", each(lambda m: extreme_text(m, m.min)))
         _set(node, "max", each(lambda m: extreme_text(m, m.max)))
         _set(node, "NaN", each(lambda m: str(m.nan)))
@@ -267,7 +262,7 @@ def vdl_graph(graph: BackwardGraph) -> dict[str, Any]:
         for k, v in source_attrs(n).items():
             _set(node, k, v)
     for box, values in norms.items():
-        _set(tree.nodes[box], "param |g|", _exact(math.sqrt(sum(v * v for v in values))))
+        _set(tree.nodes[box], "param |g|", exact_num(math.sqrt(sum(v * v for v in values))))
 
     rec, mark = record_of(graph), marks(graph)
     if mark.first_gradient is not None:
