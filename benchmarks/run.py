@@ -317,12 +317,12 @@ def _exact_stats_seconds(grads: list) -> float:
     """CPU time of the exact statistics of ``grads`` (numpy arrays) alone, as ``stats.py``
     takes them (float64 sums of squares, minimum, maximum), each array read right after a
     copy has put it in the cache, as a gradient is when its kernel has just written it."""
-    from paddleviz_hooks.capture.stats import _VIEW_MIN, _sum_squares
+    from paddleviz_hooks.capture.stats import _VIEW_MIN, _sum_squares, segment_reductions
 
     total, small = 0.0, []
     for a in grads:
         if a.size < _VIEW_MIN:
-            small.append(a.reshape(-1))
+            small.append(a)
             continue
         a = a.copy()
         t0 = time.process_time()
@@ -330,11 +330,7 @@ def _exact_stats_seconds(grads: list) -> float:
         total += time.process_time() - t0
     if small:
         t0 = time.process_time()
-        sizes = [a.size for a in small]
-        starts = np.zeros(len(sizes), dtype=np.intp)
-        np.cumsum(sizes[:-1], out=starts[1:])
-        flat = np.concatenate(small).astype(np.float64, copy=False)
-        np.add.reduceat(flat * flat, starts), np.minimum.reduceat(flat, starts), np.maximum.reduceat(flat, starts)
+        segment_reductions(small)
         total += time.process_time() - t0
     return total
 

@@ -123,6 +123,19 @@ def _host_stats(meta: GradMeta, f: Any) -> None:
     _fill_norm(meta, a, sq)
 
 
+def segment_reductions(arrays: list[np.ndarray]) -> tuple[list[float], list[float], list[float]]:
+    """Sums of squares, minima and maxima of many small float arrays, each its own segment of
+    one float64 array (a float32 element's square is exact there and cannot overflow):
+    a few numpy calls for them all."""
+    sizes = [a.size for a in arrays]
+    starts = np.zeros(len(sizes), dtype=np.intp)
+    np.cumsum(sizes[:-1], out=starts[1:])
+    flat = np.concatenate(arrays, axis=None).astype(np.float64, copy=False)
+    with np.errstate(all="ignore"):  # NaN and Inf pass through quietly
+        sqs = np.add.reduceat(flat * flat, starts).tolist()
+    return sqs, np.minimum.reduceat(flat, starts).tolist(), np.maximum.reduceat(flat, starts).tolist()
+
+
 def _small_stats(items: list[tuple[GradMeta, np.ndarray]]) -> None:
     """Fill the metadata of many small gradients (host copies) with a few numpy calls.
 
@@ -133,14 +146,7 @@ def _small_stats(items: list[tuple[GradMeta, np.ndarray]]) -> None:
     about 11,000 gradients, most of them small).
     """
     parts = [float_parts(a) for _, a in items]  # a complex gradient: its real and imaginary parts
-    sizes = [p.size for p in parts]
-    starts = np.zeros(len(sizes), dtype=np.intp)
-    np.cumsum(sizes[:-1], out=starts[1:])
-    flat = np.concatenate(parts, axis=None).astype(np.float64, copy=False)
-    with np.errstate(all="ignore"):  # NaN and Inf pass through quietly
-        sqs = np.add.reduceat(flat * flat, starts).tolist()
-    mins = np.minimum.reduceat(flat, starts).tolist()
-    maxs = np.maximum.reduceat(flat, starts).tolist()
+    sqs, mins, maxs = segment_reductions(parts)
     for (meta, a), p, sq, lo, hi in zip(items, parts, sqs, mins, maxs):
         if p is a:  # complex values have no order: no min, no max
             meta.min, meta.max = lo, hi
