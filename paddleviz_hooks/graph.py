@@ -400,7 +400,7 @@ class Edge:
         g, h = d.get("grad"), d.get("after_hook")
         return cls(d["src"], d["dst"], d.get("slot", 0), GradMeta.from_dict(g) if g else None,
                    d.get("note") if isinstance(d.get("note"), str) else None,
-                   GradMeta.from_dict(h) if isinstance(h, dict) else None)
+                   GradMeta.from_dict(h) if h else None)
 
 
 #: What made a capture's NaN/Inf (``NonfiniteOrigin.kind``):
@@ -1111,7 +1111,8 @@ def _check_fields(d: dict[str, Any]) -> None:
                 raise _malformed(f"{where}.{k}", "a node id (an int)", e.get(k, "nothing"))
         if "slot" in e and not _is_int(e["slot"]):
             raise _malformed(f"{where}.slot", "an int", e["slot"])
-        _check_grad(f"{where}.grad", e.get("grad"))
+        for k in ("grad", "after_hook"):
+            _check_grad(f"{where}.{k}", e.get(k))
     nf = d.get("nonfinite")
     if nf:
         if not isinstance(nf, dict):

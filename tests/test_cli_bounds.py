@@ -81,6 +81,7 @@ MALFORMED = {
     "shape_str": (lambda d: d["edges"][0]["grad"].__setitem__("shape", "abc"), "edges[0].grad.shape must be a list"),
     "node_shape": (lambda d: d["nodes"][3].__setitem__("shape", [64, "x"]), "nodes[3].shape must be a list of ints"),
     "norm_str": (lambda d: d["edges"][1]["grad"].__setitem__("norm", "big"), "edges[1].grad.norm must be a number"),
+    "after_hook_str": (lambda d: d["edges"][1].__setitem__("after_hook", "x10"), "edges[1].after_hook must be an object"),
     "nodes_dict": (lambda d: d.__setitem__("nodes", {}), "nodes must be a list, got {}"),
     "layers_list": (lambda d: d.__setitem__("layers", [1]), "layers must be an object"),
     "meta_str": (lambda d: d.__setitem__("meta", "x"), "meta must be an object"),
