@@ -159,7 +159,7 @@ def dot_parts(
     # an op without a hook is drawn dashed when a gradient it passes on stays unknown; one
     # whose gradients were all recovered exactly (an AddN's, copied from what it received)
     # is drawn as any other: nothing of it is missing
-    seen_edges = {id(e): e.grad is not None and _observed(graph, e) for e in graph.edges}
+    seen_edges = {id(e): _observed(graph, e) for e in graph.edges}
     sends = {e.src for e in graph.edges}
     missing = {e.src for e in graph.edges if not seen_edges[id(e)]}
 
@@ -213,7 +213,7 @@ def dot_parts(
     keys = {n.id: n.key for n in graph.nodes}
     for e in graph.edges:
         attrs: dict[str, str] = {}
-        seen = seen_edges[id(e)] or e.grad is None
+        seen = seen_edges[id(e)]
         text = edge_lines(e.grad, stats, seen, e.note, e.after_hook)
         if text:
             attrs["label"] = "\n".join(text)
